@@ -1,0 +1,56 @@
+"""mqdedup: effectively-once Kafka and RabbitMQ consumers.
+
+Each message id is claimed in a dedup table inside the same database transaction as
+the handler's business writes and outbox rows; the broker is settled only after commit.
+"""
+
+from mqdedup.consumers import (
+    Consumer,
+    Context,
+    DeadLetter,
+    Delivery,
+    InMemoryBroker,
+    Metrics,
+    RetryPolicy,
+    StopToken,
+    Transport,
+    Worker,
+    run_until_idle,
+)
+from mqdedup.db import create_engine, init_schema
+from mqdedup.dedup import DedupStore, ids
+from mqdedup.errors import (
+    ConfigurationError,
+    MessageError,
+    MissingMessageIdError,
+    MqdedupError,
+    UndecodableMessageError,
+)
+from mqdedup.message import Message
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigurationError",
+    "Consumer",
+    "Context",
+    "DeadLetter",
+    "DedupStore",
+    "Delivery",
+    "InMemoryBroker",
+    "Message",
+    "MessageError",
+    "Metrics",
+    "MissingMessageIdError",
+    "MqdedupError",
+    "RetryPolicy",
+    "StopToken",
+    "Transport",
+    "UndecodableMessageError",
+    "Worker",
+    "__version__",
+    "create_engine",
+    "ids",
+    "init_schema",
+    "run_until_idle",
+]

@@ -1,0 +1,28 @@
+"""Consumers: the base class to subclass, the processing core and the transports."""
+
+from mqdedup.consumers.base import BatchContext, Consumer, Context, RetryPolicy
+from mqdedup.consumers.memory import InMemoryBroker, MemoryTransport
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.processor import BatchReport, Processor
+from mqdedup.consumers.stopping import StopToken, graceful_signals
+from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
+from mqdedup.consumers.worker import Worker, run_until_idle
+
+__all__ = [
+    "BatchContext",
+    "BatchReport",
+    "Consumer",
+    "Context",
+    "DeadLetter",
+    "Delivery",
+    "InMemoryBroker",
+    "MemoryTransport",
+    "Metrics",
+    "Processor",
+    "RetryPolicy",
+    "StopToken",
+    "Transport",
+    "Worker",
+    "graceful_signals",
+    "run_until_idle",
+]

@@ -1,0 +1,193 @@
+"""The base class users subclass, the per-message context and the retry policy."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from sqlalchemy.orm import Session
+
+from mqdedup.dedup.ids import MessageIdStrategy, from_header
+from mqdedup.errors import ConfigurationError
+from mqdedup.message import Message
+from mqdedup.schema import DEFAULT_PREFIX
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.transport import Transport
+    from mqdedup.outbox.writer import OutboxWriter
+
+FailureIsolation = Literal["savepoint", "rerun"]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often a failing handler runs, and how long to wait between attempts.
+
+    ``max_attempts`` counts every run of the handler for one message, across
+    redeliveries; after the last one the message is dead-lettered. Database outages do
+    not count: they are retried without limit using ``infrastructure_backoff_max``.
+    """
+
+    max_attempts: int = 3
+    initial_backoff: float = 0.2
+    max_backoff: float = 30.0
+    multiplier: float = 2.0
+    jitter: float = 0.1
+    infrastructure_backoff_max: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigurationError("RetryPolicy.max_attempts must be at least 1")
+        if self.initial_backoff < 0 or self.max_backoff < 0:
+            raise ConfigurationError("RetryPolicy backoffs must not be negative")
+
+    def backoff(self, failed_attempts: int) -> float:
+        """Seconds to wait after ``failed_attempts`` failures (exponential, capped, jittered)."""
+        base = min(
+            self.max_backoff, self.initial_backoff * self.multiplier ** (failed_attempts - 1)
+        )
+        return base * (1 + random.uniform(-self.jitter, self.jitter))
+
+
+class Context:
+    """What a handler gets besides the message: the transaction's session and outbox."""
+
+    def __init__(self, session: Session, consumer: Consumer, message: Message) -> None:
+        self.session = session
+        self.consumer = consumer
+        self.message = message
+        self.log = logging.LoggerAdapter(
+            logging.getLogger(f"mqdedup.handler.{consumer.consumer_name}"),
+            {"message_id": message.id, "consumer": consumer.consumer_name},
+        )
+
+    @property
+    def consumer_name(self) -> str:
+        """The dedup scope this message is claimed in."""
+        return self.consumer.consumer_name
+
+    @cached_property
+    def outbox(self) -> OutboxWriter:
+        """Add outgoing messages to the outbox, in this transaction."""
+        from mqdedup.outbox.writer import OutboxWriter
+
+        return OutboxWriter(
+            self.session,
+            consumer_name=self.consumer.consumer_name,
+            causation_id=self.message.id,
+            prefix=self.consumer.table_prefix,
+        )
+
+
+class BatchContext(Context):
+    """Context of :meth:`Consumer.handle_batch`; ``message`` is the batch's first one."""
+
+    def __init__(self, session: Session, consumer: Consumer, messages: Sequence[Message]) -> None:
+        super().__init__(session, consumer, messages[0])
+        self.messages = messages
+
+
+class Consumer:
+    """Subclass this and implement :meth:`handle` (or :meth:`handle_batch`).
+
+    Each message's dedup claim, the handler's writes through ``ctx.session`` and its
+    ``ctx.outbox`` rows commit in one transaction; the broker is settled afterwards.
+    Class attributes configure the consumer; broker subclasses add their own.
+    """
+
+    #: The dedup scope. Defaults to the broker's group / queue, else the class name.
+    name: ClassVar[str | None] = None
+    #: Messages per transaction.
+    batch_size: ClassVar[int] = 100
+    #: Seconds to wait for a batch to fill.
+    poll_timeout: ClassVar[float] = 1.0
+    #: How the dedup key is taken from a message (see :mod:`mqdedup.dedup.ids`).
+    message_id_strategy: ClassVar[MessageIdStrategy] = from_header()
+    retry_policy: ClassVar[RetryPolicy] = RetryPolicy()
+    #: ``savepoint``: each handler runs in a savepoint; a failure rolls back only its own
+    #: work. ``rerun``: no savepoints; a failure rolls the batch back and reruns it
+    #: without the failing message (faster when failures are rare; handlers must keep
+    #: their effects in the transaction).
+    failure_isolation: ClassVar[FailureIsolation] = "savepoint"
+    table_prefix: ClassVar[str] = DEFAULT_PREFIX
+    #: Skip the claim entirely (a baseline for benchmarks; never for real consumers).
+    deduplicate: ClassVar[bool] = True
+
+    @property
+    def consumer_name(self) -> str:
+        """The dedup scope of this consumer."""
+        return self.name or self.default_name()
+
+    def default_name(self) -> str:
+        """The name used when ``name`` is not set; broker subclasses use group / queue."""
+        return type(self).__name__
+
+    def message_id(self, message: Message) -> str:
+        """The message id of ``message``; raises MissingMessageIdError when it has none."""
+        return type(self).message_id_strategy(message)
+
+    def handle(self, message: Message, ctx: Context) -> Any:
+        """Apply one new message's effects through ``ctx.session`` / ``ctx.outbox``.
+
+        Return a JSON-serialisable result to store it with the claim (duplicates get it
+        back in :meth:`on_duplicate`). Raise to fail the message: it is retried, then
+        dead-lettered; :class:`~mqdedup.errors.MessageError` dead-letters at once.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement handle()")
+
+    def handle_batch(
+        self, messages: Sequence[Message], ctx: BatchContext
+    ) -> Mapping[str, Any] | None:
+        """Optional bulk handler for all new messages of a batch (e.g. one INSERT).
+
+        Return ``{message_id: result}`` or ``None``. If it raises, the batch falls back
+        to :meth:`handle` per message so the failing message can be found.
+        """
+        raise NotImplementedError
+
+    def on_duplicate(self, message: Message, stored_result: Any) -> None:
+        """Called for each duplicate with the first delivery's stored result (or None)."""
+
+    def after_commit(self, messages: Sequence[Message]) -> None:
+        """Called after the transaction committed and before the broker is settled."""
+
+    def create_transport(self) -> Transport:
+        """The transport this consumer reads from; broker subclasses implement it."""
+        raise ConfigurationError(
+            f"{type(self).__name__} has no broker: subclass KafkaConsumer or "
+            "RabbitMQConsumer, or pass a transport explicitly"
+        )
+
+    # -- introspection used by the processor -------------------------------------------
+
+    @property
+    def has_batch_handler(self) -> bool:
+        """True when the subclass implements :meth:`handle_batch`."""
+        return type(self).handle_batch is not Consumer.handle_batch
+
+    @property
+    def has_single_handler(self) -> bool:
+        """True when the subclass implements :meth:`handle`."""
+        return type(self).handle is not Consumer.handle
+
+    @property
+    def wants_duplicate_results(self) -> bool:
+        """True when :meth:`on_duplicate` is overridden (stored results are read then)."""
+        return type(self).on_duplicate is not Consumer.on_duplicate
+
+    def validate(self) -> None:
+        """Raise ConfigurationError for settings that cannot work."""
+        if self.batch_size < 1:
+            raise ConfigurationError(f"{type(self).__name__}.batch_size must be at least 1")
+        if self.failure_isolation not in ("savepoint", "rerun"):
+            raise ConfigurationError(
+                f"{type(self).__name__}.failure_isolation must be 'savepoint' or 'rerun'"
+            )
+        if not (self.has_single_handler or self.has_batch_handler):
+            raise ConfigurationError(
+                f"{type(self).__name__} implements neither handle() nor handle_batch()"
+            )

@@ -1,0 +1,183 @@
+"""An in-memory broker with at-least-once semantics, for tests and the demo.
+
+It is also the public test harness for users' consumers::
+
+    broker = InMemoryBroker()
+    broker.publish("orders", b'{"id": 1}', message_id="order-1")
+    broker.inject_duplicates("orders", rate=0.3)
+    run_until_idle(MyConsumer(), broker.transport("orders"), engine)
+
+Unsettled deliveries return to the queue (marked redelivered) when the transport is
+closed or ``crash()``-ed, exactly as a broker hands them to the next consumer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from mqdedup.consumers.transport import DeadLetter, Delivery
+from mqdedup.message import HeaderValue, Message
+
+
+@dataclass(frozen=True)
+class DeadLetteredMessage:
+    """A message in the broker's dead-letter list, with the reason it got there."""
+
+    message: Message
+    record: DeadLetter
+
+
+class InMemoryBroker:
+    """Named queues of messages; thread-safe."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._lock = threading.Condition()
+        self._queues: dict[str, deque[Message]] = {}
+        self._offsets: dict[str, itertools.count[int]] = {}
+        self._random = random.Random(seed)
+        self.dead_letters: dict[str, list[DeadLetteredMessage]] = {}
+        self.settled_count: dict[str, int] = {}
+
+    def publish(
+        self,
+        queue: str,
+        body: bytes | str,
+        *,
+        message_id: str | None = None,
+        key: bytes | None = None,
+        headers: Mapping[str, HeaderValue] | None = None,
+        properties: Mapping[str, Any] | None = None,
+    ) -> Message:
+        """Append a message; ``message_id`` becomes the ``message-id`` header and property."""
+        all_headers = dict(headers or {})
+        all_properties = dict(properties or {})
+        if message_id is not None:
+            all_headers.setdefault("message-id", message_id)
+            all_properties.setdefault("message_id", message_id)
+        with self._lock:
+            offset = next(self._offsets.setdefault(queue, itertools.count()))
+            message = Message(
+                body=body.encode() if isinstance(body, str) else body,
+                key=key,
+                headers=all_headers,
+                properties=all_properties,
+                source=queue,
+                partition=0,
+                offset=offset,
+            )
+            self._queues.setdefault(queue, deque()).append(message)
+            self._lock.notify_all()
+        return message
+
+    def inject_duplicates(self, queue: str, rate: float) -> int:
+        """Re-publish about ``rate`` of the queued messages at random later positions.
+
+        A copy is the same message again (same id, body and headers) with a new offset,
+        as a retrying producer would send it. Returns how many copies were added.
+        """
+        with self._lock:
+            items = list(self._queues.get(queue, deque()))
+            counter = self._offsets.setdefault(queue, itertools.count())
+            copies = 0
+            for index, message in enumerate(list(items)):
+                if self._random.random() < rate:
+                    position = self._random.randint(index + 1, len(items))
+                    items.insert(position, replace(message, offset=next(counter)))
+                    copies += 1
+            self._queues[queue] = deque(items)
+        return copies
+
+    def transport(self, queue: str) -> MemoryTransport:
+        """A consumer-side connection to ``queue``."""
+        with self._lock:
+            self._queues.setdefault(queue, deque())
+        return MemoryTransport(self, queue)
+
+    def pending(self, queue: str) -> int:
+        """Messages waiting in ``queue`` (not handed out)."""
+        with self._lock:
+            return len(self._queues.get(queue, ()))
+
+    # -- used by MemoryTransport ---------------------------------------------------------
+
+    def _take(self, queue: str, max_messages: int, timeout: float) -> list[Message]:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            waiting = self._queues[queue]
+            while not waiting:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self._lock.wait(remaining)
+            return [waiting.popleft() for _ in range(min(max_messages, len(waiting)))]
+
+    def _return(self, queue: str, messages: Sequence[Message]) -> None:
+        with self._lock:
+            waiting = self._queues[queue]
+            for message in reversed(messages):
+                waiting.appendleft(replace(message, redelivered=True, attempt=message.attempt + 1))
+            self._lock.notify_all()
+
+    def _settled(self, queue: str, count: int) -> None:
+        with self._lock:
+            self.settled_count[queue] = self.settled_count.get(queue, 0) + count
+
+    def _dead_letter(self, queue: str, message: Message, record: DeadLetter) -> None:
+        with self._lock:
+            self.dead_letters.setdefault(queue, []).append(DeadLetteredMessage(message, record))
+
+
+class MemoryTransport:
+    """A :class:`~mqdedup.consumers.transport.Transport` over one in-memory queue."""
+
+    def __init__(self, broker: InMemoryBroker, queue: str) -> None:
+        self.broker = broker
+        self.queue = queue
+        self._tags = itertools.count(1)
+        self._in_flight: dict[int, Message] = {}
+        self.closed = False
+
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
+        """Hand out up to ``max_messages``; they stay in flight until settled."""
+        deliveries = []
+        for message in self.broker._take(self.queue, max_messages, timeout):
+            tag = next(self._tags)
+            self._in_flight[tag] = message
+            deliveries.append(Delivery(message, tag))
+        return deliveries
+
+    def settle(self, deliveries: Sequence[Delivery]) -> None:
+        """Acknowledge: the deliveries leave the broker for good."""
+        settled = sum(1 for d in deliveries if self._in_flight.pop(d.token, None) is not None)
+        self.broker._settled(self.queue, settled)
+
+    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+        """Keep the original message (no id attached) and the reason in the broker's list."""
+        original = self._in_flight.get(delivery.token, delivery.message)
+        self.broker._dead_letter(self.queue, original, record)
+
+    def keepalive(self) -> None:
+        """Nothing to keep alive in memory."""
+
+    @property
+    def in_flight(self) -> int:
+        """Deliveries handed out and not yet settled."""
+        return len(self._in_flight)
+
+    def crash(self) -> None:
+        """Lose the connection: every unsettled delivery goes back to the queue."""
+        in_flight = [self._in_flight[tag] for tag in sorted(self._in_flight)]
+        self._in_flight.clear()
+        self.broker._return(self.queue, in_flight)
+
+    def close(self) -> None:
+        """Close; like a broker, return unsettled deliveries to the queue."""
+        self.crash()
+        self.closed = True

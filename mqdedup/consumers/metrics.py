@@ -1,0 +1,26 @@
+"""Counters every consumer keeps; transports add lag."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Metrics:
+    """What one consumer has done since it started."""
+
+    delivered: int = 0
+    processed: int = 0
+    duplicates: int = 0
+    dead_lettered: int = 0
+    retries: int = 0
+    failures: int = 0
+    database_retries: int = 0
+    batches: int = 0
+    batch_seconds: float = 0.0
+    lag: dict[str, int] = field(default_factory=dict)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A plain copy for logging and the metrics endpoint."""
+        return asdict(self)

@@ -1,0 +1,414 @@
+"""The processing core shared by every transport: dedup → handle → commit → settle."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from sqlalchemy.orm import Session, sessionmaker
+from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential_jitter
+
+from mqdedup.consumers.base import BatchContext, Consumer, Context
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.stopping import StopToken
+from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
+from mqdedup.dedup.store import DedupStore
+from mqdedup.dialects import is_transient
+from mqdedup.errors import MessageError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class BatchAbandonedError(Exception):
+    """A stop was requested while the database was unreachable; nothing was settled."""
+
+
+@dataclass
+class BatchReport:
+    """Where each delivery of a batch ended."""
+
+    processed: list[Delivery] = field(default_factory=list)
+    duplicates: list[Delivery] = field(default_factory=list)
+    dead_lettered: list[tuple[Delivery, DeadLetter]] = field(default_factory=list)
+    unsettled: list[Delivery] = field(default_factory=list)
+
+    @property
+    def settled(self) -> list[Delivery]:
+        """Deliveries handed to ``Transport.settle``."""
+        return self.processed + self.duplicates + [d for d, _ in self.dead_lettered]
+
+
+@dataclass
+class _Pass:
+    """What one transaction did."""
+
+    processed: list[Delivery] = field(default_factory=list)
+    duplicates: list[Delivery] = field(default_factory=list)
+    failures: list[tuple[Delivery, Exception]] = field(default_factory=list)
+    stored_results: dict[str, Any] = field(default_factory=dict)
+
+
+class _RerunWithoutError(Exception):
+    def __init__(self, delivery: Delivery | None, error: Exception) -> None:
+        super().__init__(str(error))
+        self.delivery = delivery  # None: the batch handler failed, rerun per message
+        self.error = error
+
+
+class Processor:
+    """Runs batches of deliveries for one consumer over one transport.
+
+    For each batch: take message ids (no id → dead-letter), drop in-batch repeats,
+    then in ONE transaction claim the ids, run the handler for the new ones and store
+    their results; commit; retry failed messages up to the retry policy; dead-letter
+    those that keep failing; finally settle every finished delivery. Transient database
+    errors retry the transaction with backoff and never dead-letter anything.
+    """
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        sessions: sessionmaker[Session],
+        transport: Transport,
+        *,
+        metrics: Metrics | None = None,
+        stop: StopToken | None = None,
+        store: DedupStore | None = None,
+    ) -> None:
+        consumer.validate()
+        self.consumer = consumer
+        self.sessions = sessions
+        self.transport = transport
+        self.metrics = metrics or Metrics()
+        self.stop = stop or StopToken()
+        self.store = store or DedupStore(consumer.table_prefix)
+        self.name = consumer.consumer_name
+        self.policy = consumer.retry_policy
+
+    # -- public ------------------------------------------------------------------------
+
+    def process(self, deliveries: Sequence[Delivery]) -> BatchReport:
+        """Process and settle one batch; returns where each delivery ended."""
+        started = time.monotonic()
+        report = BatchReport()
+        unique, repeats = self._identify(deliveries, report)
+        if unique:
+            outcome = self._with_database_retry(lambda: self._run_pass(unique))
+            self._committed(outcome, report)
+            for delivery, error in outcome.failures:
+                self._retry(delivery, error, report)
+        self._resolve_repeats(repeats, report)
+        self._dead_letter(report)
+        if report.settled:
+            self.transport.settle(report.settled)
+        self._count(deliveries, report, started)
+        return report
+
+    # -- steps -------------------------------------------------------------------------
+
+    def _identify(
+        self, deliveries: Sequence[Delivery], report: BatchReport
+    ) -> tuple[list[Delivery], list[tuple[Delivery, str]]]:
+        """Attach message ids; split off messages without one and in-batch repeats."""
+        unique: list[Delivery] = []
+        repeats: list[tuple[Delivery, str]] = []
+        seen: set[str] = set()
+        for delivery in deliveries:
+            try:
+                message_id = self.consumer.message_id(delivery.message)
+            except MessageError as error:
+                report.dead_lettered.append((delivery, self._dead_letter_record(error, 1)))
+                continue
+            if message_id in seen:
+                repeats.append((delivery, message_id))
+                continue
+            seen.add(message_id)
+            unique.append(Delivery(delivery.message.with_id(message_id), delivery.token))
+        return unique, repeats
+
+    def _run_pass(self, deliveries: Sequence[Delivery]) -> _Pass:
+        """One transaction over ``deliveries``: claim, handle the new ones, commit."""
+        pending = list(deliveries)
+        excluded: list[tuple[Delivery, Exception]] = []
+        use_batch_handler = self.consumer.has_batch_handler
+        while pending:
+            try:
+                outcome = self._transaction(pending, use_batch_handler)
+            except _RerunWithoutError as rerun:
+                if rerun.delivery is None:
+                    use_batch_handler = False
+                else:
+                    pending.remove(rerun.delivery)
+                    excluded.append((rerun.delivery, rerun.error))
+                continue
+            outcome.failures.extend(excluded)
+            return outcome
+        return _Pass(failures=excluded)
+
+    def _transaction(self, deliveries: Sequence[Delivery], use_batch_handler: bool) -> _Pass:
+        outcome = _Pass()
+        with self.sessions() as session, session.begin():
+            ids = [d.message.id for d in deliveries if d.message.id is not None]
+            new_ids = (
+                self.store.claim(session, self.name, ids) if self.consumer.deduplicate else set(ids)
+            )
+            new = [d for d in deliveries if d.message.id in new_ids]
+            outcome.duplicates = [d for d in deliveries if d.message.id not in new_ids]
+            if outcome.duplicates and self.consumer.wants_duplicate_results:
+                outcome.stored_results = self.store.results(
+                    session, self.name, [str(d.message.id) for d in outcome.duplicates]
+                )
+            results = self._handle(session, new, outcome, use_batch_handler)
+            if outcome.failures and self.consumer.deduplicate:
+                self.store.forget(
+                    session, self.name, [str(d.message.id) for d, _ in outcome.failures]
+                )
+            if self.consumer.deduplicate:
+                self.store.save_results(session, self.name, results)
+        return outcome
+
+    def _handle(
+        self, session: Session, new: list[Delivery], outcome: _Pass, use_batch_handler: bool
+    ) -> dict[str, Any]:
+        """Run the handlers; fill ``outcome.processed`` / ``failures``; return results."""
+        results: dict[str, Any] = {}
+        savepoints = self.consumer.failure_isolation == "savepoint"
+        if use_batch_handler and new:
+            batch_results = self._isolated(
+                session, savepoints, None, lambda: self._call_batch_handler(session, new)
+            )
+            if not isinstance(batch_results, Exception):
+                outcome.processed.extend(new)
+                return batch_results
+        for delivery in new:
+            result = self._isolated(
+                session, savepoints, delivery, lambda d=delivery: self._call_handler(session, d)
+            )
+            if isinstance(result, Exception):
+                outcome.failures.append((delivery, result))
+                continue
+            outcome.processed.append(delivery)
+            if result is not None:
+                results[str(delivery.message.id)] = result
+        return results
+
+    def _isolated(
+        self,
+        session: Session,
+        savepoints: bool,
+        delivery: Delivery | None,
+        call: Callable[[], T],
+    ) -> T | Exception:
+        """Run ``call`` so that its failure undoes only its own work.
+
+        Returns the call's value, or the (non-transient) exception it raised. In rerun
+        mode a failure aborts the whole transaction to be rerun without ``delivery``.
+        """
+        savepoint = session.begin_nested() if savepoints else None
+        try:
+            value = call()
+            session.flush()
+        except Exception as error:
+            if is_transient(error):
+                raise
+            if savepoint is None:
+                raise _RerunWithoutError(delivery, error) from error
+            savepoint.rollback()
+            self._log_failure(delivery, error)
+            return error
+        if savepoint is not None:
+            savepoint.commit()
+        return value
+
+    def _call_handler(self, session: Session, delivery: Delivery) -> Any:
+        if not self.consumer.has_single_handler:
+            return self._call_batch_handler(session, [delivery]).get(str(delivery.message.id))
+        context = Context(session, self.consumer, delivery.message)
+        result = self.consumer.handle(delivery.message, context)
+        _ensure_json(result)
+        return result
+
+    def _call_batch_handler(self, session: Session, new: list[Delivery]) -> dict[str, Any]:
+        messages = [d.message for d in new]
+        results = self.consumer.handle_batch(
+            messages, BatchContext(session, self.consumer, messages)
+        )
+        if not results:
+            return {}
+        clean = {key: value for key, value in results.items() if value is not None}
+        _ensure_json(clean)
+        return clean
+
+    def _committed(self, outcome: _Pass, report: BatchReport) -> None:
+        """After a commit: the after-commit hook, duplicate callbacks, bookkeeping."""
+        report.processed.extend(outcome.processed)
+        report.duplicates.extend(outcome.duplicates)
+        if outcome.processed:
+            self.consumer.after_commit([d.message for d in outcome.processed])
+        if self.consumer.wants_duplicate_results:
+            for delivery in outcome.duplicates:
+                self.consumer.on_duplicate(
+                    delivery.message, outcome.stored_results.get(str(delivery.message.id))
+                )
+
+    def _retry(self, delivery: Delivery, error: Exception, report: BatchReport) -> None:
+        """Rerun one failed message in its own transactions until done or out of attempts."""
+        attempts = 1
+        while True:
+            if isinstance(error, MessageError):
+                report.dead_lettered.append((delivery, self._dead_letter_record(error, attempts)))
+                return
+            attempts = self._with_database_retry(lambda e=error: self._record_failure(delivery, e))
+            self.metrics.failures += 1
+            if attempts >= self.policy.max_attempts:
+                report.dead_lettered.append((delivery, self._dead_letter_record(error, attempts)))
+                return
+            if not self._pause(self.policy.backoff(attempts)):
+                report.unsettled.append(delivery)  # stopping: leave it to the next owner
+                return
+            self.metrics.retries += 1
+            outcome = self._with_database_retry(lambda: self._run_pass([delivery]))
+            if not outcome.failures:
+                self._committed(outcome, report)
+                return
+            error = outcome.failures[0][1]
+
+    def _record_failure(self, delivery: Delivery, error: Exception) -> int:
+        with self.sessions() as session, session.begin():
+            return self.store.record_failure(
+                session, self.name, str(delivery.message.id), f"{type(error).__name__}: {error}"
+            )
+
+    def _resolve_repeats(self, repeats: list[tuple[Delivery, str]], report: BatchReport) -> None:
+        """A repeat inside the batch shares the fate of its first copy."""
+        if not repeats:
+            return
+        fate: dict[str, Any] = {}
+        for delivery in report.processed + report.duplicates:
+            fate[str(delivery.message.id)] = "done"
+        for delivery, record in report.dead_lettered:
+            if delivery.message.id is not None:
+                fate[delivery.message.id] = record
+        for delivery, message_id in repeats:
+            outcome = fate.get(message_id)
+            repeat = Delivery(delivery.message.with_id(message_id), delivery.token)
+            if outcome == "done":
+                report.duplicates.append(repeat)
+            elif isinstance(outcome, DeadLetter):
+                report.dead_lettered.append((repeat, outcome))
+            else:
+                report.unsettled.append(repeat)
+
+    def _dead_letter(self, report: BatchReport) -> None:
+        """Store dead letters durably; one that cannot be stored stays unsettled."""
+        kept: list[tuple[Delivery, DeadLetter]] = []
+        for delivery, record in report.dead_lettered:
+            try:
+                self.transport.dead_letter(delivery, record)
+            except Exception:
+                log.exception(
+                    "dead-letter failed; the message stays unsettled",
+                    extra={"consumer": self.name, "coordinates": delivery.message.coordinates},
+                )
+                report.unsettled.append(delivery)
+                continue
+            log.warning(
+                "dead-lettered",
+                extra={
+                    "consumer": self.name,
+                    "message_id": delivery.message.id,
+                    "reason": record.reason,
+                    "attempts": record.attempts,
+                },
+            )
+            kept.append((delivery, record))
+        report.dead_lettered = kept
+
+    # -- infrastructure retry ------------------------------------------------------------
+
+    def _with_database_retry(self, work: Callable[[], T]) -> T:
+        """Run ``work``; on a transient database error wait with backoff and run it again."""
+        retrying = Retrying(
+            retry=retry_if_exception(is_transient),
+            wait=wait_exponential_jitter(initial=0.1, max=self.policy.infrastructure_backoff_max),
+            stop=stop_never,
+            sleep=self._infrastructure_sleep,
+            before_sleep=self._log_database_retry,
+            reraise=True,
+        )
+        return retrying(work)
+
+    def _infrastructure_sleep(self, seconds: float) -> None:
+        if not self._pause(seconds):
+            raise BatchAbandonedError("stop requested while the database was unavailable")
+
+    def _log_database_retry(self, state: Any) -> None:
+        self.metrics.database_retries += 1
+        error = state.outcome.exception() if state.outcome else None
+        log.warning(
+            "database unavailable; retrying",
+            extra={
+                "consumer": self.name,
+                "attempt": state.attempt_number,
+                "error": type(error).__name__ if error else None,
+            },
+        )
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait, keeping the broker connection alive; False if a stop was requested."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            if self.stop.requested:
+                return False
+            self.transport.keepalive()
+            self.stop.wait(min(remaining, 0.2))
+        return not self.stop.requested
+
+    # -- reporting -----------------------------------------------------------------------
+
+    def _dead_letter_record(self, error: Exception, attempts: int) -> DeadLetter:
+        if isinstance(error, MessageError):
+            reason = error.reason
+        else:
+            reason = f"handler failed after {attempts} attempts: {type(error).__name__}: {error}"
+        return DeadLetter(
+            reason=reason,
+            consumer=self.name,
+            attempts=attempts,
+            error_class=f"{type(error).__module__}.{type(error).__qualname__}",
+            error_message=str(error),
+        )
+
+    def _log_failure(self, delivery: Delivery | None, error: Exception) -> None:
+        log.info(
+            "handler failed",
+            extra={
+                "consumer": self.name,
+                "message_id": delivery.message.id if delivery else None,
+                "error": f"{type(error).__name__}: {error}",
+            },
+        )
+
+    def _count(self, deliveries: Sequence[Delivery], report: BatchReport, started: float) -> None:
+        metrics = self.metrics
+        metrics.batches += 1
+        metrics.delivered += len(deliveries)
+        metrics.processed += len(report.processed)
+        metrics.duplicates += len(report.duplicates)
+        metrics.dead_lettered += len(report.dead_lettered)
+        metrics.batch_seconds += time.monotonic() - started
+
+
+def _ensure_json(result: Any) -> None:
+    """A handler's result must be JSON-serialisable to be stored with the claim."""
+    if result is None:
+        return
+    try:
+        json.dumps(result)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"handler result is not JSON-serialisable: {error}") from error

@@ -1,0 +1,62 @@
+"""Stop requests and signal handling for workers (as a context manager)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+log = logging.getLogger(__name__)
+
+
+class ImmediateStop(BaseException):
+    """Raised in the main thread by a second SIGTERM/SIGINT: stop now, settle nothing more."""
+
+
+class StopToken:
+    """A graceful-stop request shared by a worker and whoever wants to stop it."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    @property
+    def requested(self) -> bool:
+        """True once a stop was requested."""
+        return self._event.is_set()
+
+    def request(self) -> None:
+        """Ask the worker to finish its batch in flight and stop."""
+        self._event.set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; return True early if a stop is requested."""
+        return self._event.wait(seconds)
+
+
+@contextmanager
+def graceful_signals(stop: StopToken) -> Iterator[StopToken]:
+    """Within the block, SIGTERM/SIGINT request a graceful stop; a second one stops at once.
+
+    Previous handlers are restored on exit. Outside the main thread this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def _handler(signum: int, _frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if stop.requested:
+            log.warning("second stop signal: stopping at once", extra={"signal": name})
+            raise ImmediateStop(name)
+        log.info("stop signal: finishing the batch in flight", extra={"signal": name})
+        stop.request()
+
+    previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

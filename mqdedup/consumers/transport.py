@@ -1,0 +1,83 @@
+"""The transport seam: what a broker wrapper must do for the processor.
+
+Ack contract (every transport keeps it):
+
+* ``fetch`` hands out deliveries; the broker keeps each one *unsettled* until
+  ``settle`` or ``dead_letter`` succeeds for it. Unsettled deliveries come back
+  (to this or another worker) after a crash, a lost connection or a rebalance.
+* ``settle`` is called only after the database transaction holding the deliveries'
+  claims has committed. It acknowledges (RabbitMQ) or commits offsets (Kafka). A
+  delivery whose channel/partition was lost meanwhile is silently dropped: it will be
+  redelivered and deduplicated. ``settle`` never settles a delivery it was not given.
+* ``dead_letter`` durably stores the original message with the reason (confirmed
+  publish to a dead-letter queue/topic, or the in-memory list) *before* returning; it
+  raises if it could not, and the processor then leaves the delivery unsettled. A
+  dead-lettered delivery is then passed to ``settle`` like a processed one.
+* ``keepalive`` is called while the processor waits (retry backoff, database outage,
+  long batches): it services heartbeats / polls so the broker does not drop the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from mqdedup.message import Message
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One message as handed out by a transport; ``token`` is transport-specific."""
+
+    message: Message
+    token: Any
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """Why a message was dead-lettered."""
+
+    reason: str
+    consumer: str
+    attempts: int
+    error_class: str | None = None
+    error_message: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        """The ``x-mqdedup-*`` headers written on the dead-lettered copy."""
+        headers = {
+            "x-mqdedup-reason": self.reason,
+            "x-mqdedup-consumer": self.consumer,
+            "x-mqdedup-attempts": str(self.attempts),
+        }
+        if self.error_class:
+            headers["x-mqdedup-error-class"] = self.error_class
+        if self.error_message is not None:
+            headers["x-mqdedup-error-message"] = self.error_message[:1000]
+        return headers
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """A source of deliveries that honours the module's ack contract."""
+
+    def fetch(self, max_messages: int, timeout: float) -> Sequence[Delivery]:
+        """Up to ``max_messages`` deliveries, waiting at most ``timeout`` seconds."""
+        ...
+
+    def settle(self, deliveries: Sequence[Delivery]) -> None:
+        """Acknowledge / commit the offsets of deliveries that are done."""
+        ...
+
+    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+        """Store the original message with ``record`` durably, or raise."""
+        ...
+
+    def keepalive(self) -> None:
+        """Service the connection while the worker is busy or waiting."""
+        ...
+
+    def close(self) -> None:
+        """Release the connection; unsettled deliveries go back to the broker."""
+        ...

@@ -1,0 +1,97 @@
+"""The worker loop: fetch a batch, process it, repeat until asked to stop."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.processor import BatchAbandonedError, Processor
+from mqdedup.consumers.stopping import StopToken
+from mqdedup.consumers.transport import Transport
+from mqdedup.db import session_factory
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Runs one consumer over one transport.
+
+    ``run()`` returns when a stop is requested (after finishing and settling the batch
+    in flight), or with ``until_idle=True`` when a fetch comes back empty. The
+    transport is closed on the way out, which returns unsettled deliveries.
+    """
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        transport: Transport,
+        database: Engine | sessionmaker[Session],
+        *,
+        stop: StopToken | None = None,
+        metrics: Metrics | None = None,
+        log_interval: float = 30.0,
+    ) -> None:
+        self.consumer = consumer
+        self.transport = transport
+        self.stop = stop or StopToken()
+        self.metrics = metrics or Metrics()
+        sessions = session_factory(database) if isinstance(database, Engine) else database
+        self.processor = Processor(
+            consumer, sessions, transport, metrics=self.metrics, stop=self.stop
+        )
+        self._log_interval = log_interval
+        self._last_log = time.monotonic()
+
+    def run(self, *, until_idle: bool = False, max_batches: int | None = None) -> Metrics:
+        """Process batches until stopped (or idle); return the counters."""
+        batches = 0
+        log.info("worker started", extra={"consumer": self.consumer.consumer_name})
+        try:
+            while not self.stop.requested:
+                deliveries = self.transport.fetch(
+                    self.consumer.batch_size, self.consumer.poll_timeout
+                )
+                if not deliveries:
+                    if until_idle:
+                        break
+                    self._log_metrics()
+                    continue
+                try:
+                    self.processor.process(deliveries)
+                except BatchAbandonedError:
+                    log.warning(
+                        "batch abandoned unsettled on stop", extra={"size": len(deliveries)}
+                    )
+                    break
+                batches += 1
+                self._log_metrics()
+                if max_batches is not None and batches >= max_batches:
+                    break
+        finally:
+            self.transport.close()
+        log.info(
+            "worker stopped",
+            extra={"consumer": self.consumer.consumer_name, **self.metrics.snapshot()},
+        )
+        return self.metrics
+
+    def _log_metrics(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= self._log_interval:
+            self._last_log = now
+            log.info(
+                "consumer metrics",
+                extra={"consumer": self.consumer.consumer_name, **self.metrics.snapshot()},
+            )
+
+
+def run_until_idle(
+    consumer: Consumer, transport: Transport, database: Engine | sessionmaker[Session]
+) -> Metrics:
+    """Process everything the transport has, then close it (handy in tests)."""
+    return Worker(consumer, transport, database).run(until_idle=True)

@@ -1,0 +1,143 @@
+"""Engines and sessions from a database URL, and schema creation."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from sqlalchemy import Engine, event, inspect
+from sqlalchemy import create_engine as sa_create_engine
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from mqdedup.errors import ConfigurationError, DatabaseUnavailableError
+from mqdedup.schema import DEFAULT_PREFIX, schema
+
+log = logging.getLogger(__name__)
+
+DATABASE_URL_ENV = "MQDEDUP_DATABASE_URL"
+DEFAULT_DATABASE_URL = "sqlite:///mqdedup.db"
+_DRIVER_ALIASES = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg"}
+SUPPORTED_DIALECTS = ("postgresql", "sqlite", "mysql", "mariadb")
+
+
+def database_url_from_env(default: str = DEFAULT_DATABASE_URL) -> str:
+    """``MQDEDUP_DATABASE_URL``, or the embedded SQLite default."""
+    return os.environ.get(DATABASE_URL_ENV) or default
+
+
+def parse_url(url: str | URL) -> URL:
+    """Parse and normalise a database URL; a malformed one raises ConfigurationError."""
+    try:
+        parsed = make_url(url)
+    except (sa_exc.ArgumentError, ValueError) as exc:
+        raise ConfigurationError(f"malformed database URL {mask_url(url)!r}") from exc
+    driver = _DRIVER_ALIASES.get(parsed.drivername, parsed.drivername)
+    if parsed.get_backend_name() not in SUPPORTED_DIALECTS:
+        raise ConfigurationError(
+            f"unknown database kind {parsed.get_backend_name()!r} in database URL "
+            f"{mask_url(parsed)!r} (supported: postgresql, sqlite, mysql/mariadb)"
+        )
+    return parsed.set(drivername=driver)
+
+
+def mask_url(url: str | URL) -> str:
+    """The URL with its password replaced by ``***``, safe for logs and errors."""
+    if isinstance(url, URL):
+        return url.render_as_string(hide_password=True)
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (sa_exc.ArgumentError, ValueError):
+        # Unparseable: keep the scheme only, never the rest (it may hold a password).
+        return url.split("://", 1)[0] + "://***" if "://" in url else "***"
+
+
+def create_engine(url: str | URL | None = None, **options: Any) -> Engine:
+    """An engine for ``url`` (default: ``MQDEDUP_DATABASE_URL`` or embedded SQLite).
+
+    ``postgresql://`` URLs use psycopg 3. SQLite gets WAL, a busy timeout and real
+    ``BEGIN IMMEDIATE`` transactions so that savepoints and concurrent writers work.
+    """
+    parsed = parse_url(url if url is not None else database_url_from_env())
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        options.setdefault("connect_args", {"timeout": 30, "check_same_thread": False})
+    else:
+        options.setdefault("pool_pre_ping", True)
+        if backend == "postgresql":
+            connect_args = options.setdefault("connect_args", {})
+            connect_args.setdefault("connect_timeout", 5)
+            connect_args.setdefault("application_name", "mqdedup")
+    try:
+        engine = sa_create_engine(parsed, **options)
+    except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ImportError) as exc:
+        raise ConfigurationError(
+            f"cannot use database URL {mask_url(parsed)!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if backend == "sqlite":
+        _configure_sqlite(engine)
+    return engine
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not the sqlite3 module, decide where transactions begin.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    """The session factory the processor uses (objects stay usable after commit)."""
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def check_connection(engine: Engine) -> None:
+    """Connect once; raise DatabaseUnavailableError with a one-line reason if that fails."""
+    try:
+        with engine.connect() as connection:
+            connection.exec_driver_sql("SELECT 1")
+    except sa_exc.DBAPIError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+        raise DatabaseUnavailableError(
+            f"cannot connect to database {mask_url(engine.url)}: {reason}"
+        ) from exc
+
+
+def init_schema(engine: Engine, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Create the framework's missing tables (idempotent); return the names created."""
+    tables = schema(prefix).metadata
+    existing = set(inspect(engine).get_table_names())
+    tables.create_all(engine, checkfirst=True)
+    created = [name for name in tables.tables if name not in existing]
+    for name in created:
+        log.info("created table", extra={"table": name})
+    return created
+
+
+def check_schema(engine: Engine, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Differences between the live schema and this version's tables (empty: all good)."""
+    inspector = inspect(engine)
+    existing = set(inspector.get_table_names())
+    problems: list[str] = []
+    for name, table in schema(prefix).metadata.tables.items():
+        if name not in existing:
+            problems.append(f"table {name} is missing (run `mqdedup db init`)")
+            continue
+        live = {column["name"] for column in inspector.get_columns(name)}
+        problems.extend(
+            f"table {name} lacks column {column.name}"
+            for column in table.columns
+            if column.name not in live
+        )
+    return problems

@@ -1,0 +1,154 @@
+"""The processed-messages table: claim, forget, stored results, purge."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine, bindparam, delete, select, tuple_, update
+from sqlalchemy.orm import Session
+
+from mqdedup import dialects
+from mqdedup.schema import DEFAULT_PREFIX, Schema, schema
+
+log = logging.getLogger(__name__)
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware (UTC)."""
+    return datetime.now(UTC)
+
+
+class DedupStore:
+    """Reads and writes ``<prefix>processed_messages`` and ``<prefix>message_attempts``.
+
+    Every method that takes a ``session`` runs inside the caller's transaction: the claim
+    commits or rolls back together with the business writes.
+    """
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        self.schema: Schema = schema(prefix)
+        self._processed = self.schema.processed
+        self._attempts = self.schema.attempts
+
+    def claim(self, session: Session, consumer: str, ids: Iterable[str]) -> set[str]:
+        """Claim ``ids`` for ``consumer`` in one statement; return the ids that were new.
+
+        Ids are de-duplicated and sorted first so concurrent batches lock index entries
+        in the same order and cannot deadlock on each other.
+        """
+        ordered = sorted(set(ids))
+        return dialects.claim_ids(session, self._processed, consumer, ordered, utcnow())
+
+    def forget(self, session: Session, consumer: str, ids: Iterable[str]) -> None:
+        """Remove claims (a failed handler must not leave its message marked processed)."""
+        id_list = list(ids)
+        if not id_list:
+            return
+        table = self._processed
+        session.execute(
+            delete(table).where(table.c.consumer_name == consumer, table.c.message_id.in_(id_list))
+        )
+
+    def save_results(self, session: Session, consumer: str, results: Mapping[str, Any]) -> None:
+        """Store handlers' JSON results next to their claims (one executemany)."""
+        if not results:
+            return
+        table = self._processed
+        statement = (
+            update(table)
+            .where(
+                table.c.consumer_name == consumer,
+                table.c.message_id == bindparam("b_message_id"),
+            )
+            .values(result=bindparam("b_result"))
+        )
+        session.connection().execute(
+            statement,
+            [{"b_message_id": key, "b_result": value} for key, value in results.items()],
+        )
+
+    def results(self, session: Session, consumer: str, ids: Sequence[str]) -> dict[str, Any]:
+        """Stored results of already-processed ids (ids without a result are absent)."""
+        if not ids:
+            return {}
+        table = self._processed
+        rows = session.execute(
+            select(table.c.message_id, table.c.result).where(
+                table.c.consumer_name == consumer,
+                table.c.message_id.in_(list(ids)),
+                table.c.result.is_not(None),
+            )
+        )
+        return {row.message_id: row.result for row in rows}
+
+    def is_processed(self, session: Session, consumer: str, message_id: str) -> bool:
+        """True when ``message_id`` has a committed claim for ``consumer``."""
+        table = self._processed
+        found = session.execute(
+            select(table.c.message_id).where(
+                table.c.consumer_name == consumer, table.c.message_id == message_id
+            )
+        ).first()
+        return found is not None
+
+    def record_failure(self, session: Session, consumer: str, message_id: str, error: str) -> int:
+        """Count one failed handler attempt; return the attempts so far (across redeliveries)."""
+        return dialects.increment_attempts(
+            session, self._attempts, consumer, message_id, error[:2000], utcnow()
+        )
+
+    def purge(
+        self,
+        engine: Engine,
+        older_than: timedelta,
+        consumer: str | None = None,
+        chunk_size: int = 5000,
+    ) -> int:
+        """Delete claims (and attempt counters) older than ``older_than``, in chunks.
+
+        Each chunk is its own short transaction, so purging a large table never holds
+        many locks at once. Returns the number of claims deleted.
+        """
+        cutoff = utcnow() - older_than
+        total = 0
+        for table, time_column in (
+            (self._processed, self._processed.c.processed_at),
+            (self._attempts, self._attempts.c.updated_at),
+        ):
+            deleted = self._purge_table(engine, table, time_column, cutoff, consumer, chunk_size)
+            if table is self._processed:
+                total = deleted
+        log.info("purged dedup records", extra={"deleted": total, "cutoff": cutoff.isoformat()})
+        return total
+
+    @staticmethod
+    def _purge_table(
+        engine: Engine,
+        table: Any,
+        time_column: Any,
+        cutoff: datetime,
+        consumer: str | None,
+        chunk_size: int,
+    ) -> int:
+        key = tuple_(table.c.consumer_name, table.c.message_id)
+        conditions = [time_column < cutoff]
+        if consumer is not None:
+            conditions.append(table.c.consumer_name == consumer)
+        total = 0
+        while True:
+            with engine.begin() as connection:
+                keys = connection.execute(
+                    select(table.c.consumer_name, table.c.message_id)
+                    .where(*conditions)
+                    .order_by(time_column)
+                    .limit(chunk_size)
+                ).all()
+                if not keys:
+                    return total
+                connection.execute(delete(table).where(key.in_([tuple(k) for k in keys])))
+            total += len(keys)
+            if len(keys) < chunk_size:
+                return total

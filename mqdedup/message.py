@@ -1,0 +1,73 @@
+"""The immutable message a handler receives."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+from mqdedup.errors import UndecodableMessageError
+
+HeaderValue = bytes | str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One delivered message, as the broker handed it over.
+
+    ``id`` is the *message id* (the dedup key) chosen by the consumer's message-id
+    strategy; it is ``None`` until the processor has taken it. ``headers`` are Kafka
+    record headers or AMQP application headers; ``properties`` holds AMQP basic
+    properties (``message_id``, ``correlation_id``, ``reply_to``, ...).
+    """
+
+    body: bytes
+    id: str | None = None
+    key: bytes | None = None
+    headers: Mapping[str, HeaderValue] = field(default_factory=dict)
+    properties: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""
+    partition: int | None = None
+    offset: int | None = None
+    timestamp: datetime | None = None
+    redelivered: bool = False
+    attempt: int = 1
+
+    @property
+    def coordinates(self) -> str:
+        """Where the broker keeps this message: ``topic/partition/offset`` or the queue."""
+        if self.partition is not None and self.offset is not None:
+            return f"{self.source}/{self.partition}/{self.offset}"
+        return self.source
+
+    def header(self, name: str) -> str | None:
+        """A header as text (bytes are decoded as UTF-8), or ``None`` when absent."""
+        value = self.headers.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bytes):
+            try:
+                return value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UndecodableMessageError(f"header {name!r} is not UTF-8: {exc}") from exc
+        return str(value)
+
+    def text(self, encoding: str = "utf-8") -> str:
+        """The body as text; an undecodable body raises :class:`UndecodableMessageError`."""
+        try:
+            return self.body.decode(encoding)
+        except UnicodeDecodeError as exc:
+            raise UndecodableMessageError(f"undecodable body: not {encoding}: {exc}") from exc
+
+    def json(self) -> Any:
+        """The body parsed as JSON; malformed JSON raises :class:`UndecodableMessageError`."""
+        try:
+            return json.loads(self.body)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise UndecodableMessageError(f"undecodable body: invalid JSON: {exc}") from exc
+
+    def with_id(self, message_id: str) -> Message:
+        """A copy carrying ``message_id``."""
+        return replace(self, id=message_id)

@@ -1,0 +1,1 @@
+"""The transactional outbox: rows written in the business transaction, published later."""
