@@ -63,8 +63,8 @@ def _is_transient_driver_error(orig: BaseException | None) -> bool:
     if isinstance(orig, sqlite3.Error):
         return getattr(orig, "sqlite_errorcode", None) in _SQLITE_TRANSIENT_CODES
     if module.startswith("pymysql"):
-        args = getattr(orig, "args", ())
-        return bool(args) and args[0] in _MYSQL_TRANSIENT_CODES
+        args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+        return len(args) > 0 and args[0] in _MYSQL_TRANSIENT_CODES
     return False
 
 

@@ -17,6 +17,11 @@ from mqdedup.message import Message
 from mqdedup.schema import DEFAULT_PREFIX
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
+    from sqlalchemy.orm import sessionmaker
+
+    from mqdedup.consumers.metrics import Metrics
+    from mqdedup.consumers.stopping import StopToken
     from mqdedup.consumers.transport import Transport
     from mqdedup.outbox.writer import OutboxWriter
 
@@ -161,6 +166,17 @@ class Consumer:
             f"{type(self).__name__} has no broker: subclass KafkaConsumer or "
             "RabbitMQConsumer, or pass a transport explicitly"
         )
+
+    def run(
+        self, database: Engine | sessionmaker[Session], *, stop: StopToken | None = None
+    ) -> Metrics:
+        """Consume until ``stop`` is requested; broker subclasses may run their own loop.
+
+        This is what ``mqdedup worker`` calls in each worker process.
+        """
+        from mqdedup.consumers.worker import Worker
+
+        return Worker(self, self.create_transport(), database, stop=stop).run()
 
     # -- introspection used by the processor -------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -187,7 +188,10 @@ class Processor:
                 return batch_results
         for delivery in new:
             result = self._isolated(
-                session, savepoints, delivery, lambda d=delivery: self._call_handler(session, d)
+                session,
+                savepoints,
+                delivery,
+                functools.partial(self._call_handler, session, delivery),
             )
             if isinstance(result, Exception):
                 outcome.failures.append((delivery, result))
@@ -263,7 +267,9 @@ class Processor:
             if isinstance(error, MessageError):
                 report.dead_lettered.append((delivery, self._dead_letter_record(error, attempts)))
                 return
-            attempts = self._with_database_retry(lambda e=error: self._record_failure(delivery, e))
+            attempts = self._with_database_retry(
+                functools.partial(self._record_failure, delivery, error)
+            )
             self.metrics.failures += 1
             if attempts >= self.policy.max_attempts:
                 report.dead_lettered.append((delivery, self._dead_letter_record(error, attempts)))
