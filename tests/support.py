@@ -35,7 +35,9 @@ class OrderConsumer(Consumer):
         payload = message.json()
         ctx.session.execute(
             insert(orders).values(
-                message_id=message.id, order_id=str(payload.get("order")), amount=payload.get("amount")
+                message_id=message.id,
+                order_id=str(payload.get("order")),
+                amount=payload.get("amount"),
             )
         )
         if message.id in self.fail_ids:
@@ -53,7 +55,11 @@ class BulkOrderConsumer(OrderConsumer):
             if message.id in self.fail_ids:
                 raise RuntimeError(f"cannot handle {message.id}")
             rows.append(
-                {"message_id": message.id, "order_id": str(payload.get("order")), "amount": payload.get("amount")}
+                {
+                    "message_id": message.id,
+                    "order_id": str(payload.get("order")),
+                    "amount": payload.get("amount"),
+                }
             )
         ctx.session.execute(insert(orders), rows)
         return {}

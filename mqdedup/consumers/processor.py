@@ -96,6 +96,7 @@ class Processor:
     def process(self, deliveries: Sequence[Delivery]) -> BatchReport:
         """Process and settle one batch; returns where each delivery ended."""
         started = time.monotonic()
+        self.metrics.delivered += len(deliveries)
         report = BatchReport()
         unique, repeats = self._identify(deliveries, report)
         if unique:
@@ -107,7 +108,7 @@ class Processor:
         self._dead_letter(report)
         if report.settled:
             self.transport.settle(report.settled)
-        self._count(deliveries, report, started)
+        self._count(report, started)
         return report
 
     # -- steps -------------------------------------------------------------------------
@@ -252,6 +253,8 @@ class Processor:
         """After a commit: the after-commit hook, duplicate callbacks, bookkeeping."""
         report.processed.extend(outcome.processed)
         report.duplicates.extend(outcome.duplicates)
+        self.metrics.processed += len(outcome.processed)
+        self.metrics.duplicates += len(outcome.duplicates)
         if outcome.processed:
             self.consumer.after_commit([d.message for d in outcome.processed])
         if self.consumer.wants_duplicate_results:
@@ -305,6 +308,7 @@ class Processor:
             repeat = Delivery(delivery.message.with_id(message_id), delivery.token)
             if outcome == "done":
                 report.duplicates.append(repeat)
+                self.metrics.duplicates += 1
             elif isinstance(outcome, DeadLetter):
                 report.dead_lettered.append((repeat, outcome))
             else:
@@ -400,14 +404,10 @@ class Processor:
             },
         )
 
-    def _count(self, deliveries: Sequence[Delivery], report: BatchReport, started: float) -> None:
-        metrics = self.metrics
-        metrics.batches += 1
-        metrics.delivered += len(deliveries)
-        metrics.processed += len(report.processed)
-        metrics.duplicates += len(report.duplicates)
-        metrics.dead_lettered += len(report.dead_lettered)
-        metrics.batch_seconds += time.monotonic() - started
+    def _count(self, report: BatchReport, started: float) -> None:
+        self.metrics.batches += 1
+        self.metrics.dead_lettered += len(report.dead_lettered)
+        self.metrics.batch_seconds += time.monotonic() - started
 
 
 def _ensure_json(result: Any) -> None:
