@@ -9,6 +9,7 @@ nothing lost.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
@@ -155,10 +156,9 @@ def _run(
     while broker.pending(QUEUE):
         transport: MemoryTransport = broker.transport(QUEUE)
         worker = Worker(consumer, transport, engine)
-        try:
+        # On a crash the transport is closed: its unsettled deliveries go back to the queue.
+        with contextlib.suppress(SimulatedCrash):
             worker.run(until_idle=True)
-        except SimulatedCrash:
-            pass  # the transport was closed: its unsettled deliveries went back to the queue
         delivered += worker.metrics.delivered
         processed += worker.metrics.processed
         duplicates += worker.metrics.duplicates
