@@ -2,8 +2,11 @@
 
 * which errors are *transient* (retry the transaction, never dead-letter), decided by
   SQLSTATE / driver error code / exception class, never by the text of a message;
-* the claim statement (``INSERT … ON CONFLICT DO NOTHING RETURNING``);
-* the attempt-counter upsert.
+* the claim statement (``INSERT … ON CONFLICT DO NOTHING RETURNING``; on MySQL/MariaDB
+  ``INSERT IGNORE``, see :func:`claim_ids`);
+* the attempt-counter upsert (``ON CONFLICT DO UPDATE`` / ``ON DUPLICATE KEY UPDATE``);
+* how a unique-key violation is recognised (SQLSTATE 23505, SQLite extended codes,
+  MySQL error 1062), and the locking read used to see the latest committed row.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Table, text
+from sqlalchemy import Select, Table, select, text
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.orm import Session
 
 # SQLSTATE classes and codes that mean "try the transaction again".
@@ -33,8 +36,17 @@ _TRANSIENT_SQLSTATES = frozenset(
     }
 )
 _SQLITE_TRANSIENT_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED
-# MySQL/MariaDB: lock wait timeout, deadlock, server gone / lost / cannot connect.
-_MYSQL_TRANSIENT_CODES = frozenset({1205, 1213, 2002, 2003, 2006, 2013, 1040, 1053})
+# MySQL/MariaDB: lock wait timeout, deadlock, server gone / lost / cannot connect,
+# too many connections, server shutdown, connection killed (MariaDB 1927, MySQL 4031).
+_MYSQL_TRANSIENT_CODES = frozenset({1205, 1213, 2002, 2003, 2006, 2013, 1040, 1053, 1927, 4031})
+_MYSQL_DUPLICATE_KEY = 1062  # ER_DUP_ENTRY
+_PG_UNIQUE_VIOLATION = "23505"
+# SQLITE_CONSTRAINT_PRIMARYKEY, SQLITE_CONSTRAINT_UNIQUE (extended result codes).
+_SQLITE_UNIQUE_CODES = frozenset({1555, 2067})
+MYSQL_DIALECTS = ("mysql", "mariadb")
+# The key columns are VARCHAR(255) (characters); INSERT IGNORE would truncate longer
+# values into a silent collision, so longer ones are refused before any SQL.
+_MYSQL_MAX_KEY_LENGTH = 255
 
 
 def is_transient(error: BaseException) -> bool:
@@ -93,7 +105,91 @@ def claim_ids(
         )
         rows = session.execute(insert_stmt.on_conflict_do_nothing().returning(table.c.message_id))
         return {row[0] for row in rows}
+    if dialect in MYSQL_DIALECTS:
+        return _claim_ids_mysql(session, table, consumer, ids, now)
     raise NotImplementedError(f"claiming is not implemented for the {dialect!r} database")
+
+
+def _claim_ids_mysql(
+    session: Session, table: Table, consumer: str, ids: Sequence[str], now: datetime
+) -> set[str]:
+    """MySQL / MariaDB claim: ``INSERT IGNORE``, which waits on a concurrent holder.
+
+    InnoDB's duplicate check takes a lock on an existing (even uncommitted) key, so a
+    concurrent claim of the same id blocks until the holder commits (→ ignored, a
+    duplicate) or rolls back (→ inserted, new), exactly like ``ON CONFLICT DO NOTHING``.
+
+    * MariaDB >= 10.5: one statement, ``INSERT IGNORE … RETURNING message_id``, which
+      returns only the rows it inserted.
+    * MySQL (no ``RETURNING``): see :func:`_claim_ids_mysql_rowcount`.
+    """
+    _check_mysql_key(consumer, ids)
+    rows = [{"consumer_name": consumer, "message_id": i, "processed_at": now} for i in ids]
+    insert_ignore = mysql.insert(table).prefix_with("IGNORE")
+    bind = session.get_bind()
+    if mysql_supports_returning(bind.dialect):
+        result = session.execute(insert_ignore.values(rows).returning(table.c.message_id))
+        return {row[0] for row in result}
+    return _claim_ids_mysql_rowcount(session, table, consumer, ids, now)
+
+
+def mysql_supports_returning(dialect: Any) -> bool:
+    """True for MariaDB >= 10.5 (``INSERT … RETURNING``); MySQL has no ``RETURNING``."""
+    return bool(getattr(dialect, "is_mariadb", False) and dialect.insert_returning)
+
+
+def _claim_ids_mysql_rowcount(
+    session: Session, table: Table, consumer: str, ids: Sequence[str], now: datetime
+) -> set[str]:
+    """Claim without ``RETURNING``, deciding every id by an ``INSERT IGNORE`` row count.
+
+    1. A plain (consistent) read drops ids whose claims were committed earlier, the
+       common kind of duplicate.
+    2. Inside a savepoint, one ``INSERT IGNORE`` of the remaining candidates. If its row
+       count equals their number, all of them are new (the usual case: 2 statements).
+    3. Otherwise a concurrent transaction committed some of them meanwhile; roll back to
+       the savepoint (InnoDB keeps the row locks) and claim the candidates one row at a
+       time, each row's count (1 inserted / 0 ignored) saying whether it is new.
+
+    Only step 3's per-row counts and step 2's all-inserted count decide: both come from
+    the database's own duplicate check, so the result stays right under concurrency.
+    """
+    committed = {
+        row[0]
+        for row in session.execute(
+            select(table.c.message_id).where(
+                table.c.consumer_name == consumer, table.c.message_id.in_(list(ids))
+            )
+        )
+    }
+    candidates = [i for i in ids if i not in committed]
+    if not candidates:
+        return set()
+    insert_ignore = mysql.insert(table).prefix_with("IGNORE")
+    rows = [{"consumer_name": consumer, "message_id": i, "processed_at": now} for i in candidates]
+    savepoint = session.begin_nested()
+    inserted = session.execute(insert_ignore.values(rows)).rowcount  # type: ignore[attr-defined]
+    if inserted == len(candidates):
+        savepoint.commit()
+        return set(candidates)
+    savepoint.rollback()
+    new: set[str] = set()
+    for row in rows:
+        if session.execute(insert_ignore.values(row)).rowcount == 1:  # type: ignore[attr-defined]
+            new.add(str(row["message_id"]))
+    return new
+
+
+def _check_mysql_key(consumer: str, ids: Sequence[str]) -> None:
+    if len(consumer) > _MYSQL_MAX_KEY_LENGTH:
+        raise ValueError(
+            f"consumer name longer than {_MYSQL_MAX_KEY_LENGTH} characters: {consumer[:40]!r}…"
+        )
+    for message_id in ids:
+        if len(message_id) > _MYSQL_MAX_KEY_LENGTH:
+            raise ValueError(
+                f"message id longer than {_MYSQL_MAX_KEY_LENGTH} characters: {message_id[:40]!r}…"
+            )
 
 
 def increment_attempts(
@@ -120,4 +216,49 @@ def increment_attempts(
             },
         ).returning(table.c.attempts)
         return int(session.execute(upsert).scalar_one())
+    if dialect in MYSQL_DIALECTS:
+        mysql_insert = mysql.insert(table).values(values)
+        session.execute(
+            mysql_insert.on_duplicate_key_update(
+                attempts=table.c.attempts + 1,
+                last_error=mysql_insert.inserted.last_error,
+                updated_at=mysql_insert.inserted.updated_at,
+            )
+        )
+        # Our upsert holds the row's lock until commit: this read sees our own count.
+        counted = session.execute(
+            select(table.c.attempts).where(
+                table.c.consumer_name == consumer, table.c.message_id == message_id
+            )
+        )
+        return int(counted.scalar_one())
     raise NotImplementedError(f"attempt counting is not implemented for the {dialect!r} database")
+
+
+def is_unique_violation(error: BaseException) -> bool:
+    """True when ``error`` is a primary-key / unique-index violation (by code, not text)."""
+    orig = error.orig if isinstance(error, sa_exc.DBAPIError) else error
+    if orig is None:
+        return False
+    if getattr(orig, "sqlstate", None) == _PG_UNIQUE_VIOLATION:
+        return True
+    if isinstance(orig, sqlite3.Error):
+        return getattr(orig, "sqlite_errorcode", None) in _SQLITE_UNIQUE_CODES
+    if type(orig).__module__.startswith("pymysql"):
+        args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+        return len(args) > 0 and args[0] == _MYSQL_DUPLICATE_KEY
+    return False
+
+
+def latest_committed(statement: Select[Any]) -> Select[Any]:
+    """``statement`` made to read the latest committed row version, not a snapshot.
+
+    After a conditional ``UPDATE`` matched no row, the follow-up read must see what
+    made it fail. A plain read may serve an older snapshot (MySQL/MariaDB's default
+    REPEATABLE READ; PostgreSQL's REPEATABLE READ), so it becomes a shared locking read
+    (``FOR SHARE`` / ``LOCK IN SHARE MODE``), which waits for a concurrent writer and
+    reads the newest committed version (PostgreSQL above READ COMMITTED raises a
+    serialization failure instead, which is transient and retried). SQLite ignores it:
+    its writers are serialised already.
+    """
+    return statement.with_for_update(read=True)
