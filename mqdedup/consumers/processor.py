@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
-from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential_jitter
+from tenacity import Retrying, retry_if_exception, stop_never, wait_random_exponential
 
 from mqdedup.consumers.base import BatchContext, Consumer, Context
 from mqdedup.consumers.metrics import Metrics
@@ -345,7 +345,7 @@ class Processor:
         """Run ``work``; on a transient database error wait with backoff and run it again."""
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
-            wait=wait_exponential_jitter(initial=0.1, max=self.policy.infrastructure_backoff_max),
+            wait=wait_random_exponential(multiplier=0.1, max=self.policy.infrastructure_backoff_max),
             stop=stop_never,
             sleep=self._infrastructure_sleep,
             before_sleep=self._log_database_retry,

@@ -1,0 +1,219 @@
+"""Which Kafka offsets may be committed: contiguous settlement per partition.
+
+Pure bookkeeping, no broker: the Kafka transport tells the tracker what it handed out
+(``track``), what the processor settled (``settle``), what the broker confirmed
+(``committed``) and which partitions it gained or lost (``assign`` / ``revoke``).
+
+The committable offset of a partition is the offset *after the last contiguously
+settled delivery*: a message still being retried (or one whose dead-letter publish
+failed) holds its partition back, even if later messages are already settled. Offsets
+are tracked in delivery order, not by arithmetic, so gaps in a partition (compaction,
+transaction markers) do not block it.
+
+Every partition has an *epoch* that changes when it is (re)assigned, revoked or
+rewound. Deliveries carry the epoch they were handed out in; a settle for an old epoch
+is ignored, so work that was in flight when a partition moved never moves its offset.
+All methods are thread-safe (the consumer thread tracks and commits while the
+processing thread settles).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+#: ``(topic, partition)``
+PartitionKey = tuple[str, int]
+
+
+@dataclass
+class _Partition:
+    epoch: int
+    #: Delivered offsets not yet behind the committable offset, in delivery order.
+    pending: deque[int] = field(default_factory=deque)
+    #: The same offsets as ``pending``, for O(1) membership tests.
+    outstanding: set[int] = field(default_factory=set)
+    settled: set[int] = field(default_factory=set)
+    #: Next offset to commit (after the last contiguously settled delivery).
+    committable: int | None = None
+    #: Last offset the broker confirmed for this assignment.
+    committed: int | None = None
+    #: Highest offset handed out in this epoch.
+    last_tracked: int | None = None
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """A request to seek ``partition`` back to ``offset`` (its first unsettled delivery)."""
+
+    partition: PartitionKey
+    offset: int
+    epoch: int
+
+
+class OffsetTracker:
+    """Per-partition contiguous-settlement bookkeeping (see the module docs)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._partitions: dict[PartitionKey, _Partition] = {}
+        self._epochs = itertools.count(1)
+        self._rewinds: dict[PartitionKey, Rewind] = {}
+
+    # -- assignment ----------------------------------------------------------------------
+
+    def assign(self, partitions: Iterable[PartitionKey]) -> None:
+        """Start tracking ``partitions`` afresh (new epoch; nothing in flight)."""
+        with self._lock:
+            for key in partitions:
+                self._partitions[key] = _Partition(epoch=next(self._epochs))
+                self._rewinds.pop(key, None)
+
+    def revoke(self, partitions: Iterable[PartitionKey]) -> dict[PartitionKey, int]:
+        """Stop tracking ``partitions``; return their settled-but-uncommitted offsets.
+
+        The caller may commit the returned offsets (best effort) before the partitions
+        go to another owner; deliveries still in flight for them are dropped.
+        """
+        uncommitted: dict[PartitionKey, int] = {}
+        with self._lock:
+            for key in partitions:
+                state = self._partitions.pop(key, None)
+                self._rewinds.pop(key, None)
+                if state is not None and _dirty(state):
+                    assert state.committable is not None
+                    uncommitted[key] = state.committable
+        return uncommitted
+
+    @property
+    def partitions(self) -> list[PartitionKey]:
+        """The partitions currently tracked."""
+        with self._lock:
+            return sorted(self._partitions)
+
+    # -- the delivery life cycle -----------------------------------------------------------
+
+    def track(self, key: PartitionKey, offset: int) -> int:
+        """Record that ``offset`` of ``key`` was handed out; return the epoch to carry.
+
+        Offsets of one partition must be tracked in increasing order within an epoch; a
+        partition never assigned is assigned on the fly (manual assignment).
+        """
+        with self._lock:
+            state = self._partitions.get(key)
+            if state is None:
+                state = self._partitions[key] = _Partition(epoch=next(self._epochs))
+            if state.last_tracked is not None and offset <= state.last_tracked:
+                raise ValueError(
+                    f"offset {offset} of {key[0]}/{key[1]} tracked after {state.last_tracked}"
+                )
+            state.pending.append(offset)
+            state.outstanding.add(offset)
+            state.last_tracked = offset
+            return state.epoch
+
+    def is_current(self, key: PartitionKey, epoch: int) -> bool:
+        """True while deliveries of ``epoch`` still belong to this worker."""
+        with self._lock:
+            state = self._partitions.get(key)
+            return state is not None and state.epoch == epoch
+
+    def settle(self, key: PartitionKey, offset: int, epoch: int) -> bool:
+        """Mark one delivery settled; False (ignored) if its epoch is over."""
+        with self._lock:
+            state = self._partitions.get(key)
+            if state is None or state.epoch != epoch:
+                return False
+            if offset not in state.outstanding or offset in state.settled:
+                return False
+            state.settled.add(offset)
+            while state.pending and state.pending[0] in state.settled:
+                done = state.pending.popleft()
+                state.outstanding.discard(done)
+                state.settled.discard(done)
+                state.committable = done + 1
+            return True
+
+    def request_rewind(self, key: PartitionKey, offset: int, epoch: int) -> bool:
+        """Give up deliveries from ``offset`` on: they must be fetched again.
+
+        Used when a delivery could not be settled (e.g. its dead-letter publish failed):
+        the partition gets a new epoch, so later deliveries already handed out are
+        dropped, and the consumer thread seeks back to ``offset`` (see
+        :meth:`take_rewinds`). Returns False when the epoch is already over.
+        """
+        with self._lock:
+            state = self._partitions.get(key)
+            if state is None or state.epoch != epoch:
+                return False
+            state.epoch = next(self._epochs)
+            kept = [o for o in state.pending if o < offset]
+            state.pending = deque(kept)
+            state.outstanding = set(kept)
+            state.settled = {o for o in state.settled if o < offset}
+            state.last_tracked = kept[-1] if kept else None
+            self._rewinds[key] = Rewind(key, offset, state.epoch)
+            return True
+
+    def take_rewinds(self) -> list[Rewind]:
+        """Seeks the consumer thread still has to do (each returned once)."""
+        with self._lock:
+            rewinds = [r for r in self._rewinds.values() if self._current(r)]
+            self._rewinds.clear()
+            return rewinds
+
+    def _current(self, rewind: Rewind) -> bool:
+        state = self._partitions.get(rewind.partition)
+        return state is not None and state.epoch == rewind.epoch
+
+    # -- commits -------------------------------------------------------------------------
+
+    def to_commit(self) -> dict[PartitionKey, int]:
+        """Committable offsets the broker has not confirmed yet."""
+        with self._lock:
+            return {
+                key: state.committable
+                for key, state in self._partitions.items()
+                if _dirty(state) and state.committable is not None
+            }
+
+    def committed(self, offsets: dict[PartitionKey, int]) -> None:
+        """Record that the broker confirmed ``offsets``."""
+        with self._lock:
+            for key, offset in offsets.items():
+                state = self._partitions.get(key)
+                if state is not None and (state.committed is None or offset > state.committed):
+                    state.committed = offset
+
+    def committed_offset(self, key: PartitionKey) -> int | None:
+        """The last confirmed commit of ``key`` in this assignment, if any."""
+        with self._lock:
+            state = self._partitions.get(key)
+            return None if state is None else state.committed
+
+    def next_offset(self, key: PartitionKey) -> int | None:
+        """The offset after the last delivery handed out for ``key``, if any."""
+        with self._lock:
+            state = self._partitions.get(key)
+            if state is None or state.last_tracked is None:
+                return None if state is None else state.committable
+            return state.last_tracked + 1
+
+    def in_flight(self, key: PartitionKey | None = None) -> int:
+        """Deliveries handed out and not yet settled (for one partition or all)."""
+        with self._lock:
+            states = (
+                self._partitions.values()
+                if key is None
+                else [s for k, s in self._partitions.items() if k == key]
+            )
+            return sum(len(s.pending) - len(s.settled) for s in states)
+
+
+def _dirty(state: _Partition) -> bool:
+    return state.committable is not None and (
+        state.committed is None or state.committable > state.committed
+    )

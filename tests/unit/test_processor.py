@@ -1,0 +1,257 @@
+"""The processing core on SQLite and the in-memory broker."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, func, select
+
+from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
+from mqdedup.consumers.base import Context
+from mqdedup.consumers.worker import Worker
+from mqdedup.dedup.store import DedupStore
+from mqdedup.errors import ConfigurationError, SimulatedCrash
+from mqdedup.schema import schema
+from tests.support import BulkOrderConsumer, OrderConsumer, order_counts
+
+FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.001, max_backoff=0.01)
+
+
+def publish_orders(broker: InMemoryBroker, count: int, queue: str = "orders") -> None:
+    for number in range(count):
+        broker.publish(
+            queue, json.dumps({"order": number, "amount": number}), message_id=f"m{number}"
+        )
+
+
+class FastOrders(OrderConsumer):
+    retry_policy = FAST_RETRY
+
+
+def attempts_row(engine: Engine, message_id: str) -> int | None:
+    table = schema().attempts
+    with engine.connect() as connection:
+        return connection.execute(
+            select(table.c.attempts).where(table.c.message_id == message_id)
+        ).scalar_one_or_none()
+
+
+def is_claimed(engine: Engine, consumer: str, message_id: str) -> bool:
+    with engine.connect() as connection:
+        from sqlalchemy.orm import Session
+
+        with Session(bind=connection) as session:
+            return DedupStore().is_processed(session, consumer, message_id)
+
+
+@pytest.mark.parametrize("consumer_class", [FastOrders, BulkOrderConsumer])
+def test_duplicates_are_skipped_and_each_order_written_once(
+    sqlite_engine: Engine, consumer_class: type[OrderConsumer]
+) -> None:
+    broker = InMemoryBroker(seed=3)
+    publish_orders(broker, 1000)
+    copies = broker.inject_duplicates("orders", 0.3)
+    assert copies > 200
+
+    metrics = run_until_idle(consumer_class(), broker.transport("orders"), sqlite_engine)
+
+    counts = order_counts(sqlite_engine)
+    assert len(counts) == 1000 and set(counts.values()) == {1}
+    assert metrics.processed == 1000
+    assert metrics.duplicates == copies
+    assert broker.pending("orders") == 0 and broker.settled_count["orders"] == 1000 + copies
+
+
+def test_repeats_inside_one_batch_are_duplicates(sqlite_engine: Engine) -> None:
+    broker = InMemoryBroker()
+    for _ in range(5):
+        broker.publish("orders", b'{"order": 1}', message_id="same")
+    metrics = run_until_idle(FastOrders(), broker.transport("orders"), sqlite_engine)
+    assert order_counts(sqlite_engine) == {"same": 1}
+    assert (metrics.processed, metrics.duplicates) == (1, 4)
+
+
+@pytest.mark.parametrize("isolation", ["savepoint", "rerun"])
+def test_failing_handler_does_not_fail_its_batch_mates(
+    sqlite_engine: Engine, isolation: str
+) -> None:
+    class Failing(FastOrders):
+        fail_ids = frozenset({"m42"})
+        failure_isolation = isolation  # type: ignore[assignment]
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 100)
+    metrics = run_until_idle(Failing(), broker.transport("orders"), sqlite_engine)
+
+    counts = order_counts(sqlite_engine)
+    assert len(counts) == 99 and "m42" not in counts and set(counts.values()) == {1}
+    dead = broker.dead_letters["orders"]
+    assert len(dead) == 1
+    assert dead[0].message.header("message-id") == "m42"
+    assert dead[0].record.attempts == 3
+    assert dead[0].record.error_class == "builtins.RuntimeError"
+    assert "cannot handle m42" in dead[0].record.reason
+    assert not is_claimed(sqlite_engine, "orders", "m42")  # no claim left behind
+    assert is_claimed(sqlite_engine, "orders", "m41")
+    assert attempts_row(sqlite_engine, "m42") == 3
+    assert (metrics.processed, metrics.dead_lettered, metrics.retries) == (99, 1, 2)
+
+
+def test_a_handler_that_recovers_on_retry_is_processed_once(sqlite_engine: Engine) -> None:
+    calls: list[str] = []
+
+    class Flaky(FastOrders):
+        def handle(self, message: Message, ctx: Context) -> Any:
+            calls.append(str(message.id))
+            result = super().handle(message, ctx)
+            if message.id == "m3" and calls.count("m3") < 2:
+                raise ConnectionError("downstream hiccup")
+            return result
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 10)
+    metrics = run_until_idle(Flaky(), broker.transport("orders"), sqlite_engine)
+    assert order_counts(sqlite_engine)["m3"] == 1
+    assert calls.count("m3") == 2 and metrics.retries == 1 and metrics.dead_lettered == 0
+
+
+def test_attempts_are_counted_across_redeliveries(sqlite_engine: Engine) -> None:
+    """A worker that dies between attempts does not reset the message's attempt count."""
+
+    class AlwaysFails(FastOrders):
+        fail_ids = frozenset({"m0"})
+        retry_policy = RetryPolicy(max_attempts=3, initial_backoff=0.001)
+
+    store = DedupStore()
+    with sqlite_engine.begin() as connection:
+        from sqlalchemy.orm import Session
+
+        with Session(bind=connection) as session:
+            store.record_failure(session, "orders", "m0", "earlier life")
+            store.record_failure(session, "orders", "m0", "earlier life")
+    broker = InMemoryBroker()
+    publish_orders(broker, 1)
+    metrics = run_until_idle(AlwaysFails(), broker.transport("orders"), sqlite_engine)
+    assert metrics.dead_lettered == 1 and metrics.retries == 0
+    assert broker.dead_letters["orders"][0].record.attempts == 3
+
+
+def test_missing_id_and_undecodable_body_are_dead_lettered_and_counts_add_up(
+    sqlite_engine: Engine,
+) -> None:
+    broker = InMemoryBroker()
+    publish_orders(broker, 20)
+    broker.publish("orders", b'{"order": "no-id"}')
+    broker.publish("orders", b"\x00not json", message_id="bad-body")
+    metrics = run_until_idle(FastOrders(), broker.transport("orders"), sqlite_engine)
+
+    reasons = sorted(d.record.reason for d in broker.dead_letters["orders"])
+    assert reasons[0] == "missing message id: no 'message-id' header"
+    assert reasons[1].startswith("undecodable body: invalid JSON")
+    assert metrics.delivered == 22 == metrics.processed + metrics.duplicates + metrics.dead_lettered
+    # A malformed body is a property of the message: no retries for it.
+    assert metrics.retries == 0
+    assert len(order_counts(sqlite_engine)) == 20
+    assert broker.dead_letters["orders"][1].message.body == b"\x00not json"
+
+
+def test_crash_after_commit_before_settle_has_no_second_effect(sqlite_engine: Engine) -> None:
+    class CrashOnce(FastOrders):
+        crashed = False
+
+        def after_commit(self, messages: Sequence[Message]) -> None:
+            if not CrashOnce.crashed:
+                CrashOnce.crashed = True
+                raise SimulatedCrash("after commit, before ack")
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 250)
+    transport = broker.transport("orders")
+    with pytest.raises(SimulatedCrash):
+        Worker(CrashOnce(), transport, sqlite_engine).run(until_idle=True)
+    # The first batch committed but was never settled: the broker has it again.
+    assert broker.pending("orders") == 250
+    metrics = run_until_idle(CrashOnce(), broker.transport("orders"), sqlite_engine)
+    counts = order_counts(sqlite_engine)
+    assert len(counts) == 250 and set(counts.values()) == {1}
+    assert metrics.duplicates == CrashOnce.batch_size
+
+
+def test_duplicates_get_the_first_delivery_s_stored_result(sqlite_engine: Engine) -> None:
+    seen: list[tuple[str | None, Any]] = []
+
+    class Replying(FastOrders):
+        def on_duplicate(self, message: Message, stored_result: Any) -> None:
+            seen.append((message.id, stored_result))
+
+    broker = InMemoryBroker()
+    broker.publish("orders", b'{"order": 7}', message_id="a")
+    run_until_idle(Replying(), broker.transport("orders"), sqlite_engine)
+    broker.publish("orders", b'{"order": 7}', message_id="a")
+    run_until_idle(Replying(), broker.transport("orders"), sqlite_engine)
+    assert seen == [("a", {"order": 7, "status": "accepted"})]
+
+
+def test_a_result_that_is_not_json_fails_the_message(sqlite_engine: Engine) -> None:
+    class BadResult(FastOrders):
+        def handle(self, message: Message, ctx: Context) -> Any:
+            return object()
+
+    broker = InMemoryBroker()
+    broker.publish("orders", b"{}", message_id="a")
+    run_until_idle(BadResult(), broker.transport("orders"), sqlite_engine)
+    assert "not JSON-serialisable" in broker.dead_letters["orders"][0].record.reason
+
+
+def test_failing_bulk_handler_falls_back_to_single_messages(sqlite_engine: Engine) -> None:
+    class Bulk(BulkOrderConsumer):
+        retry_policy = FAST_RETRY
+        fail_ids = frozenset({"m5"})
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 30)
+    metrics = run_until_idle(Bulk(), broker.transport("orders"), sqlite_engine)
+    counts = order_counts(sqlite_engine)
+    assert len(counts) == 29 and "m5" not in counts and set(counts.values()) == {1}
+    assert metrics.dead_lettered == 1
+
+
+def test_without_dedup_duplicates_are_processed_again(sqlite_engine: Engine) -> None:
+    """The control experiment: the same run with dedup switched off doubles effects."""
+
+    class NoDedup(FastOrders):
+        deduplicate = False
+
+    broker = InMemoryBroker(seed=1)
+    publish_orders(broker, 200)
+    broker.inject_duplicates("orders", 0.3)
+    run_until_idle(NoDedup(), broker.transport("orders"), sqlite_engine)
+    assert max(order_counts(sqlite_engine).values()) > 1
+
+
+def test_invalid_consumer_settings_are_refused() -> None:
+    class Nothing(OrderConsumer):
+        batch_size = 0
+
+    with pytest.raises(ConfigurationError, match="batch_size"):
+        Nothing().validate()
+    with pytest.raises(ConfigurationError, match="max_attempts"):
+        RetryPolicy(max_attempts=0)
+
+
+def test_purge_removes_old_claims_in_chunks(sqlite_engine: Engine) -> None:
+    from datetime import timedelta
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 120)
+    run_until_idle(FastOrders(), broker.transport("orders"), sqlite_engine)
+    store = DedupStore()
+    assert store.purge(sqlite_engine, timedelta(days=1)) == 0
+    assert store.purge(sqlite_engine, timedelta(seconds=-1), chunk_size=50) == 120
+    with sqlite_engine.connect() as connection:
+        assert (
+            connection.execute(select(func.count()).select_from(schema().processed)).scalar() == 0
+        )
