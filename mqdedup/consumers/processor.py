@@ -345,7 +345,9 @@ class Processor:
         """Run ``work``; on a transient database error wait with backoff and run it again."""
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
-            wait=wait_random_exponential(multiplier=0.1, max=self.policy.infrastructure_backoff_max),
+            wait=wait_random_exponential(
+                multiplier=0.1, max=self.policy.infrastructure_backoff_max
+            ),
             stop=stop_never,
             sleep=self._infrastructure_sleep,
             before_sleep=self._log_database_retry,

@@ -61,9 +61,7 @@ def test_two_processes_racing_on_one_message_id_write_one_row(
     )
     second = None
     try:
-        wait_for(
-            lambda: (tmp_path / "entered").exists(), 30, "the holder to claim and enter its handler"
-        )
+        wait_for((tmp_path / "entered").exists, 30, "the holder to claim and enter its handler")
         second = subprocess.Popen(
             [*script, "second", str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
         )
