@@ -15,17 +15,23 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Column,
     DateTime,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     String,
     Table,
     Text,
+    UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects.mysql import DATETIME as MYSQL_DATETIME
+from sqlalchemy.dialects.mysql import LONGBLOB as MYSQL_LONGBLOB
+from sqlalchemy.dialects.mysql import VARBINARY as MYSQL_VARBINARY
 from sqlalchemy.dialects.postgresql import JSONB
 
 from mqdedup.errors import ConfigurationError
@@ -51,6 +57,7 @@ class Schema:
     processed: Table
     attempts: Table
     tokens: Table
+    outbox: Table
 
 
 def validate_prefix(prefix: str) -> str:
@@ -104,6 +111,65 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         Index(f"{prefix}tokens_expires_idx", "expires_at"),
         **MYSQL_TABLE_OPTIONS,
     )
+    outbox = _outbox_table(prefix, metadata)
     return Schema(
-        prefix=prefix, metadata=metadata, processed=processed, attempts=attempts, tokens=tokens
+        prefix=prefix,
+        metadata=metadata,
+        processed=processed,
+        attempts=attempts,
+        tokens=tokens,
+        outbox=outbox,
+    )
+
+
+def _outbox_table(prefix: str, metadata: MetaData) -> Table:
+    """``<prefix>outbox``: outgoing messages written in business transactions (mqdedup.outbox).
+
+    Plain data only: the payload as bytes, headers and AMQP properties as JSON. ``state``
+    is ``pending`` until the relay published the row (``published``) or gave up on it
+    after its attempts (``failed``, kept until retried). ``locked_by``/``locked_until``
+    are the relay's lease on a claimed row; ``shard_hash`` places the row's key in a
+    shard owned by one relay.
+    """
+    pending = text("state = 'pending'")
+    return Table(
+        f"{prefix}outbox",
+        metadata,
+        Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+        Column("message_id", String(255), nullable=False),
+        Column("broker", String(64), nullable=False),
+        Column("destination", String(255), nullable=False),
+        Column("routing_key", String(255), nullable=True),
+        Column(
+            "message_key",
+            LargeBinary().with_variant(MYSQL_VARBINARY(767), "mysql", "mariadb"),
+            nullable=True,
+        ),
+        Column("shard_hash", Integer, nullable=False),
+        Column("headers", JSON, nullable=False),
+        Column("properties", JSON, nullable=True),
+        Column(
+            "payload",
+            LargeBinary().with_variant(MYSQL_LONGBLOB(), "mysql", "mariadb"),
+            nullable=False,
+        ),
+        Column("state", String(16), nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("last_error", Text, nullable=True),
+        Column("created_at", PreciseDateTime, nullable=False),
+        Column("available_at", PreciseDateTime, nullable=False),
+        Column("locked_by", String(255), nullable=True),
+        Column("locked_until", PreciseDateTime, nullable=True),
+        Column("published_at", PreciseDateTime, nullable=True),
+        UniqueConstraint("message_id", name=f"{prefix}outbox_message_id_key"),
+        Index(f"{prefix}outbox_pending_idx", "id", postgresql_where=pending, sqlite_where=pending),
+        Index(
+            f"{prefix}outbox_pending_key_idx",
+            "message_key",
+            "id",
+            postgresql_where=pending,
+            sqlite_where=pending,
+        ),
+        Index(f"{prefix}outbox_state_idx", "state", "published_at"),
+        **MYSQL_TABLE_OPTIONS,
     )
