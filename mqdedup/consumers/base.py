@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from mqdedup.consumers.transport import Transport
     from mqdedup.outbox.writer import OutboxWriter
 
-FailureIsolation = Literal["savepoint", "rerun"]
+FailureIsolation = Literal["auto", "savepoint", "rerun"]
 
 
 @dataclass(frozen=True)
@@ -113,11 +113,14 @@ class Consumer:
     #: How the dedup key is taken from a message (see :mod:`mqdedup.dedup.ids`).
     message_id_strategy: ClassVar[MessageIdStrategy] = from_header()
     retry_policy: ClassVar[RetryPolicy] = RetryPolicy()
-    #: ``savepoint``: each handler runs in a savepoint; a failure rolls back only its own
-    #: work. ``rerun``: no savepoints; a failure rolls the batch back and reruns it
-    #: without the failing message (faster when failures are rare; handlers must keep
-    #: their effects in the transaction).
-    failure_isolation: ClassVar[FailureIsolation] = "savepoint"
+    #: How a failing handler is kept from failing its batch-mates (its own writes and its
+    #: claim are always undone; the others commit):
+    #: ``auto`` (default): handlers run without savepoints; on a failure the transaction
+    #: rolls back and the batch reruns without the failing message, in savepoints.
+    #: ``savepoint``: every handler runs in a savepoint (two more round trips each).
+    #: ``rerun``: never savepoints; each failure reruns the batch without it.
+    #: Rerunning calls batch-mates' handlers again: keep effects in the transaction.
+    failure_isolation: ClassVar[FailureIsolation] = "auto"
     table_prefix: ClassVar[str] = DEFAULT_PREFIX
     #: Skip the claim entirely (a baseline for benchmarks; never for real consumers).
     deduplicate: ClassVar[bool] = True
@@ -199,9 +202,9 @@ class Consumer:
         """Raise ConfigurationError for settings that cannot work."""
         if self.batch_size < 1:
             raise ConfigurationError(f"{type(self).__name__}.batch_size must be at least 1")
-        if self.failure_isolation not in ("savepoint", "rerun"):
+        if self.failure_isolation not in ("auto", "savepoint", "rerun"):
             raise ConfigurationError(
-                f"{type(self).__name__}.failure_isolation must be 'savepoint' or 'rerun'"
+                f"{type(self).__name__}.failure_isolation must be 'auto', 'savepoint' or 'rerun'"
             )
         if not (self.has_single_handler or self.has_batch_handler):
             raise ConfigurationError(

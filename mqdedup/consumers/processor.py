@@ -134,25 +134,35 @@ class Processor:
         return unique, repeats
 
     def _run_pass(self, deliveries: Sequence[Delivery]) -> _Pass:
-        """One transaction over ``deliveries``: claim, handle the new ones, commit."""
+        """One transaction over ``deliveries``: claim, handle the new ones, commit.
+
+        Without savepoints a handler failure rolls the transaction back; it is then run
+        again without the failing message (``auto`` reruns with savepoints, so one more
+        failure does not cost another rerun).
+        """
         pending = list(deliveries)
         excluded: list[tuple[Delivery, Exception]] = []
         use_batch_handler = self.consumer.has_batch_handler
+        savepoints = self.consumer.failure_isolation == "savepoint"
         while pending:
             try:
-                outcome = self._transaction(pending, use_batch_handler)
+                outcome = self._transaction(pending, use_batch_handler, savepoints)
             except _RerunWithoutError as rerun:
                 if rerun.delivery is None:
                     use_batch_handler = False
                 else:
                     pending.remove(rerun.delivery)
                     excluded.append((rerun.delivery, rerun.error))
+                    self._log_failure(rerun.delivery, rerun.error)
+                savepoints = self.consumer.failure_isolation == "auto" or savepoints
                 continue
             outcome.failures.extend(excluded)
             return outcome
         return _Pass(failures=excluded)
 
-    def _transaction(self, deliveries: Sequence[Delivery], use_batch_handler: bool) -> _Pass:
+    def _transaction(
+        self, deliveries: Sequence[Delivery], use_batch_handler: bool, savepoints: bool
+    ) -> _Pass:
         outcome = _Pass()
         with self.sessions() as session, session.begin():
             ids = [d.message.id for d in deliveries if d.message.id is not None]
@@ -165,7 +175,7 @@ class Processor:
                 outcome.stored_results = self.store.results(
                     session, self.name, [str(d.message.id) for d in outcome.duplicates]
                 )
-            results = self._handle(session, new, outcome, use_batch_handler)
+            results = self._handle(session, new, outcome, use_batch_handler, savepoints)
             if outcome.failures and self.consumer.deduplicate:
                 self.store.forget(
                     session, self.name, [str(d.message.id) for d, _ in outcome.failures]
@@ -175,11 +185,15 @@ class Processor:
         return outcome
 
     def _handle(
-        self, session: Session, new: list[Delivery], outcome: _Pass, use_batch_handler: bool
+        self,
+        session: Session,
+        new: list[Delivery],
+        outcome: _Pass,
+        use_batch_handler: bool,
+        savepoints: bool,
     ) -> dict[str, Any]:
         """Run the handlers; fill ``outcome.processed`` / ``failures``; return results."""
         results: dict[str, Any] = {}
-        savepoints = self.consumer.failure_isolation == "savepoint"
         if use_batch_handler and new:
             batch_results = self._isolated(
                 session, savepoints, None, lambda: self._call_batch_handler(session, new)

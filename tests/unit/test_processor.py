@@ -74,7 +74,7 @@ def test_repeats_inside_one_batch_are_duplicates(sqlite_engine: Engine) -> None:
     assert (metrics.processed, metrics.duplicates) == (1, 4)
 
 
-@pytest.mark.parametrize("isolation", ["savepoint", "rerun"])
+@pytest.mark.parametrize("isolation", ["auto", "savepoint", "rerun"])
 def test_failing_handler_does_not_fail_its_batch_mates(
     sqlite_engine: Engine, isolation: str
 ) -> None:
