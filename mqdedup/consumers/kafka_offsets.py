@@ -96,13 +96,17 @@ class OffsetTracker:
 
     # -- the delivery life cycle -----------------------------------------------------------
 
-    def track(self, key: PartitionKey, offset: int) -> int:
-        """Record that ``offset`` of ``key`` was handed out; return the epoch to carry.
+    def track(self, key: PartitionKey, offset: int) -> int | None:
+        """Record that ``offset`` of ``key`` is handed out; return the epoch to carry.
 
-        Offsets of one partition must be tracked in increasing order within an epoch; a
-        partition never assigned is assigned on the fly (manual assignment).
+        Returns None when the record must be dropped: a rewind of its partition is
+        pending, so it will be fetched again after the seek. Offsets of one partition
+        must be tracked in increasing order within an epoch; a partition never assigned
+        is assigned on the fly (manual assignment).
         """
         with self._lock:
+            if key in self._rewinds:
+                return None
             state = self._partitions.get(key)
             if state is None:
                 state = self._partitions[key] = _Partition(epoch=next(self._epochs))

@@ -1,0 +1,262 @@
+"""Replay: run a Kafka consumer again over a past range of its topics.
+
+The replay assigns explicit partitions (it never joins the consumer group and commits
+nothing), seeks each to the start of the range (an offset, or a timestamp through
+``offsets_for_times``) and stops at the end of the range (an offset or a timestamp,
+exclusive; default: the end offsets when the replay starts). Messages go through the
+normal processor, so ids already claimed by the consumer are duplicates and nothing
+happens twice. A dry run only reads the ids and counts what *would* happen.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from mqdedup.consumers.kafka_offsets import PartitionKey
+from mqdedup.consumers.kafka_transport import KafkaToken, KafkaTransport
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.processor import BatchReport, Processor
+from mqdedup.consumers.stopping import StopToken
+from mqdedup.consumers.transport import Delivery
+from mqdedup.db import session_factory
+from mqdedup.dedup.store import DedupStore
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError, MessageError
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.kafka import KafkaConsumer
+
+log = logging.getLogger(__name__)
+
+MISSING_ID_REASON = "missing message id"
+
+
+@dataclass
+class ReplayReport:
+    """What a replay did (or, in a dry run, would do)."""
+
+    dry_run: bool = False
+    #: Messages whose effects were applied now (dry run: would be applied).
+    new: int = 0
+    #: Messages already processed before (or repeated within the range).
+    duplicates: int = 0
+    #: Messages without a message id (dead-lettered unless it is a dry run).
+    without_id: int = 0
+    #: Other messages dead-lettered (their handler kept failing).
+    dead_lettered: int = 0
+    #: Messages that could not be settled (their dead-letter publish failed).
+    unsettled: int = 0
+    #: ``topic/partition`` -> ``(start offset, end offset)`` actually replayed.
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        """Messages read from the range."""
+        return self.new + self.duplicates + self.without_id + self.dead_lettered + self.unsettled
+
+
+class KafkaReplay:
+    """One replay run; see :meth:`mqdedup.consumers.kafka.KafkaConsumer.replay`."""
+
+    def __init__(
+        self,
+        consumer: KafkaConsumer,
+        database: Engine | sessionmaker[Session],
+        *,
+        start: int | datetime | None = None,
+        end: int | datetime | None = None,
+        partitions: Sequence[int] | None = None,
+        topics: Sequence[str] | None = None,
+        dry_run: bool = False,
+        stop: StopToken | None = None,
+        idle_timeout: float = 60.0,
+    ) -> None:
+        self.consumer = consumer
+        self.settings = consumer.kafka_settings()
+        self.sessions = session_factory(database) if isinstance(database, Engine) else database
+        self.topics = list(topics or self.settings.topics)
+        if not self.topics:
+            raise ConfigurationError(
+                f"replay of {type(consumer).__name__} needs topics=[...] "
+                "(it subscribes by topic_pattern)"
+            )
+        self.partitions = list(partitions) if partitions is not None else None
+        self.start = start
+        self.end = end
+        self.dry_run = dry_run
+        self.stop = stop or StopToken()
+        self.idle_timeout = idle_timeout
+        self.metrics = Metrics()
+        self.report = ReplayReport(dry_run=dry_run)
+        self._seen: set[str] = set()
+
+    def run(self) -> ReplayReport:
+        """Replay the range and return the counts."""
+        transport = KafkaTransport(self.settings, metrics=self.metrics, group=False)
+        try:
+            transport.open()
+            keys = self._partitions(transport)
+            transport.assign(keys)
+            starts, ends = self._range(transport, keys)
+            active: dict[PartitionKey, int] = {}
+            for key in keys:
+                self.report.ranges[f"{key[0]}/{key[1]}"] = (starts[key], ends[key])
+                if starts[key] < ends[key]:
+                    transport.seek(key, starts[key])
+                    active[key] = ends[key]
+            log.info(
+                "replay started",
+                extra={
+                    "consumer": self.settings.consumer_name,
+                    "dry_run": self.dry_run,
+                    "ranges": self.report.ranges,
+                },
+            )
+            self._consume(transport, active)
+        finally:
+            transport.close(commit=False)
+        log.info(
+            "replay finished",
+            extra={
+                "consumer": self.settings.consumer_name,
+                "dry_run": self.dry_run,
+                "new": self.report.new,
+                "duplicates": self.report.duplicates,
+                "without_id": self.report.without_id,
+                "dead_lettered": self.report.dead_lettered,
+            },
+        )
+        return self.report
+
+    # -- range ---------------------------------------------------------------------------
+
+    def _partitions(self, transport: KafkaTransport) -> list[PartitionKey]:
+        keys: list[PartitionKey] = []
+        for topic in self.topics:
+            existing = transport.partitions_of(topic)
+            chosen = existing if self.partitions is None else self.partitions
+            missing = sorted(set(chosen) - set(existing))
+            if missing:
+                raise ConfigurationError(
+                    f"Kafka topic {topic!r} has no partition(s) {missing} (it has {len(existing)})"
+                )
+            keys.extend((topic, p) for p in sorted(set(chosen)))
+        return keys
+
+    def _range(
+        self, transport: KafkaTransport, keys: list[PartitionKey]
+    ) -> tuple[dict[PartitionKey, int], dict[PartitionKey, int]]:
+        first = transport.beginning_offsets(keys)
+        last = transport.end_offsets(keys)
+        starts = self._resolve(transport, keys, self.start, default=first, beyond=last)
+        ends = self._resolve(transport, keys, self.end, default=last, beyond=last)
+        starts = {k: max(starts[k], first[k]) for k in keys}
+        ends = {k: min(ends[k], last[k]) for k in keys}
+        return starts, ends
+
+    @staticmethod
+    def _resolve(
+        transport: KafkaTransport,
+        keys: list[PartitionKey],
+        bound: int | datetime | None,
+        *,
+        default: dict[PartitionKey, int],
+        beyond: dict[PartitionKey, int],
+    ) -> dict[PartitionKey, int]:
+        if bound is None:
+            return dict(default)
+        if isinstance(bound, datetime):
+            if bound.tzinfo is None:
+                raise ConfigurationError("replay timestamps must be timezone-aware")
+            found = transport.offsets_for_times(keys, bound)
+            return {k: beyond[k] if found.get(k) is None else int(found[k] or 0) for k in keys}
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            raise ConfigurationError(f"replay offsets must be non-negative integers, not {bound!r}")
+        return dict.fromkeys(keys, bound)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _consume(self, transport: KafkaTransport, active: dict[PartitionKey, int]) -> None:
+        processor = (
+            None
+            if self.dry_run
+            else Processor(
+                self.consumer, self.sessions, transport, metrics=self.metrics, stop=self.stop
+            )
+        )
+        batch_size = self.consumer.batch_size
+        last_progress = time.monotonic()
+        while active and not self.stop.requested:
+            deliveries = transport.poll(batch_size, self.consumer.poll_timeout)
+            in_range = [d for d in deliveries if _offset(d) < active.get(_key(d), -1)]
+            if in_range:
+                last_progress = time.monotonic()
+                if processor is None:
+                    self._count_dry(in_range)
+                else:
+                    self._count(processor.process(in_range))
+            for key in list(active):
+                if transport.position(key) >= active[key]:
+                    del active[key]
+            if active and time.monotonic() - last_progress > self.idle_timeout:
+                raise BrokerUnavailableError(
+                    f"replay made no progress for {self.idle_timeout:.0f} s "
+                    f"(partitions left: {sorted(active)})"
+                )
+
+    def _count(self, report: BatchReport) -> None:
+        self.report.new += len(report.processed)
+        self.report.duplicates += len(report.duplicates)
+        self.report.unsettled += len(report.unsettled)
+        for _delivery, record in report.dead_lettered:
+            if record.reason.startswith(MISSING_ID_REASON):
+                self.report.without_id += 1
+            else:
+                self.report.dead_lettered += 1
+
+    def _count_dry(self, deliveries: list[Delivery]) -> None:
+        ids: list[str] = []
+        for delivery in deliveries:
+            try:
+                ids.append(self.consumer.message_id(delivery.message))
+            except MessageError:
+                self.report.without_id += 1
+        claimed = self._claimed(sorted(set(ids) - self._seen))
+        for message_id in ids:
+            if message_id in self._seen or message_id in claimed:
+                self.report.duplicates += 1
+            else:
+                self.report.new += 1
+            self._seen.add(message_id)
+
+    def _claimed(self, ids: list[str]) -> set[str]:
+        if not ids:
+            return set()
+        table = DedupStore(self.consumer.table_prefix).schema.processed
+        with self.sessions() as session:
+            rows = session.execute(
+                select(table.c.message_id).where(
+                    table.c.consumer_name == self.settings.consumer_name,
+                    table.c.message_id.in_(ids),
+                )
+            )
+            return {row[0] for row in rows}
+
+
+def _key(delivery: Delivery) -> PartitionKey:
+    token: Any = delivery.token
+    assert isinstance(token, KafkaToken)
+    return token.partition
+
+
+def _offset(delivery: Delivery) -> int:
+    token: Any = delivery.token
+    assert isinstance(token, KafkaToken)
+    return token.offset

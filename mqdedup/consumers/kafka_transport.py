@@ -1,0 +1,665 @@
+"""The Kafka transport: a kafka-python consumer and a dead-letter producer.
+
+It keeps the ack contract of :mod:`mqdedup.consumers.transport`:
+
+* offsets are committed (``enable_auto_commit=False``) only for *settled* deliveries,
+  and only up to the first one that is not settled yet (:mod:`kafka_offsets`);
+* on a rebalance, settled offsets of revoked partitions are committed, their in-flight
+  deliveries are dropped (their settles are ignored; the next owner gets them again and
+  the dedup table turns them into duplicates); a commit that fails because of the
+  rebalance is logged, never fatal;
+* ``dead_letter`` publishes the original key, value and headers plus the ``x-mqdedup-*``
+  headers to the dead-letter topic and waits for the broker's acknowledgement
+  (``acks=all``, idempotent producer) before it returns; it raises otherwise, and the
+  delivery's partition is rewound to it so it is fetched and tried again.
+
+Threads: every call on the kafka-python consumer (poll, pause, seek, commit) happens on
+the *owner* thread, the one that called :meth:`KafkaTransport.open`. ``settle``,
+``dead_letter`` and ``keepalive`` may be called from another thread (the processing
+thread of :class:`~mqdedup.consumers.kafka_runner.KafkaRunner`): ``settle`` then only
+records the settlement and the owner thread commits it on its next turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import kafka
+import kafka.errors as kafka_errors
+from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from mqdedup.consumers.kafka_offsets import OffsetTracker, PartitionKey
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.transport import DeadLetter, Delivery
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.message import HeaderValue, Message
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.kafka import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+#: Headers naming where a dead-lettered record came from (besides ``DeadLetter.headers()``).
+SOURCE_TOPIC_HEADER = "x-mqdedup-source-topic"
+SOURCE_PARTITION_HEADER = "x-mqdedup-source-partition"
+SOURCE_OFFSET_HEADER = "x-mqdedup-source-offset"
+SOURCE_TIMESTAMP_HEADER = "x-mqdedup-source-timestamp"
+DEAD_LETTER_PREFIX = "x-mqdedup-"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KafkaToken:
+    """Where a delivery came from, and the assignment epoch it was handed out in."""
+
+    partition: PartitionKey
+    offset: int
+    epoch: int
+    #: The original record as kafka-python returned it (key, value and header list).
+    record: Any
+
+
+def partition_key(topic_partition: Any) -> PartitionKey:
+    """``(topic, partition)`` of a kafka-python ``TopicPartition``."""
+    return (str(topic_partition.topic), int(topic_partition.partition))
+
+
+def to_message(record: Any) -> Message:
+    """The :class:`Message` of one kafka-python ``ConsumerRecord``."""
+    headers: dict[str, HeaderValue] = {}
+    for name, value in record.headers or ():
+        headers[name] = value  # a repeated header: the last one wins, as in lastHeader()
+    timestamp = (
+        datetime.fromtimestamp(record.timestamp / 1000, tz=UTC)
+        if record.timestamp is not None and record.timestamp >= 0
+        else None
+    )
+    return Message(
+        body=record.value if record.value is not None else b"",
+        key=record.key,
+        headers=headers,
+        source=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        timestamp=timestamp,
+    )
+
+
+def dead_letter_headers(token: KafkaToken, record: DeadLetter) -> list[tuple[str, bytes]]:
+    """The original headers (minus old ``x-mqdedup-*`` ones) plus the dead-letter headers."""
+    original = [
+        (name, value if value is not None else b"")
+        for name, value in (token.record.headers or ())
+        if not name.startswith(DEAD_LETTER_PREFIX)
+    ]
+    added = {
+        **record.headers(),
+        SOURCE_TOPIC_HEADER: token.partition[0],
+        SOURCE_PARTITION_HEADER: str(token.partition[1]),
+        SOURCE_OFFSET_HEADER: str(token.offset),
+    }
+    if token.record.timestamp is not None and token.record.timestamp >= 0:
+        added[SOURCE_TIMESTAMP_HEADER] = str(token.record.timestamp)
+    return original + [(name, value.encode("utf-8")) for name, value in added.items()]
+
+
+class KafkaTransport:
+    """A :class:`~mqdedup.consumers.transport.Transport` over kafka-python.
+
+    ``group=True`` subscribes as a member of the consumer group (commits offsets);
+    ``group=False`` is for replay: partitions are assigned explicitly with
+    :meth:`assign`, nothing joins the group and nothing is committed.
+    """
+
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        *,
+        metrics: Metrics | None = None,
+        group: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.group = group
+        self.tracker = OffsetTracker()
+        self._client: Any = None
+        self._owner: threading.Thread | None = None
+        self._producer: Any = None
+        self._producer_lock = threading.Lock()
+        self._known_dead_letter_topics: set[str] = set()
+        self._commit_wanted = threading.Event()
+        self._next_commit_attempt = 0.0
+        self._paused: set[Any] = set()
+        self._closed = False
+        self._high_water: dict[PartitionKey, int] = {}
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Connect, and subscribe (group mode). Raises BrokerUnavailableError if unreachable."""
+        if self._client is not None:
+            return
+        settings = self.settings
+        config = dict(settings.consumer_config)
+        if not self.group:
+            config["group_id"] = None
+        try:
+            client = kafka.KafkaConsumer(**config)
+        except kafka_errors.NoBrokersAvailable as error:
+            raise BrokerUnavailableError(
+                f"cannot reach Kafka at {','.join(settings.bootstrap_servers)}: "
+                f"{type(error).__name__}"
+            ) from error
+        except kafka_errors.KafkaConfigurationError as error:
+            raise ConfigurationError(f"invalid Kafka settings: {error}") from error
+        self._client = client
+        self._owner = threading.current_thread()
+        if self.group:
+            listener = _RebalanceListener(self)
+            if settings.pattern is not None:
+                client.subscribe(pattern=settings.pattern, listener=listener)
+            else:
+                client.subscribe(topics=list(settings.topics), listener=listener)
+        log.info(
+            "kafka consumer connected",
+            extra={
+                "consumer": settings.consumer_name,
+                "group_id": settings.group_id if self.group else None,
+                "topics": list(settings.topics) or settings.pattern,
+                "bootstrap": ",".join(settings.bootstrap_servers),
+            },
+        )
+
+    @property
+    def client(self) -> Any:
+        """The kafka-python ``KafkaConsumer`` (opened on first use)."""
+        if self._client is None:
+            self.open()
+        return self._client
+
+    def close(self, *, commit: bool = True, timeout: float = 10.0) -> None:
+        """Commit what is settled (unless ``commit=False``), leave the group, disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            if commit and self.group:
+                self._commit(client, self.tracker.to_commit(), timeout)
+            try:
+                client.close(autocommit=False, timeout_ms=int(timeout * 1000))
+            except Exception as error:
+                log.warning(
+                    "kafka consumer did not close cleanly",
+                    extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
+                )
+        with self._producer_lock:
+            producer, self._producer = self._producer, None
+        if producer is not None:
+            try:
+                producer.close(timeout=timeout)
+            except Exception as error:
+                log.warning(
+                    "dead-letter producer did not close cleanly",
+                    extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
+                )
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    # -- the Transport protocol ----------------------------------------------------------
+
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
+        """Commit what is settled, then poll up to ``max_messages`` (owner thread only)."""
+        self.commit_pending()
+        self.apply_rewinds()
+        self.resume_all()
+        return self.poll(max_messages, timeout)
+
+    def settle(self, deliveries: Sequence[Delivery]) -> None:
+        """Mark deliveries settled; their offsets are committed contiguously.
+
+        On the owner thread the commit happens at once; from another thread it is left
+        to the owner thread's next turn. Deliveries of revoked or rewound partitions are
+        ignored: they will be fetched again (by this or another worker) and deduplicated.
+        """
+        settled = 0
+        for delivery in deliveries:
+            token = delivery.token
+            if isinstance(token, KafkaToken) and self.tracker.settle(
+                token.partition, token.offset, token.epoch
+            ):
+                settled += 1
+        if settled:
+            if self._on_owner_thread():
+                self.commit_pending()
+            else:
+                self._commit_wanted.set()
+
+    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+        """Publish the original record with ``record``'s headers; wait for the broker's ack.
+
+        Raises when the publish is not acknowledged within the dead-letter timeout; the
+        offset then does not move past this delivery (its partition is rewound to it).
+        """
+        token = delivery.token
+        if not isinstance(token, KafkaToken):
+            raise TypeError("not a Kafka delivery")
+        topic = self.settings.dead_letter_topic_for(token.partition[0])
+        producer = self._dead_letter_producer()
+        self._ensure_dead_letter_topic(topic, token.partition[0])
+        future = producer.send(
+            topic,
+            key=token.record.key,
+            value=token.record.value,
+            headers=dead_letter_headers(token, record),
+        )
+        try:
+            future.get(timeout=self.settings.dead_letter_timeout)
+        except Exception as error:
+            raise BrokerUnavailableError(
+                f"dead-letter publish to {topic!r} failed: {_describe(error)}"
+            ) from error
+        log.info(
+            "published to dead-letter topic",
+            extra={
+                "consumer": self.settings.consumer_name,
+                "topic": topic,
+                "source": f"{token.partition[0]}/{token.partition[1]}/{token.offset}",
+                "reason": record.reason,
+            },
+        )
+
+    def keepalive(self) -> None:
+        """Stay in the group while the processor waits.
+
+        On the owner thread: pause every partition and poll (no records come back), so
+        ``max_poll_interval_ms`` never expires; the partitions are resumed by the next
+        fetch. From another thread nothing is needed: the owner thread keeps polling.
+        """
+        if not self._on_owner_thread() or self._client is None:
+            return
+        self.commit_pending()
+        self.apply_rewinds()
+        self.pause_all()
+        stray = self.poll(1, 0.05)
+        if stray:  # a rebalance inside the poll assigned fresh, unpaused partitions
+            self.rewind(stray)
+            self.apply_rewinds()
+            self.pause_all()
+
+    # -- used by the runner (owner thread) -------------------------------------------------
+
+    def poll(self, max_records: int, timeout: float) -> list[Delivery]:
+        """One kafka-python poll; records become tracked deliveries (owner thread only)."""
+        client = self.client
+        try:
+            batches = client.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
+        except kafka_errors.CommitFailedError as error:
+            log.warning(
+                "offset commit failed during a rebalance; redeliveries will be deduplicated",
+                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
+            )
+            return []
+        except kafka_errors.KafkaError as error:
+            if not _retriable(error):
+                raise
+            log.warning(
+                "kafka poll failed; retrying",
+                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
+            )
+            return []
+        deliveries: list[Delivery] = []
+        for topic_partition, records in batches.items():
+            key = partition_key(topic_partition)
+            for record in records:
+                epoch = self.tracker.track(key, record.offset)
+                if epoch is None:
+                    continue  # its partition is being rewound; it will come again
+                deliveries.append(
+                    Delivery(to_message(record), KafkaToken(key, record.offset, epoch, record))
+                )
+        return deliveries
+
+    def current(self, deliveries: Iterable[Delivery]) -> list[Delivery]:
+        """The deliveries whose partition epoch is still current (others were dropped)."""
+        return [
+            d
+            for d in deliveries
+            if isinstance(d.token, KafkaToken)
+            and self.tracker.is_current(d.token.partition, d.token.epoch)
+        ]
+
+    def pause_all(self) -> None:
+        """Pause every assigned partition (fetching stops; group membership stays)."""
+        client = self.client
+        assigned = set(client.assignment() or ())
+        new = assigned - client.paused()
+        if new:
+            client.pause(*new)
+        self._paused = (self._paused | new) & assigned
+
+    def resume_all(self) -> None:
+        """Resume the partitions :meth:`pause_all` paused."""
+        if not self._paused or self._client is None:
+            return
+        assigned = set(self._client.assignment() or ())
+        resume = self._paused & assigned
+        if resume:
+            self._client.resume(*resume)
+        self._paused = set()
+
+    def commit_pending(self, timeout: float | None = None, *, force: bool = False) -> bool:
+        """Commit settled offsets not committed yet; True when nothing is left to commit.
+
+        Failures are logged and retried on a later call (after a short back-off); they
+        are never fatal: uncommitted deliveries come back and are deduplicated.
+        """
+        self._commit_wanted.clear()
+        if not self.group or self._client is None:
+            return True
+        if not force and time.monotonic() < self._next_commit_attempt:
+            return False
+        offsets = self.tracker.to_commit()
+        if not offsets:
+            return True
+        ok = self._commit(
+            self._client, offsets, self.settings.commit_timeout if timeout is None else timeout
+        )
+        self._next_commit_attempt = 0.0 if ok else time.monotonic() + 1.0
+        return ok
+
+    @property
+    def commit_wanted(self) -> bool:
+        """True when another thread settled deliveries the owner thread has to commit."""
+        return self._commit_wanted.is_set()
+
+    def wait_commit_wanted(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until a settle from another thread arrives."""
+        return self._commit_wanted.wait(timeout)
+
+    def rewind(self, deliveries: Iterable[Delivery]) -> None:
+        """Fetch these unsettled deliveries (and what followed them) again.
+
+        Records the first unsettled offset of each partition; the seek itself happens on
+        the owner thread (:meth:`apply_rewinds`).
+        """
+        first: dict[PartitionKey, KafkaToken] = {}
+        for delivery in deliveries:
+            token = delivery.token
+            if not isinstance(token, KafkaToken):
+                continue
+            seen = first.get(token.partition)
+            if seen is None or token.offset < seen.offset:
+                first[token.partition] = token
+        for token in first.values():
+            if self.tracker.request_rewind(token.partition, token.offset, token.epoch):
+                log.warning(
+                    "rewinding partition to an unsettled message",
+                    extra={
+                        "consumer": self.settings.consumer_name,
+                        "partition": f"{token.partition[0]}/{token.partition[1]}",
+                        "offset": token.offset,
+                    },
+                )
+        if first:
+            self._commit_wanted.set()  # wake the owner thread
+
+    def apply_rewinds(self) -> None:
+        """Seek partitions back to their first unsettled delivery (owner thread only)."""
+        rewinds = self.tracker.take_rewinds()
+        if not rewinds or self._client is None:
+            return
+        assigned = {partition_key(tp): tp for tp in self._client.assignment() or ()}
+        for rewind in rewinds:
+            topic_partition = assigned.get(rewind.partition)
+            if topic_partition is not None:
+                self._client.seek(topic_partition, rewind.offset)
+
+    def update_lag(self) -> dict[str, int]:
+        """Per-partition lag (high-water mark minus committed/consumed offset) into metrics."""
+        if self._client is None:
+            return self.metrics.lag
+        lag: dict[str, int] = {}
+        for topic_partition in self._client.assignment() or ():
+            key = partition_key(topic_partition)
+            try:
+                high_water = self._client.highwater(topic_partition)
+            except kafka_errors.KafkaError:
+                continue
+            if high_water is None:
+                continue
+            position = self.tracker.committed_offset(key)
+            if position is None:
+                position = self.tracker.next_offset(key)
+            if position is None:
+                continue
+            lag[f"{key[0]}/{key[1]}"] = max(0, int(high_water) - position)
+        self.metrics.lag = lag
+        return lag
+
+    # -- replay helpers (owner thread, group=False) ----------------------------------------
+
+    def assign(self, partitions: Sequence[PartitionKey]) -> None:
+        """Assign explicit partitions without joining the group (replay)."""
+        client = self.client
+        client.assign([TopicPartition(topic, partition) for topic, partition in partitions])
+        self.tracker.assign(partitions)
+
+    def seek(self, partition: PartitionKey, offset: int) -> None:
+        """Set the next offset to fetch for ``partition``."""
+        self.client.seek(TopicPartition(*partition), offset)
+
+    def offsets_for_times(
+        self, partitions: Sequence[PartitionKey], when: datetime
+    ) -> dict[PartitionKey, int | None]:
+        """The first offset at or after ``when`` per partition (None: no such record)."""
+        millis = int(when.timestamp() * 1000)
+        found = self.client.offsets_for_times(
+            {TopicPartition(*key): millis for key in partitions},
+            timeout_ms=int(self.settings.commit_timeout * 1000),
+        )
+        return {
+            partition_key(tp): (None if value is None else int(value.offset))
+            for tp, value in found.items()
+        }
+
+    def beginning_offsets(self, partitions: Sequence[PartitionKey]) -> dict[PartitionKey, int]:
+        """The first available offset per partition."""
+        found = self.client.beginning_offsets([TopicPartition(*key) for key in partitions])
+        return {partition_key(tp): int(offset) for tp, offset in found.items()}
+
+    def end_offsets(self, partitions: Sequence[PartitionKey]) -> dict[PartitionKey, int]:
+        """The offset after the last record per partition (the high-water mark)."""
+        found = self.client.end_offsets([TopicPartition(*key) for key in partitions])
+        return {partition_key(tp): int(offset) for tp, offset in found.items()}
+
+    def partitions_of(self, topic: str) -> list[int]:
+        """The partition numbers of ``topic``; ConfigurationError if it does not exist."""
+        found = self.client.partitions_for_topic(topic)
+        if not found:
+            raise ConfigurationError(f"Kafka topic {topic!r} does not exist")
+        return sorted(int(p) for p in found)
+
+    def position(self, partition: PartitionKey) -> int:
+        """The next offset the consumer will fetch for ``partition``."""
+        return int(self.client.position(TopicPartition(*partition)))
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _on_owner_thread(self) -> bool:
+        return self._owner is threading.current_thread()
+
+    def _commit(self, client: Any, offsets: Mapping[PartitionKey, int], timeout: float) -> bool:
+        if not offsets:
+            return True
+        request = {
+            TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
+            for (topic, partition), offset in offsets.items()
+        }
+        try:
+            client.commit(request, timeout_ms=int(timeout * 1000))
+        except (
+            kafka_errors.CommitFailedError,
+            kafka_errors.RebalanceInProgressError,
+            kafka_errors.IllegalGenerationError,
+            kafka_errors.UnknownMemberIdError,
+        ) as error:
+            log.warning(
+                "offset commit failed because of a rebalance; redeliveries will be deduplicated",
+                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
+            )
+            return False
+        except kafka_errors.KafkaError as error:
+            log.warning(
+                "offset commit failed; will retry",
+                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
+            )
+            return False
+        self.tracker.committed(dict(offsets))
+        return True
+
+    def _commit_on_revoke(self, offsets: Mapping[PartitionKey, int]) -> None:
+        """Best-effort commit from the rebalance listener (kafka-python's IO thread).
+
+        A blocking commit is not allowed there; the asynchronous commit is queued before
+        the group is re-joined, so the coordinator handles it while we still own them.
+        """
+        client = self._client
+        if client is None or not offsets:
+            return
+        request = {
+            TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
+            for (topic, partition), offset in offsets.items()
+        }
+        try:
+            client.commit_async(request, callback=self._revoke_commit_done)
+        except Exception as error:
+            log.warning(
+                "offset commit on revoke failed; redeliveries will be deduplicated",
+                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
+            )
+
+    def _revoke_commit_done(self, offsets: Any, response: Any) -> None:
+        if isinstance(response, Exception):
+            log.warning(
+                "offset commit on revoke failed; redeliveries will be deduplicated",
+                extra={"consumer": self.settings.consumer_name, "error": _describe(response)},
+            )
+
+    def _dead_letter_producer(self) -> Any:
+        with self._producer_lock:
+            if self._producer is None:
+                if self._closed:
+                    raise BrokerUnavailableError("the Kafka transport is closed")
+                try:
+                    self._producer = kafka.KafkaProducer(**self.settings.producer_config)
+                except kafka_errors.NoBrokersAvailable as error:
+                    raise BrokerUnavailableError(
+                        f"cannot reach Kafka at {','.join(self.settings.bootstrap_servers)} "
+                        f"for dead-lettering: {type(error).__name__}"
+                    ) from error
+            return self._producer
+
+    def _ensure_dead_letter_topic(self, topic: str, source_topic: str) -> None:
+        """Create the dead-letter topic once if it is missing (when allowed)."""
+        if topic in self._known_dead_letter_topics or not self.settings.create_dead_letter_topics:
+            return
+        admin: Any = None
+        try:
+            admin = kafka.KafkaAdminClient(**self.settings.admin_config)
+            if topic not in set(admin.list_topics()):
+                partitions = len(self._client.partitions_for_topic(source_topic) or ()) or 1
+                admin.create_topics(
+                    {topic: {"num_partitions": partitions}},
+                    timeout_ms=int(self.settings.dead_letter_timeout * 1000),
+                    raise_errors=False,
+                )
+                log.info(
+                    "created dead-letter topic",
+                    extra={"consumer": self.settings.consumer_name, "topic": topic},
+                )
+            self._known_dead_letter_topics.add(topic)
+        except Exception as error:
+            # Not fatal: the broker may auto-create it, or the publish fails and retries.
+            log.warning(
+                "could not check/create the dead-letter topic",
+                extra={
+                    "consumer": self.settings.consumer_name,
+                    "topic": topic,
+                    "error": _describe(error),
+                },
+            )
+        finally:
+            if admin is not None:
+                try:
+                    admin.close()
+                except Exception:
+                    log.debug("admin client close failed", exc_info=True)
+
+
+class _RebalanceListener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]
+    """Commits settled offsets of revoked partitions and drops their in-flight work.
+
+    kafka-python 3 runs these callbacks on its IO thread; they only touch the
+    (thread-safe) offset tracker and queue an asynchronous commit.
+    """
+
+    def __init__(self, transport: KafkaTransport) -> None:
+        self.transport = transport
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        keys = [partition_key(tp) for tp in revoked]
+        uncommitted = self.transport.tracker.revoke(keys)
+        self.transport._commit_on_revoke(uncommitted)
+        log.info(
+            "partitions revoked",
+            extra={
+                "consumer": self.transport.settings.consumer_name,
+                "partitions": _names(keys),
+                "committing": {f"{k[0]}/{k[1]}": v for k, v in uncommitted.items()},
+            },
+        )
+
+    def on_partitions_lost(self, lost: Any) -> None:
+        keys = [partition_key(tp) for tp in lost]
+        self.transport.tracker.revoke(keys)
+        log.warning(
+            "partitions lost (group membership expired); their in-flight work is dropped",
+            extra={"consumer": self.transport.settings.consumer_name, "partitions": _names(keys)},
+        )
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        keys = [partition_key(tp) for tp in assigned]
+        self.transport.tracker.assign(keys)
+        log.info(
+            "partitions assigned",
+            extra={"consumer": self.transport.settings.consumer_name, "partitions": _names(keys)},
+        )
+
+
+def _names(keys: Iterable[PartitionKey]) -> list[str]:
+    return [f"{topic}/{partition}" for topic, partition in sorted(keys)]
+
+
+def _retriable(error: BaseException) -> bool:
+    return bool(getattr(error, "retriable", False)) or isinstance(
+        error,
+        kafka_errors.KafkaConnectionError
+        | kafka_errors.NoBrokersAvailable
+        | kafka_errors.KafkaTimeoutError
+        | kafka_errors.NodeNotReadyError,
+    )
+
+
+def _describe(error: BaseException) -> str:
+    """``ClassName: first line`` of an error (kafka-python errors never carry secrets)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
