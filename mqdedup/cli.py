@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_code_for(error: MqdedupError) -> int:
+    """The documented exit code of an error (see :mod:`mqdedup.exitcodes`)."""
+    return next(
+        (code for kind, code in _EXIT_CODES.items() if isinstance(error, kind)),
+        exitcodes.CONFIGURATION,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     parser = build_parser()
@@ -126,10 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             log.exception("failed")
         print(f"mqdedup: error: {exc}", file=sys.stderr)
-        return next(
-            (code for kind, code in _EXIT_CODES.items() if isinstance(exc, kind)),
-            exitcodes.CONFIGURATION,
-        )
+        return exit_code_for(exc)
     except KeyboardInterrupt:
         print("mqdedup: interrupted", file=sys.stderr)
         return exitcodes.INTERRUPTED

@@ -17,3 +17,7 @@ DATABASE_UNAVAILABLE = 5
 BROKER_UNAVAILABLE = 6
 #: Stopped by a second SIGINT/SIGTERM.
 INTERRUPTED = 130
+#: Children did not drain within ``--shutdown-timeout`` and were killed.
+SHUTDOWN_TIMEOUT = 7
+#: Exit codes of a child that restarting cannot fix: the supervisor stops with them.
+FATAL_CHILD_CODES = frozenset({CONFIGURATION, CONSUMER_IMPORT})

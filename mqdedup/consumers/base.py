@@ -171,15 +171,23 @@ class Consumer:
         )
 
     def run(
-        self, database: Engine | sessionmaker[Session], *, stop: StopToken | None = None
+        self,
+        database: Engine | sessionmaker[Session],
+        *,
+        stop: StopToken | None = None,
+        metrics: Metrics | None = None,
     ) -> Metrics:
-        """Consume until ``stop`` is requested; broker subclasses may run their own loop.
+        """Consume until ``stop`` is requested, counting into ``metrics``.
 
-        This is what ``mqdedup worker`` calls in each worker process.
+        This is what ``mqdedup worker`` calls in each worker process; broker subclasses
+        may run their own loop but keep this signature.
         """
         from mqdedup.consumers.worker import Worker
 
-        return Worker(self, self.create_transport(), database, stop=stop).run()
+        return Worker(self, self.create_transport(), database, stop=stop, metrics=metrics).run()
+
+    def check_connection(self) -> None:
+        """Raise BrokerUnavailableError if the broker cannot be reached (CLI start-up)."""
 
     # -- introspection used by the processor -------------------------------------------
 
