@@ -13,8 +13,9 @@ from typing import Any, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import pika
+import pika.exceptions
 
-from mqdedup.errors import ConfigurationError
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 
 RABBITMQ_URL_ENV = "MQDEDUP_RABBITMQ_URL"
 DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -78,6 +79,30 @@ def connection_parameters(url: str, connection_name: str) -> pika.URLParameters:
     # One TCP attempt per connect: mqdedup's own backoff decides when to try again.
     parameters.connection_attempts = 1
     return parameters
+
+
+def check_broker(url: str, timeout: float = 10.0) -> None:
+    """Open one connection to ``url`` and close it; raise a one-line error if that fails."""
+    masked = mask_amqp_url(url)
+    parameters = connection_parameters(url, f"mqdedup-check:{socket.gethostname()}:{os.getpid()}")
+    parameters.socket_timeout = timeout
+    parameters.stack_timeout = timeout
+    try:
+        connection = pika.BlockingConnection(parameters)
+    except (
+        pika.exceptions.ProbableAuthenticationError,
+        pika.exceptions.ProbableAccessDeniedError,
+        pika.exceptions.AuthenticationError,
+    ) as exc:
+        raise ConfigurationError(
+            f"RabbitMQ at {masked} refused the login (check the user, password and virtual "
+            f"host): {type(exc).__name__}"
+        ) from exc
+    except (pika.exceptions.AMQPError, OSError) as exc:
+        raise BrokerUnavailableError(
+            f"cannot connect to RabbitMQ at {masked}: {type(exc).__name__}"
+        ) from exc
+    connection.close()
 
 
 def _password(url: str) -> str | None:
