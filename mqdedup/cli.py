@@ -12,16 +12,13 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Engine
 
 from mqdedup import exitcodes
-from mqdedup.db import (
-    DATABASE_URL_ENV,
-    check_connection,
-    check_schema,
-    create_engine,
-    database_url_from_env,
-    init_schema,
-)
+from mqdedup.config import CONFIG_ENV, env_help, load_file, resolve
+from mqdedup.db import check_connection, check_schema, create_engine, init_schema
 from mqdedup.errors import (
     BrokerUnavailableError,
     ConfigurationError,
@@ -30,7 +27,6 @@ from mqdedup.errors import (
     MqdedupError,
 )
 from mqdedup.logs import configure as configure_logging
-from mqdedup.schema import DEFAULT_PREFIX
 
 log = logging.getLogger("mqdedup.cli")
 
@@ -54,16 +50,47 @@ def parse_duration(text: str) -> timedelta:
 
 def _database_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--database",
-        metavar="URL",
-        default=None,
-        help=f"database URL (env {DATABASE_URL_ENV}; default sqlite:///mqdedup.db)",
+        "--config", metavar="FILE", default=None, help=f"TOML config file (env {CONFIG_ENV})"
+    )
+    parser.add_argument(
+        "--database", metavar="URL", default=None, help="database URL" + env_help("database_url")
     )
     parser.add_argument(
         "--table-prefix",
-        default=DEFAULT_PREFIX,
-        help=f"prefix of the framework's tables (default {DEFAULT_PREFIX})",
+        default=None,
+        help="prefix of the framework's tables" + env_help("table_prefix"),
     )
+
+
+def _broker_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kafka-bootstrap",
+        metavar="HOST:PORT[,...]",
+        default=None,
+        help="Kafka bootstrap servers" + env_help("kafka_bootstrap"),
+    )
+    parser.add_argument(
+        "--rabbitmq-url",
+        metavar="URL",
+        default=None,
+        help="RabbitMQ URL" + env_help("rabbitmq_url"),
+    )
+
+
+def _settings(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """Resolve settings for a command: flag > env > config file > default."""
+    file_data = load_file(getattr(args, "config", None))
+    flags = {
+        "database_url": getattr(args, "database", None),
+        "table_prefix": getattr(args, "table_prefix", None),
+        "kafka_bootstrap": getattr(args, "kafka_bootstrap", None),
+        "rabbitmq_url": getattr(args, "rabbitmq_url", None),
+        "processes": getattr(args, "processes", None),
+        "shutdown_timeout": getattr(args, "shutdown_timeout", None),
+        "health_port": getattr(args, "health_port", None),
+    }
+    wanted = names or ("database_url", "table_prefix")
+    return {name: resolve(name, flags.get(name), file_data) for name in wanted}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,9 +134,29 @@ def build_parser() -> argparse.ArgumentParser:
     purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
     purge.set_defaults(run=_cmd_dedup_purge)
 
-    worker = commands.add_parser("worker", help="run consumers")
-    worker.add_argument("consumer", help="module.path:ConsumerClass")
+    worker = commands.add_parser(
+        "worker", help="run consumers in supervised worker processes until SIGTERM/SIGINT"
+    )
+    worker.add_argument(
+        "consumers", nargs="+", metavar="CONSUMER", help="module.path:ConsumerClass"
+    )
     _database_option(worker)
+    _broker_options(worker)
+    worker.add_argument(
+        "--processes", type=int, default=None, help="processes per consumer" + env_help("processes")
+    )
+    worker.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="seconds to drain after a stop signal" + env_help("shutdown_timeout"),
+    )
+    worker.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="serve /healthz and /metrics" + env_help("health_port"),
+    )
     worker.set_defaults(run=_cmd_worker)
     return parser
 
@@ -140,10 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exitcodes.INTERRUPTED
 
 
-def _engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    engine = create_engine(args.database or database_url_from_env())
+def _engine(args: argparse.Namespace) -> tuple[Engine, str]:
+    """A connected engine for the command's database, and the table prefix."""
+    settings = _settings(args)
+    engine = create_engine(settings["database_url"])
     check_connection(engine)
-    return engine
+    return engine, settings["table_prefix"]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -170,14 +219,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_init(args: argparse.Namespace) -> int:
-    engine = _engine(args)
-    created = init_schema(engine, args.table_prefix)
+    engine, prefix = _engine(args)
+    created = init_schema(engine, prefix)
     print(f"created: {', '.join(created)}" if created else "schema is up to date")
     return exitcodes.OK
 
 
 def _cmd_db_check(args: argparse.Namespace) -> int:
-    problems = check_schema(_engine(args), args.table_prefix)
+    problems = check_schema(*_engine(args))
     for problem in problems:
         print(problem)
     if not problems:
@@ -188,27 +237,54 @@ def _cmd_db_check(args: argparse.Namespace) -> int:
 def _cmd_dedup_purge(args: argparse.Namespace) -> int:
     from mqdedup.dedup.store import DedupStore
 
-    deleted = DedupStore(args.table_prefix).purge(
-        _engine(args), args.older_than, consumer=args.consumer, chunk_size=args.chunk_size
+    engine, prefix = _engine(args)
+    deleted = DedupStore(prefix).purge(
+        engine, args.older_than, consumer=args.consumer, chunk_size=args.chunk_size
     )
     print(f"deleted {deleted} dedup records older than {args.older_than}")
     return exitcodes.OK
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from mqdedup.consumers.stopping import ImmediateStop, StopToken, graceful_signals
     from mqdedup.loading import load_consumer_class
+    from mqdedup.runners import _export_environment
+    from mqdedup.supervisor import ChildSpec, Supervisor
 
-    consumer = load_consumer_class(args.consumer)()
-    consumer.validate()
-    engine = _engine(args)
-    stop = StopToken()
-    try:
-        with graceful_signals(stop):
-            consumer.run(engine, stop=stop)
-    except ImmediateStop:
-        return exitcodes.INTERRUPTED
-    return exitcodes.OK
+    settings = _settings(
+        args,
+        "database_url",
+        "table_prefix",
+        "kafka_bootstrap",
+        "rabbitmq_url",
+        "processes",
+        "shutdown_timeout",
+        "health_port",
+    )
+    if settings["processes"] < 1:
+        raise ConfigurationError("--processes must be at least 1")
+    _export_environment(settings)
+    consumers = [load_consumer_class(reference)() for reference in args.consumers]
+    engine = create_engine(settings["database_url"])
+    check_connection(engine)
+    engine.dispose()
+    for consumer in consumers:
+        consumer.validate()
+        consumer.check_connection()
+    specs = [
+        ChildSpec(
+            name=consumer.consumer_name,
+            index=index,
+            runner="mqdedup.runners:run_consumer",
+            options={"consumer": reference, **settings},
+            log_level=args.log_level,
+        )
+        for reference, consumer in zip(args.consumers, consumers, strict=True)
+        for index in range(settings["processes"])
+    ]
+    supervisor = Supervisor(
+        specs, shutdown_timeout=settings["shutdown_timeout"], health_port=settings["health_port"]
+    )
+    return supervisor.run()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,120 @@
+"""Where things run: a TOML file, ``MQDEDUP_*`` environment variables and CLI flags.
+
+Precedence: flag > environment variable > config file > default. Example file::
+
+    [mqdedup]
+    database_url = "postgresql://app:secret@db/app"
+    kafka_bootstrap = "kafka-1:9092,kafka-2:9092"
+    rabbitmq_url = "amqp://app:secret@rabbit/%2F"
+    table_prefix = "mqdedup_"
+    log_level = "INFO"
+
+    [worker]
+    processes = 4
+    shutdown_timeout = 30
+    health_port = 9400
+
+    [relay]
+    processes = 1
+    poll_interval = 1.0
+    batch_size = 500
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mqdedup.errors import ConfigurationError
+
+CONFIG_ENV = "MQDEDUP_CONFIG"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its key in the file's section, its env variable, its default."""
+
+    section: str
+    key: str
+    env: str | None
+    default: Any
+    kind: type = str
+
+
+SETTINGS: dict[str, Setting] = {
+    "database_url": Setting(
+        "mqdedup", "database_url", "MQDEDUP_DATABASE_URL", "sqlite:///mqdedup.db"
+    ),
+    "kafka_bootstrap": Setting("mqdedup", "kafka_bootstrap", "MQDEDUP_KAFKA_BOOTSTRAP", None),
+    "rabbitmq_url": Setting("mqdedup", "rabbitmq_url", "MQDEDUP_RABBITMQ_URL", None),
+    "table_prefix": Setting("mqdedup", "table_prefix", "MQDEDUP_TABLE_PREFIX", "mqdedup_"),
+    "log_level": Setting("mqdedup", "log_level", "MQDEDUP_LOG_LEVEL", "WARNING"),
+    "processes": Setting("worker", "processes", "MQDEDUP_PROCESSES", 1, int),
+    "shutdown_timeout": Setting(
+        "worker", "shutdown_timeout", "MQDEDUP_SHUTDOWN_TIMEOUT", 30.0, float
+    ),
+    "health_port": Setting("worker", "health_port", "MQDEDUP_HEALTH_PORT", None, int),
+    "relay_processes": Setting("relay", "processes", "MQDEDUP_RELAY_PROCESSES", 1, int),
+    "poll_interval": Setting("relay", "poll_interval", "MQDEDUP_POLL_INTERVAL", 1.0, float),
+    "relay_batch_size": Setting("relay", "batch_size", "MQDEDUP_RELAY_BATCH_SIZE", 500, int),
+}
+
+
+def env_help(name: str) -> str:
+    """`` (env MQDEDUP_X, default Y)`` for argparse help texts."""
+    setting = SETTINGS[name]
+    default = "" if setting.default is None else f", default {setting.default}"
+    return f" (env {setting.env}{default})"
+
+
+def load_file(path: str | None) -> dict[str, Any]:
+    """Parse the TOML config file (``--config`` or ``MQDEDUP_CONFIG``); {} if none."""
+    path = path or os.environ.get(CONFIG_ENV)
+    if not path:
+        return {}
+    try:
+        with Path(path).open("rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError as exc:
+        raise ConfigurationError(f"config file {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigurationError(f"config file {path} is not valid TOML: {exc}") from exc
+    known_sections = {s.section for s in SETTINGS.values()}
+    unknown = sorted(set(data) - known_sections)
+    if unknown:
+        raise ConfigurationError(f"config file {path}: unknown section(s) {', '.join(unknown)}")
+    return data
+
+
+def resolve(
+    name: str,
+    flag_value: Any,
+    file_data: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+) -> Any:
+    """The value of setting ``name``: flag, else env, else file, else default."""
+    setting = SETTINGS[name]
+    environ = os.environ if environ is None else environ
+    if flag_value is not None:
+        return flag_value
+    raw: Any = None
+    source = ""
+    if setting.env and environ.get(setting.env):
+        raw, source = environ[setting.env], f"environment variable {setting.env}"
+    elif setting.key in file_data.get(setting.section, {}):
+        raw, source = (
+            file_data[setting.section][setting.key],
+            f"config [{setting.section}] {setting.key}",
+        )
+    if raw is None:
+        return setting.default
+    try:
+        return setting.kind(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"{source}: expected {setting.kind.__name__}, got {raw!r}"
+        ) from exc

@@ -1,0 +1,37 @@
+"""What a supervised child process runs (see :mod:`mqdedup.supervisor`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.stopping import StopToken
+from mqdedup.supervisor import ChildSpec
+
+
+def run_consumer(spec: ChildSpec, stop: StopToken, metrics: Metrics) -> None:
+    """Import the consumer, connect, and consume until the stop token is set."""
+    from mqdedup.db import check_connection, create_engine
+    from mqdedup.loading import load_consumer_class
+
+    _export_environment(spec.options)
+    consumer = load_consumer_class(spec.options["consumer"])()
+    consumer.validate()
+    engine = create_engine(spec.options["database_url"])
+    try:
+        check_connection(engine)
+        consumer.run(engine, stop=stop, metrics=metrics)
+    finally:
+        engine.dispose()
+
+
+def _export_environment(options: dict[str, Any] | Any) -> None:
+    """Broker URLs given as flags reach the consumer classes as their env defaults."""
+    for key, variable in (
+        ("kafka_bootstrap", "MQDEDUP_KAFKA_BOOTSTRAP"),
+        ("rabbitmq_url", "MQDEDUP_RABBITMQ_URL"),
+    ):
+        value = options.get(key)
+        if value:
+            os.environ[variable] = str(value)
