@@ -85,6 +85,7 @@ class Context:
             consumer_name=self.consumer.consumer_name,
             causation_id=self.message.id,
             prefix=self.consumer.table_prefix,
+            message=self.message,
         )
 
 

@@ -1,1 +1,43 @@
-"""The transactional outbox: rows written in the business transaction, published later."""
+"""The transactional outbox: rows written in the business transaction, published later.
+
+* :class:`OutboxWriter` (``ctx.outbox`` in handlers) adds outgoing messages to the
+  caller's transaction;
+* :class:`Relay` publishes committed rows through publishers
+  (:class:`~mqdedup.outbox.kafka_publisher.KafkaPublisher`,
+  :class:`~mqdedup.outbox.rabbitmq_publisher.RabbitMQPublisher`, or
+  :class:`MemoryPublisher` in tests), at least once, with stable message ids;
+* :class:`OutboxStore` has the operator's tools: status, retry of failed rows, purge.
+
+The Kafka and RabbitMQ publishers live in their own modules so that importing this
+package needs neither ``kafka`` nor ``pika``.
+"""
+
+from mqdedup.outbox.memory import MemoryPublisher
+from mqdedup.outbox.publishers import OutboxRecord, Outcome, Publisher, PublishResult
+from mqdedup.outbox.relay import Relay, RelayConfig, RelayMetrics, create_publishers
+from mqdedup.outbox.store import DestinationStatus, OutboxStatus, OutboxStore
+from mqdedup.outbox.writer import (
+    InvalidOutgoingMessageError,
+    OutboxWriter,
+    OutgoingMessage,
+    outgoing_message_id,
+)
+
+__all__ = [
+    "DestinationStatus",
+    "InvalidOutgoingMessageError",
+    "MemoryPublisher",
+    "OutboxRecord",
+    "OutboxStatus",
+    "OutboxStore",
+    "OutboxWriter",
+    "Outcome",
+    "OutgoingMessage",
+    "PublishResult",
+    "Publisher",
+    "Relay",
+    "RelayConfig",
+    "RelayMetrics",
+    "create_publishers",
+    "outgoing_message_id",
+]

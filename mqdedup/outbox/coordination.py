@@ -1,0 +1,220 @@
+"""The relay's dedicated PostgreSQL connection: ``LISTEN`` and shard ownership.
+
+Rows are spread over ``shards`` shards by the hash of their key; each shard is owned by
+at most one relay at a time through a session-level advisory lock held on this
+connection, so rows with the same key are published by one relay, in order. Relays
+share the shards fairly: each holds a *member* advisory lock, counts the members and
+keeps ``ceil(shards / members)`` shards, releasing extra ones between batches and taking
+free ones. When a relay dies, PostgreSQL drops its locks and the others take over its
+shards (its leased rows come back when their lease expires).
+
+The claim statement checks ``pg_locks`` for this connection's backend pid, so if this
+connection is lost the relay claims nothing until it has reconnected and re-acquired
+shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+from psycopg import sql
+from sqlalchemy import Engine
+
+from mqdedup.errors import ConfigurationError
+from mqdedup.outbox.store import ShardFilter
+
+log = logging.getLogger(__name__)
+
+MAX_MEMBERS = 1024
+_CURRENT_DATABASE = (
+    "database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND locktype = 'advisory' AND objsubid = 2 AND granted"
+)
+
+
+def lock_class(table_name: str, purpose: str) -> int:
+    """The advisory-lock class (first int4 key) of ``purpose`` for one outbox table."""
+    return zlib.crc32(f"mqdedup:{table_name}:{purpose}".encode()) & 0x7FFFFFFF
+
+
+class ControlConnection:
+    """One relay's dedicated autocommit psycopg connection (PostgreSQL only)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        table_name: str,
+        channel: str,
+        shards: int,
+        fingerprint: str,
+        listen: bool = True,
+    ) -> None:
+        if not 1 <= shards <= 4096:
+            raise ConfigurationError(f"relay shards must be between 1 and 4096, got {shards}")
+        self.engine = engine
+        self.table_name = table_name
+        self.channel = channel
+        self.shards = shards
+        self.listen = listen
+        self.shard_class = lock_class(table_name, "shards")
+        self.member_class = lock_class(table_name, "members")
+        self.config_class = lock_class(table_name, "config")
+        self.config_key = zlib.crc32(f"{shards}:{fingerprint}".encode()) & 0x7FFFFFFF
+        self.owned: set[int] = set()
+        self._raw: Any = None
+        self._conn: Any = None
+
+    # -- connection ------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """True while the connection is open (it may still turn out broken)."""
+        return self._conn is not None and not self._conn.closed
+
+    def open(self) -> None:
+        """Connect, ``LISTEN``, join as a member and check that relays agree on settings."""
+        self.close()
+        raw = self.engine.raw_connection()
+        conn: Any = raw.driver_connection
+        raw.detach()  # ours alone: never returned to the pool, closed for real
+        conn.rollback()
+        conn.autocommit = True
+        self._raw, self._conn = raw, conn
+        try:
+            if self.listen:
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+            self._join()
+            self._check_config()
+        except BaseException:
+            self.close()
+            raise
+        log.info(
+            "relay control connection open",
+            extra={"table": self.table_name, "backend_pid": self.backend_pid},
+        )
+
+    def close(self) -> None:
+        """Close the connection; PostgreSQL releases every lock it held."""
+        raw, self._raw, self._conn = self._raw, None, None
+        self.owned.clear()
+        if raw is not None:
+            try:
+                raw.close()
+            except Exception:  # already broken: nothing left to release
+                log.debug("closing a broken control connection", exc_info=True)
+
+    @property
+    def backend_pid(self) -> int:
+        """The server process id of this connection (the owner in ``pg_locks``)."""
+        return int(self._conn.info.backend_pid)
+
+    def shard_filter(self) -> ShardFilter:
+        """The claim filter: shards whose locks this connection holds."""
+        return ShardFilter(self.shards, self.shard_class, self.backend_pid)
+
+    # -- wake-up -----------------------------------------------------------------------------
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a notification; True if one came (all are drained)."""
+        if not self.listen:
+            return False
+        woke = any(True for _ in self._conn.notifies(timeout=max(0.0, timeout), stop_after=1))
+        if woke:
+            for _ in self._conn.notifies(timeout=0):
+                pass
+        return woke
+
+    # -- shards ------------------------------------------------------------------------------
+
+    def rebalance(self) -> set[int]:
+        """Keep this relay's fair share of shards; return the shards it owns now."""
+        holders = self._holders()
+        members = max(1, self._members())
+        fair = math.ceil(self.shards / members)
+        mine = holders.get(self.backend_pid, set())
+        if mine != self.owned:  # locks lost behind our back (cannot happen while connected)
+            log.warning("shard locks differ from what the relay believed; resyncing")
+            self.owned = set(mine)
+        if len(self.owned) > fair:
+            for shard in sorted(self.owned, reverse=True)[: len(self.owned) - fair]:
+                self._conn.execute(
+                    "SELECT pg_advisory_unlock(%s::int, %s::int)", (self.shard_class, shard)
+                )
+                self.owned.discard(shard)
+            log.info("released shards", extra={"owned": len(self.owned), "members": members})
+        elif len(self.owned) < fair:
+            taken = set().union(*holders.values()) if holders else set()
+            free = [shard for shard in range(self.shards) if shard not in taken]
+            start = len(self.owned)
+            for shard in _rotate(free, self.backend_pid):
+                if len(self.owned) >= fair:
+                    break
+                if self._try_lock(self.shard_class, shard):
+                    self.owned.add(shard)
+            if len(self.owned) != start:
+                log.info("took shards", extra={"owned": len(self.owned), "members": members})
+        return set(self.owned)
+
+    def below_fair_share(self) -> bool:
+        """True when this relay holds fewer shards than its share (worth rebalancing soon)."""
+        return len(self.owned) < math.ceil(self.shards / max(1, self._members()))
+
+    def _holders(self) -> dict[int, set[int]]:
+        rows = self._conn.execute(
+            f"SELECT pid, objid::bigint FROM pg_locks WHERE {_CURRENT_DATABASE} "
+            "AND classid = %s::oid",
+            (self.shard_class,),
+        ).fetchall()
+        holders: dict[int, set[int]] = {}
+        for pid, shard in rows:
+            holders.setdefault(int(pid), set()).add(int(shard))
+        return holders
+
+    def _members(self) -> int:
+        row = self._conn.execute(
+            f"SELECT count(*) FROM pg_locks WHERE {_CURRENT_DATABASE} AND classid = %s::oid",
+            (self.member_class,),
+        ).fetchone()
+        return int(row[0])
+
+    def _join(self) -> None:
+        for slot in range(MAX_MEMBERS):
+            if self._try_lock(self.member_class, slot):
+                return
+        raise ConfigurationError(f"more than {MAX_MEMBERS} relays on {self.table_name}")
+
+    def _check_config(self) -> None:
+        self._conn.execute(
+            "SELECT pg_try_advisory_lock_shared(%s::int, %s::int)",
+            (self.config_class, self.config_key),
+        )
+        rows = self._conn.execute(
+            f"SELECT DISTINCT objid::bigint FROM pg_locks WHERE {_CURRENT_DATABASE} "
+            "AND classid = %s::oid",
+            (self.config_class,),
+        ).fetchall()
+        others = {int(row[0]) for row in rows} - {self.config_key}
+        if others:
+            raise ConfigurationError(
+                f"another relay on {self.table_name} runs with different shards or publishers; "
+                "all relays of one outbox table need the same shards and brokers"
+            )
+
+    def _try_lock(self, lock_class_id: int, key: int) -> bool:
+        row = self._conn.execute(
+            "SELECT pg_try_advisory_lock(%s::int, %s::int)", (lock_class_id, key)
+        ).fetchone()
+        return bool(row[0])
+
+
+def _rotate(items: list[int], seed: int) -> Iterable[int]:
+    """``items`` starting at a seed-dependent position (relays try different shards first)."""
+    if not items:
+        return []
+    start = seed % len(items)
+    return items[start:] + items[:start]

@@ -1,0 +1,552 @@
+"""The relay: moves committed outbox rows to Kafka / RabbitMQ, at least once.
+
+One cycle:
+
+1. **claim** a batch of due pending rows in a short transaction (``FOR UPDATE SKIP
+   LOCKED`` on PostgreSQL), setting a lease (``locked_by``, ``locked_until``), commit;
+2. **publish** them with no transaction or row lock open (Kafka: ``acks=all``,
+   idempotent producer, one flush; RabbitMQ: persistent, ``mandatory``, publisher
+   confirms in a window);
+3. **mark** the published rows (or delete them, ``delete_published=True``); rows the
+   broker refused for their own reason get an attempt, a backoff and, after
+   ``max_attempts``, the ``failed`` state (kept, never deleted; see
+   :meth:`Relay.retry_failed`); rows not published because the broker was unavailable
+   are released unchanged and that broker is paused with backoff.
+
+A relay that dies between 2 and 3 leaves leased rows; they are claimed again when the
+lease expires and published a second time with the same message id, which the next
+consumer's dedup absorbs.
+
+On PostgreSQL several relays can run at once: rows are sharded by key hash and each
+shard is owned by one relay through an advisory lock
+(:mod:`mqdedup.outbox.coordination`), so a key's rows are published by one relay in id
+order. Commits wake the relay through ``LISTEN``/``NOTIFY``; ``poll_interval`` is the
+fallback. SQLite has neither row locks nor advisory locks: run a single relay there,
+which polls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine
+from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential_jitter
+
+from mqdedup.consumers.stopping import StopToken, graceful_signals
+from mqdedup.dialects import is_transient
+from mqdedup.errors import ConfigurationError
+from mqdedup.outbox.coordination import ControlConnection
+from mqdedup.outbox.publishers import OutboxRecord, Outcome, Publisher, PublishResult
+from mqdedup.outbox.store import OutboxStatus, OutboxStore, ShardFilter
+from mqdedup.schema import DEFAULT_PREFIX
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _RelayStoppedError(Exception):
+    """A stop was requested while the relay waited for the database."""
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    """How a relay claims, retries and cleans up.
+
+    * ``batch_size``: rows per claim (and per flush / confirm round).
+    * ``poll_interval``: seconds between polls when no notification arrives.
+    * ``lease``: seconds a claimed row stays reserved; must exceed the time to publish a
+      batch (the publishers' own timeouts), or a slow batch is published twice.
+    * ``max_attempts``, ``initial_backoff``, ``max_backoff``: per-row retries after the
+      broker refused the row (unroutable, too large); then the row is ``failed``.
+    * ``broker_backoff_max``: longest pause between tries while a broker is unavailable.
+    * ``database_backoff_max``: longest pause between tries while the database is down.
+    * ``delete_published``: delete rows once published instead of marking them.
+    * ``retention``: published rows older than this are purged every ``purge_interval``
+      seconds, ``purge_chunk_size`` rows per transaction (``None``: never).
+    * ``shards``: PostgreSQL only; every relay of one table must use the same number.
+    * ``rebalance_interval``: seconds between shard rebalancing checks.
+    * ``listen``: use ``LISTEN``/``NOTIFY`` on PostgreSQL.
+    """
+
+    batch_size: int = 500
+    poll_interval: float = 1.0
+    lease: float = 60.0
+    max_attempts: int = 10
+    initial_backoff: float = 1.0
+    max_backoff: float = 300.0
+    broker_backoff_max: float = 10.0
+    database_backoff_max: float = 5.0
+    delete_published: bool = False
+    retention: timedelta | None = timedelta(days=7)
+    purge_interval: float = 600.0
+    purge_chunk_size: int = 5000
+    shards: int = 16
+    rebalance_interval: float = 5.0
+    listen: bool = True
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigurationError("relay batch_size must be at least 1")
+        if self.max_attempts < 1:
+            raise ConfigurationError("relay max_attempts must be at least 1")
+        if self.lease <= 0 or self.poll_interval <= 0:
+            raise ConfigurationError("relay lease and poll_interval must be positive")
+        if self.initial_backoff < 0 or self.max_backoff < 0 or self.broker_backoff_max <= 0:
+            raise ConfigurationError("relay backoffs must not be negative")
+        if self.purge_chunk_size < 1:
+            raise ConfigurationError("relay purge_chunk_size must be at least 1")
+
+    def row_backoff(self, attempts: int) -> float:
+        """Seconds before a refused row's next try (exponential, capped, ±10% jitter)."""
+        base = min(self.max_backoff, self.initial_backoff * 2.0 ** (attempts - 1))
+        return float(base * random.uniform(0.9, 1.1))
+
+
+@dataclass
+class RelayMetrics:
+    """What one relay has done since it started."""
+
+    batches: int = 0
+    claimed: int = 0
+    published: int = 0
+    rejected: int = 0
+    failed: int = 0
+    unavailable: int = 0
+    broker_outages: int = 0
+    database_retries: int = 0
+    purged: int = 0
+    seconds_publishing: float = 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        """A plain copy for logging."""
+        return asdict(self)
+
+
+@dataclass
+class _BrokerState:
+    """Backoff of one broker while it is unavailable."""
+
+    failures: int = 0
+    paused_until: float = 0.0
+
+
+@dataclass
+class CycleReport:
+    """What one claim → publish → mark cycle did."""
+
+    claimed: int = 0
+    published: list[OutboxRecord] = field(default_factory=list)
+    rejected: list[tuple[OutboxRecord, str]] = field(default_factory=list)
+    failed: list[OutboxRecord] = field(default_factory=list)
+    unavailable: list[OutboxRecord] = field(default_factory=list)
+
+
+class Relay:
+    """Publishes committed outbox rows through ``publishers`` (broker name → publisher).
+
+    ``publishers`` maps the ``broker`` column (``kafka``, ``rabbitmq`` or a custom
+    name given to the writer) to a :class:`~mqdedup.outbox.publishers.Publisher`. Rows
+    for other brokers are left for relays that have one.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        publishers: Mapping[str, Publisher],
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        config: RelayConfig | None = None,
+        relay_id: str | None = None,
+    ) -> None:
+        if not publishers:
+            raise ConfigurationError("a relay needs at least one publisher (kafka or rabbitmq)")
+        dialect = engine.dialect.name
+        if dialect not in ("postgresql", "sqlite"):
+            raise ConfigurationError(
+                f"the outbox relay supports PostgreSQL and SQLite, not {dialect!r}"
+            )
+        self.engine = engine
+        self.publishers = dict(publishers)
+        self.config = config or RelayConfig()
+        self.store = OutboxStore(prefix)
+        self.relay_id = relay_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.metrics = RelayMetrics()
+        self.stop = StopToken()
+        self._brokers: dict[str, _BrokerState] = {name: _BrokerState() for name in publishers}
+        self._control: ControlConnection | None = None
+        if dialect == "postgresql":
+            self._control = ControlConnection(
+                engine,
+                table_name=self.store.table.name,
+                channel=self.store.channel,
+                shards=self.config.shards,
+                fingerprint=",".join(sorted(publishers)),
+                listen=self.config.listen,
+            )
+        self._next_rebalance = 0.0
+        self._next_purge = 0.0
+
+    # -- the daemon ----------------------------------------------------------------------------
+
+    def run(
+        self,
+        stop: StopToken | None = None,
+        *,
+        until_idle: bool = False,
+        handle_signals: bool = False,
+    ) -> RelayMetrics:
+        """Relay until ``stop`` is requested (or, with ``until_idle``, nothing is claimable).
+
+        A stop lets the batch in flight finish: published, marked, then return. With
+        ``handle_signals`` SIGTERM/SIGINT request that stop (a second one stops at once).
+        Publishers are closed on the way out.
+        """
+        if stop is not None:
+            self.stop = stop
+        log.info(
+            "relay started",
+            extra={
+                "relay": self.relay_id,
+                "table": self.store.table.name,
+                "brokers": sorted(self.publishers),
+            },
+        )
+        with self._signals(handle_signals):
+            try:
+                while not self.stop.requested:
+                    try:
+                        report = self.run_once()
+                    except _RelayStoppedError:
+                        break
+                    if report.claimed:
+                        continue  # more may be waiting; an empty claim leads to the wait
+                    if until_idle and not report.claimed and not self._paused_brokers():
+                        break
+                    self._idle()
+            finally:
+                self.close()
+        log.info("relay stopped", extra={"relay": self.relay_id, **self.metrics.snapshot()})
+        return self.metrics
+
+    def run_once(self) -> CycleReport:
+        """One claim → publish → mark cycle (plus due maintenance); what it did."""
+        self._maintain()
+        records = self._with_database_retry(self._claim)
+        report = CycleReport(claimed=len(records))
+        if not records:
+            return report
+        self.metrics.batches += 1
+        self.metrics.claimed += len(records)
+        started = time.monotonic()
+        results = self._publish(records)
+        self.metrics.seconds_publishing += time.monotonic() - started
+        for record, result in zip(records, results, strict=True):
+            if result.outcome is Outcome.PUBLISHED:
+                report.published.append(record)
+            elif result.outcome is Outcome.REJECTED:
+                report.rejected.append((record, result.error or "rejected"))
+            else:
+                report.unavailable.append(record)
+        self._before_mark(report)
+        self._settle(report)
+        return report
+
+    def drain(self, timeout: float = 60.0) -> RelayMetrics:
+        """Publish until nothing is claimable (tests, one-shot jobs); bounded by ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            report = self.run_once()
+            if not report.claimed and not self._paused_brokers():
+                return self.metrics
+            if report.claimed and not report.published:
+                self._idle(min(self.config.poll_interval, max(0.0, deadline - time.monotonic())))
+        raise TimeoutError(f"outbox not drained within {timeout} s")
+
+    def close(self) -> None:
+        """Close the publishers and the control connection (releases shards)."""
+        for name, publisher in self.publishers.items():
+            try:
+                publisher.close()
+            except Exception:
+                log.exception("closing publisher failed", extra={"broker": name})
+        if self._control is not None:
+            self._control.close()
+
+    # -- operators -----------------------------------------------------------------------------
+
+    def status(self) -> OutboxStatus:
+        """Pending / failed / published counts, per destination."""
+        return self.store.status(self.engine)
+
+    def retry_failed(self, **narrow: Any) -> int:
+        """Put failed rows back to pending (see :meth:`OutboxStore.retry_failed`)."""
+        return self.store.retry_failed(self.engine, **narrow)
+
+    def purge(self) -> int:
+        """Delete published rows older than the retention now; return how many."""
+        if self.config.retention is None:
+            return 0
+        deleted = self.store.purge(self.engine, self.config.retention, self.config.purge_chunk_size)
+        self.metrics.purged += deleted
+        return deleted
+
+    # -- the cycle -----------------------------------------------------------------------------
+
+    def _claim(self) -> list[OutboxRecord]:
+        brokers = [name for name in self.publishers if name not in self._paused_brokers()]
+        if not brokers:
+            return []
+        shard_filter: ShardFilter | None = None
+        if self._control is not None:
+            if not self._control.connected or not self._control.owned:
+                return []
+            shard_filter = self._control.shard_filter()
+        return self.store.claim(
+            self.engine,
+            self.relay_id,
+            self.config.batch_size,
+            timedelta(seconds=self.config.lease),
+            brokers=brokers,
+            shard_filter=shard_filter,
+        )
+
+    def _publish(self, records: Sequence[OutboxRecord]) -> list[PublishResult]:
+        """Send each broker's records through its publisher, keeping id order per broker."""
+        by_broker: dict[str, list[int]] = {}
+        for index, record in enumerate(records):
+            by_broker.setdefault(record.broker, []).append(index)
+        results: list[PublishResult | None] = [None] * len(records)
+        for broker, indexes in by_broker.items():
+            batch = [records[i] for i in indexes]
+            try:
+                outcome = self.publishers[broker].publish_batch(batch)
+                if len(outcome) != len(batch):
+                    raise RuntimeError(
+                        f"publisher returned {len(outcome)} results for {len(batch)} records"
+                    )
+            except Exception as error:
+                log.exception("publisher failed", extra={"broker": broker})
+                outcome = [PublishResult.unavailable(f"{type(error).__name__}: {error}")] * len(
+                    batch
+                )
+            for index, result in zip(indexes, outcome, strict=True):
+                results[index] = result
+            self._broker_result(broker, outcome)
+        return [result for result in results if result is not None]
+
+    def _before_mark(self, report: CycleReport) -> None:
+        """Hook between publishing and marking (fault-injection tests override it)."""
+
+    def _settle(self, report: CycleReport) -> None:
+        config = self.config
+        if report.published:
+            ids = [record.id for record in report.published]
+            self._with_database_retry(
+                lambda: self.store.mark_published(
+                    self.engine, ids, delete_rows=config.delete_published
+                )
+            )
+            self.metrics.published += len(ids)
+        if report.rejected:
+            for record, error in report.rejected:
+                log.warning(
+                    "broker refused an outbox row; it will be retried",
+                    extra={
+                        "message_id": record.message_id,
+                        "broker": record.broker,
+                        "destination": record.destination,
+                        "attempt": record.attempts + 1,
+                        "error": error,
+                    },
+                )
+            report.failed = self._with_database_retry(
+                lambda: self.store.record_failures(
+                    self.engine, report.rejected, config.max_attempts, config.row_backoff
+                )
+            )
+            self.metrics.rejected += len(report.rejected)
+            self.metrics.failed += len(report.failed)
+            for record in report.failed:
+                log.error(
+                    "outbox row failed after its last attempt; kept as failed",
+                    extra={
+                        "message_id": record.message_id,
+                        "broker": record.broker,
+                        "destination": record.destination,
+                        "attempts": record.attempts + 1,
+                    },
+                )
+        if report.unavailable:
+            ids = [record.id for record in report.unavailable]
+            self._with_database_retry(lambda: self.store.release(self.engine, ids, self.relay_id))
+            self.metrics.unavailable += len(ids)
+
+    # -- brokers -------------------------------------------------------------------------------
+
+    def _broker_result(self, broker: str, results: Sequence[PublishResult]) -> None:
+        state = self._brokers[broker]
+        down = [r for r in results if r.outcome is Outcome.UNAVAILABLE]
+        if not down:
+            if state.failures:
+                log.info("broker available again", extra={"broker": broker})
+            state.failures = 0
+            state.paused_until = 0.0
+            return
+        state.failures += 1
+        if state.failures == 1:
+            self.metrics.broker_outages += 1
+        pause = min(
+            self.config.broker_backoff_max, 0.25 * 2 ** (state.failures - 1)
+        ) * random.uniform(0.8, 1.0)
+        state.paused_until = time.monotonic() + pause
+        log.warning(
+            "broker unavailable; its rows wait",
+            extra={
+                "broker": broker,
+                "rows": len(down),
+                "retry_in": round(pause, 2),
+                "consecutive": state.failures,
+                "error": down[0].error,
+            },
+        )
+
+    def _paused_brokers(self) -> set[str]:
+        now = time.monotonic()
+        return {name for name, state in self._brokers.items() if state.paused_until > now}
+
+    # -- waiting and maintenance ---------------------------------------------------------------
+
+    def _idle(self, limit: float | None = None) -> None:
+        """Wait for a notification, the poll interval, the next broker retry or a stop."""
+        timeout = self.config.poll_interval if limit is None else limit
+        pauses = [s.paused_until for s in self._brokers.values() if s.paused_until]
+        if pauses:
+            timeout = min(timeout, max(0.0, min(pauses) - time.monotonic()))
+        if self._control is not None and self._control.connected and self._control.owned:
+            deadline = time.monotonic() + timeout
+            # Short slices: heartbeats and stop requests are served while listening.
+            while (remaining := deadline - time.monotonic()) > 0 and not self.stop.requested:
+                try:
+                    if self._control.wait(min(remaining, 0.5)):
+                        break
+                except Exception as error:
+                    if not is_transient(error):
+                        raise
+                    log.warning("relay control connection lost", extra={"error": str(error)})
+                    self._control.close()
+                    break
+                self._keepalive()
+        else:
+            self._pause(timeout)
+
+    def _pause(self, seconds: float) -> bool:
+        """Sleep, serving publisher heartbeats; False if a stop was requested."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            if self.stop.requested:
+                return False
+            self._keepalive()
+            self.stop.wait(min(remaining, 0.5))
+        return not self.stop.requested
+
+    def _keepalive(self) -> None:
+        for name, publisher in self.publishers.items():
+            try:
+                publisher.keepalive()
+            except Exception:
+                log.warning("publisher keepalive failed", extra={"broker": name}, exc_info=True)
+
+    def _maintain(self) -> None:
+        now = time.monotonic()
+        control = self._control
+        if control is not None and (
+            not control.connected or not control.owned or now >= self._next_rebalance
+        ):
+            self._with_database_retry(self._rebalance)
+            self._next_rebalance = now + self.config.rebalance_interval
+        if self.config.retention is not None and now >= self._next_purge:
+            self._next_purge = now + self.config.purge_interval
+            self._with_database_retry(self.purge)
+
+    def _rebalance(self) -> None:
+        control = self._control
+        assert control is not None
+        try:
+            if not control.connected:
+                control.open()
+            control.rebalance()
+        except Exception:
+            control.close()
+            raise
+
+    # -- infrastructure ------------------------------------------------------------------------
+
+    def _with_database_retry(self, work: Callable[[], T]) -> T:
+        """Run ``work``; on a transient database error wait with backoff and run it again."""
+        retrying = Retrying(
+            retry=retry_if_exception(is_transient),
+            wait=wait_exponential_jitter(initial=0.1, max=self.config.database_backoff_max),
+            stop=stop_never,
+            sleep=self._database_sleep,
+            before_sleep=self._log_database_retry,
+            reraise=True,
+        )
+        return retrying(work)
+
+    def _database_sleep(self, seconds: float) -> None:
+        if not self._pause(seconds):
+            raise _RelayStoppedError("stop requested while the database was unavailable")
+
+    def _log_database_retry(self, state: Any) -> None:
+        self.metrics.database_retries += 1
+        error = state.outcome.exception() if state.outcome else None
+        log.warning(
+            "database unavailable; relay retrying",
+            extra={
+                "relay": self.relay_id,
+                "attempt": state.attempt_number,
+                "error": type(error).__name__ if error else None,
+            },
+        )
+
+    @contextmanager
+    def _signals(self, enabled: bool) -> Iterator[None]:
+        if not enabled:
+            yield
+            return
+        with graceful_signals(self.stop):
+            yield
+
+
+def create_publishers(
+    *, kafka_bootstrap: str | None = None, rabbitmq_url: str | None = None
+) -> dict[str, Publisher]:
+    """The standard publishers for the given brokers (``MQDEDUP_KAFKA_BOOTSTRAP`` and
+    ``MQDEDUP_RABBITMQ_URL`` when not given); at least one must be configured."""
+    kafka_bootstrap = kafka_bootstrap or os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
+    rabbitmq_url = rabbitmq_url or os.environ.get("MQDEDUP_RABBITMQ_URL")
+    publishers: dict[str, Publisher] = {}
+    if kafka_bootstrap:
+        from mqdedup.outbox.kafka_publisher import KafkaPublisher
+
+        publishers["kafka"] = KafkaPublisher(kafka_bootstrap)
+    if rabbitmq_url:
+        from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
+
+        publishers["rabbitmq"] = RabbitMQPublisher(rabbitmq_url)
+    if not publishers:
+        raise ConfigurationError(
+            "no broker configured for the relay: set MQDEDUP_KAFKA_BOOTSTRAP and/or "
+            "MQDEDUP_RABBITMQ_URL"
+        )
+    return publishers
