@@ -198,15 +198,22 @@ class KafkaRunner:
     def _process_loop(self) -> None:
         transport = self.transport
         batch_size = self.consumer.batch_size
+        failed_rounds = 0
         try:
             while not (self.stop.requested or self._closing.is_set()):
                 batch = transport.current(self._buffer.take(batch_size, POLL_SLICE))
                 if not batch:
                     continue
                 report = self.processor.process(batch)
-                if report.unsettled and not self.stop.requested:
-                    transport.rewind(report.unsettled)
                 self._buffer.notify()
+                if not report.unsettled:
+                    failed_rounds = 0
+                elif not self.stop.requested:
+                    # Not settled (a dead-letter publish failed): fetch it again, after a
+                    # back-off so a broken dead-letter topic does not become a busy loop.
+                    transport.rewind(report.unsettled)
+                    failed_rounds += 1
+                    self._back_off(failed_rounds)
         except BatchAbandonedError:
             self._abandoned = True
             log.warning(
@@ -222,3 +229,12 @@ class KafkaRunner:
         finally:
             self._processing_done.set()
             self._buffer.notify()
+
+    def _back_off(self, rounds: int) -> None:
+        limit = self.consumer.retry_policy.infrastructure_backoff_max
+        seconds = min(limit, 0.5 * 2 ** (rounds - 1))
+        log.warning(
+            "messages left unsettled; retrying them after a back-off",
+            extra={"consumer": self.settings.consumer_name, "seconds": seconds},
+        )
+        self.stop.wait(seconds)

@@ -150,13 +150,12 @@ class KafkaTransport:
             config["group_id"] = None
         try:
             client = kafka.KafkaConsumer(**config)
-        except kafka_errors.NoBrokersAvailable as error:
-            raise BrokerUnavailableError(
-                f"cannot reach Kafka at {','.join(settings.bootstrap_servers)}: "
-                f"{type(error).__name__}"
-            ) from error
         except kafka_errors.KafkaConfigurationError as error:
             raise ConfigurationError(f"invalid Kafka settings: {error}") from error
+        except kafka_errors.KafkaError as error:
+            raise BrokerUnavailableError(
+                f"cannot reach Kafka at {','.join(settings.bootstrap_servers)}: {_describe(error)}"
+            ) from error
         self._client = client
         self._owner = threading.current_thread()
         if self.group:
@@ -561,10 +560,10 @@ class KafkaTransport:
                     raise BrokerUnavailableError("the Kafka transport is closed")
                 try:
                     self._producer = kafka.KafkaProducer(**self.settings.producer_config)
-                except kafka_errors.NoBrokersAvailable as error:
+                except kafka_errors.KafkaError as error:
                     raise BrokerUnavailableError(
                         f"cannot reach Kafka at {','.join(self.settings.bootstrap_servers)} "
-                        f"for dead-lettering: {type(error).__name__}"
+                        f"for dead-lettering: {_describe(error)}"
                     ) from error
             return self._producer
 
@@ -653,7 +652,6 @@ def _retriable(error: BaseException) -> bool:
     return bool(getattr(error, "retriable", False)) or isinstance(
         error,
         kafka_errors.KafkaConnectionError
-        | kafka_errors.NoBrokersAvailable
         | kafka_errors.KafkaTimeoutError
         | kafka_errors.NodeNotReadyError,
     )

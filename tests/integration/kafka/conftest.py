@@ -1,0 +1,73 @@
+"""Fixtures for the Kafka integration tests: the real broker, a private table prefix.
+
+Every test gets its own topics (uuid names), consumer groups and table prefix, so the
+tests run next to other engineers' test runs on the shared services.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy import Engine
+
+from mqdedup.db import check_connection, create_engine, init_schema
+from mqdedup.errors import DatabaseUnavailableError
+from mqdedup.schema import schema
+from tests.conftest import require_service
+from tests.integration.kafka.consumers import orders_table
+from tests.integration.kafka.helpers import KafkaHelper
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> str:
+    """The shared broker (``MQDEDUP_KAFKA_BOOTSTRAP``); skipped locally, fails in CI."""
+    import kafka
+    from kafka.errors import KafkaError
+
+    bootstrap = os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
+    if not bootstrap:
+        require_service("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
+    assert bootstrap is not None
+    try:
+        admin = kafka.KafkaAdminClient(bootstrap_servers=bootstrap, bootstrap_timeout_ms=5000)
+    except KafkaError:
+        require_service("Kafka", f"no broker answers at {bootstrap}")
+    admin.close()
+    return bootstrap
+
+
+@pytest.fixture
+def kafka_helper(kafka_bootstrap: str) -> Iterator[KafkaHelper]:
+    helper = KafkaHelper(kafka_bootstrap)
+    yield helper
+    helper.close()
+
+
+@dataclass(frozen=True)
+class TestDatabase:
+    """The shared PostgreSQL with this test's own table prefix."""
+
+    __test__ = False
+    url: str
+    engine: Engine
+    prefix: str
+
+
+@pytest.fixture
+def db(pg_url: str) -> Iterator[TestDatabase]:
+    engine = create_engine(pg_url)
+    try:
+        check_connection(engine)
+    except DatabaseUnavailableError as exc:
+        require_service("PostgreSQL", str(exc))
+    prefix = f"t_{uuid.uuid4().hex[:8]}_"
+    init_schema(engine, prefix)
+    orders_table(prefix).create(engine)
+    yield TestDatabase(url=pg_url, engine=engine, prefix=prefix)
+    orders_table(prefix).drop(engine, checkfirst=True)
+    schema(prefix).metadata.drop_all(engine)
+    engine.dispose()

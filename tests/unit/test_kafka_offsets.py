@@ -1,0 +1,158 @@
+"""Contiguous-offset bookkeeping of the Kafka transport (no broker)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from mqdedup.consumers.kafka_offsets import OffsetTracker
+
+P0 = ("orders", 0)
+P1 = ("orders", 1)
+
+
+def track_all(tracker: OffsetTracker, key: tuple[str, int], offsets: range | list[int]) -> int:
+    epochs = {tracker.track(key, offset) for offset in offsets}
+    assert len(epochs) == 1
+    epoch = epochs.pop()
+    assert epoch is not None
+    return epoch
+
+
+def test_commit_moves_only_past_contiguously_settled_offsets() -> None:
+    tracker = OffsetTracker()
+    tracker.assign([P0])
+    epoch = track_all(tracker, P0, range(10, 15))
+
+    assert tracker.to_commit() == {}
+    for offset in (10, 11, 13, 14):  # 12 is still being retried
+        assert tracker.settle(P0, offset, epoch)
+    assert tracker.to_commit() == {P0: 12}  # held back at the unsettled message
+
+    assert tracker.settle(P0, 12, epoch)
+    assert tracker.to_commit() == {P0: 15}  # after the last one
+    assert tracker.in_flight() == 0
+
+
+def test_gaps_in_a_partition_do_not_block_it() -> None:
+    tracker = OffsetTracker()
+    epoch = track_all(tracker, P0, [3, 4, 7, 9])  # compaction / transaction markers
+    for offset in (3, 4, 7, 9):
+        tracker.settle(P0, offset, epoch)
+    assert tracker.to_commit() == {P0: 10}
+
+
+def test_committed_offsets_are_not_committed_again() -> None:
+    tracker = OffsetTracker()
+    epoch = track_all(tracker, P0, range(3))
+    for offset in range(3):
+        tracker.settle(P0, offset, epoch)
+    tracker.committed({P0: 3})
+    assert tracker.to_commit() == {}
+    assert tracker.committed_offset(P0) == 3
+    epoch = track_all(tracker, P0, range(3, 5))
+    tracker.settle(P0, 3, epoch)
+    assert tracker.to_commit() == {P0: 4}
+
+
+def test_partitions_are_independent() -> None:
+    tracker = OffsetTracker()
+    e0 = track_all(tracker, P0, range(5))
+    e1 = track_all(tracker, P1, range(5))
+    tracker.settle(P1, 0, e1)
+    tracker.settle(P1, 1, e1)
+    tracker.settle(P0, 1, e0)  # offset 0 of P0 not settled
+    assert tracker.to_commit() == {P1: 2}
+
+
+def test_revoke_returns_uncommitted_offsets_and_ignores_later_settles() -> None:
+    tracker = OffsetTracker()
+    tracker.assign([P0, P1])
+    e0 = track_all(tracker, P0, range(4))
+    tracker.settle(P0, 0, e0)
+    tracker.settle(P0, 1, e0)
+
+    assert tracker.revoke([P0]) == {P0: 2}
+    # In-flight work of the revoked partition must never move its offset.
+    assert not tracker.settle(P0, 2, e0)
+    assert not tracker.is_current(P0, e0)
+    assert tracker.to_commit() == {}
+    assert tracker.partitions == [P1]
+
+
+def test_reassignment_starts_a_new_epoch() -> None:
+    tracker = OffsetTracker()
+    tracker.assign([P0])
+    old = track_all(tracker, P0, range(3))
+    tracker.revoke([P0])
+    tracker.assign([P0])
+    new = track_all(tracker, P0, range(0, 3))  # fetched again from the committed offset
+    assert new != old
+    assert not tracker.settle(P0, 0, old)
+    assert tracker.settle(P0, 0, new)
+    assert tracker.to_commit() == {P0: 1}
+
+
+def test_rewind_drops_later_deliveries_and_refetches_from_the_unsettled_offset() -> None:
+    tracker = OffsetTracker()
+    epoch = track_all(tracker, P0, range(10))
+    for offset in (0, 1, 2, 4, 5):
+        tracker.settle(P0, offset, epoch)
+
+    # Offset 3's dead-letter publish failed: fetch it (and what followed) again.
+    assert tracker.request_rewind(P0, 3, epoch)
+    assert not tracker.is_current(P0, epoch)
+    assert tracker.track(P0, 6) is None  # fetched before the seek: dropped
+    rewinds = tracker.take_rewinds()
+    assert [(r.partition, r.offset) for r in rewinds] == [(P0, 3)]
+    assert tracker.take_rewinds() == []
+    assert tracker.to_commit() == {P0: 3}
+
+    again = track_all(tracker, P0, range(3, 10))
+    for offset in range(3, 10):
+        assert tracker.settle(P0, offset, again)
+    assert tracker.to_commit() == {P0: 10}
+
+
+def test_rewind_of_an_old_epoch_is_ignored() -> None:
+    tracker = OffsetTracker()
+    epoch = track_all(tracker, P0, range(3))
+    tracker.revoke([P0])
+    assert not tracker.request_rewind(P0, 1, epoch)
+    assert tracker.take_rewinds() == []
+
+
+def test_offsets_must_increase_within_an_epoch() -> None:
+    tracker = OffsetTracker()
+    tracker.track(P0, 5)
+    with pytest.raises(ValueError, match="tracked after"):
+        tracker.track(P0, 5)
+
+
+def test_settle_twice_or_unknown_offset_is_ignored() -> None:
+    tracker = OffsetTracker()
+    epoch = track_all(tracker, P0, range(2))
+    assert tracker.settle(P0, 0, epoch)
+    assert not tracker.settle(P0, 0, epoch)
+    assert not tracker.settle(P0, 99, epoch)
+    assert tracker.to_commit() == {P0: 1}
+
+
+def test_concurrent_settles_in_random_order_end_at_the_last_offset() -> None:
+    tracker = OffsetTracker()
+    epoch = track_all(tracker, P0, range(20_000))
+    offsets = list(range(20_000))
+    random.Random(7).shuffle(offsets)
+    chunks = [offsets[i::4] for i in range(4)]
+    threads = [
+        threading.Thread(target=lambda c=c: [tracker.settle(P0, o, epoch) for o in c])
+        for c in chunks
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert tracker.to_commit() == {P0: 20_000}
+    assert tracker.in_flight() == 0
