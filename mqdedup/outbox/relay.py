@@ -40,7 +40,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine
-from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential_jitter
+from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential, wait_random
 
 from mqdedup.consumers.stopping import StopToken, graceful_signals
 from mqdedup.dialects import is_transient
@@ -495,7 +495,8 @@ class Relay:
         """Run ``work``; on a transient database error wait with backoff and run it again."""
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
-            wait=wait_exponential_jitter(initial=0.1, max=self.config.database_backoff_max),
+            wait=wait_exponential(multiplier=0.1, max=self.config.database_backoff_max)
+            + wait_random(0, 0.1),
             stop=stop_never,
             sleep=self._database_sleep,
             before_sleep=self._log_database_retry,
