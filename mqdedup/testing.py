@@ -1,0 +1,209 @@
+"""Prove your own consumer is effectively-once: a pytest plugin and a harness.
+
+Installed with mqdedup, the plugin gives every test suite these fixtures:
+
+* ``mqdedup_engine``: a database with the framework's tables (a temporary SQLite file,
+  or ``MQDEDUP_TEST_DATABASE_URL`` when set);
+* ``mqdedup_harness``: ``mqdedup_harness(MyConsumer)`` returns a
+  :class:`ConsumerHarness` that runs your consumer on the in-memory broker and injects
+  the faults brokers really produce.
+
+Example::
+
+    def test_orders_are_effectively_once(mqdedup_harness, mqdedup_engine):
+        harness = mqdedup_harness(OrderConsumer)
+        for n in range(100):
+            harness.publish({"id": n}, message_id=f"order-{n}")
+        harness.deliver_each_twice()
+        harness.run_crashing_after_commit(times=3)
+        harness.run_crashing_mid_batch(after_messages=7)
+        harness.run()
+        assert_effectively_once(count_orders_by_message_id(mqdedup_engine), harness.ids)
+
+The same consumer class runs on real brokers through its ``KafkaConsumer`` /
+``RabbitMQConsumer`` base; see docs/testing.md for those fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+from mqdedup.consumers.base import Consumer, Context
+from mqdedup.consumers.memory import InMemoryBroker
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.worker import Worker
+from mqdedup.db import create_engine, init_schema
+from mqdedup.errors import SimulatedCrash
+from mqdedup.message import Message
+
+
+class EffectivelyOnceError(AssertionError):
+    """Some message's effects happened more than once, or never."""
+
+
+def assert_effectively_once(
+    effects: Mapping[str, int], expected_ids: Iterable[str], *, allow_missing: bool = False
+) -> None:
+    """Assert that each expected message id has exactly one effect.
+
+    ``effects`` maps a message id to how many times its effect is found (e.g. rows per
+    message id in your business table). Extra ids, doubles and (unless
+    ``allow_missing``) missing ids fail with a precise message.
+    """
+    expected = set(expected_ids)
+    doubled = {key: count for key, count in effects.items() if count > 1}
+    unexpected = sorted(set(effects) - expected)
+    missing = sorted(expected - {key for key, count in effects.items() if count > 0})
+    problems = []
+    if doubled:
+        sample = dict(sorted(doubled.items())[:5])
+        problems.append(f"{len(doubled)} message id(s) applied more than once, e.g. {sample}")
+    if missing and not allow_missing:
+        problems.append(f"{len(missing)} message id(s) never applied, e.g. {missing[:5]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected id(s), e.g. {unexpected[:5]}")
+    if problems:
+        raise EffectivelyOnceError("; ".join(problems))
+
+
+class ConsumerHarness:
+    """Runs one consumer class over an in-memory queue, with injected faults."""
+
+    def __init__(
+        self,
+        consumer_factory: Callable[[], Consumer],
+        engine: Engine,
+        queue: str = "harness",
+        seed: int = 0,
+    ) -> None:
+        self.consumer_factory = consumer_factory
+        self.engine = engine
+        self.queue = queue
+        self.broker = InMemoryBroker(seed=seed)
+        self.ids: list[str] = []
+        self.metrics = Metrics()
+        self.crashes = 0
+
+    def publish(
+        self,
+        payload: bytes | str | Mapping[str, Any] | Sequence[Any],
+        *,
+        message_id: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        key: bytes | None = None,
+    ) -> None:
+        """Queue a message; dicts and lists are sent as JSON."""
+        body = payload if isinstance(payload, bytes | str) else json.dumps(payload)
+        self.broker.publish(self.queue, body, message_id=message_id, headers=headers, key=key)
+        if message_id is not None:
+            self.ids.append(message_id)
+
+    def deliver_each_twice(self) -> int:
+        """Queue a second copy of every queued message (as a retrying producer would)."""
+        return self.broker.inject_duplicates(self.queue, 1.0)
+
+    def inject_duplicates(self, rate: float) -> int:
+        """Queue copies of about ``rate`` of the queued messages at random positions."""
+        return self.broker.inject_duplicates(self.queue, rate)
+
+    def run(self, max_batches: int | None = None) -> Metrics:
+        """Process until the queue is empty (or ``max_batches``)."""
+        consumer = self.consumer_factory()
+        worker = Worker(
+            consumer, self.broker.transport(self.queue), self.engine, metrics=self.metrics
+        )
+        return worker.run(until_idle=max_batches is None, max_batches=max_batches)
+
+    def run_crashing_after_commit(self, times: int = 1) -> None:
+        """Let ``times`` batches commit and then 'die' before the broker is settled."""
+        for _ in range(times):
+            if not self.broker.pending(self.queue):
+                return
+            self._run_until_crash(_crash_after_commit(self.consumer_factory()))
+
+    def run_crashing_mid_batch(self, after_messages: int) -> None:
+        """'Die' in the middle of a batch, after ``after_messages`` handler calls."""
+        if self.broker.pending(self.queue):
+            self._run_until_crash(_crash_mid_batch(self.consumer_factory(), after_messages))
+
+    def _run_until_crash(self, consumer: Consumer) -> None:
+        worker = Worker(
+            consumer, self.broker.transport(self.queue), self.engine, metrics=self.metrics
+        )
+        try:
+            worker.run(until_idle=True)
+        except SimulatedCrash:
+            self.crashes += 1  # the transport was closed: unsettled deliveries are back
+
+    @property
+    def dead_letters(self) -> list[Any]:
+        """Dead-lettered messages with their reasons."""
+        return list(self.broker.dead_letters.get(self.queue, []))
+
+
+def _crash_after_commit(consumer: Consumer) -> Consumer:
+    original = consumer.after_commit
+
+    def after_commit(messages: Sequence[Message]) -> None:
+        original(messages)
+        raise SimulatedCrash("crash between commit and settle")
+
+    consumer.after_commit = after_commit  # type: ignore[method-assign]
+    return consumer
+
+
+def _crash_mid_batch(consumer: Consumer, after_messages: int) -> Consumer:
+    calls = {"n": 0}
+    handle, handle_batch = consumer.handle, consumer.handle_batch
+
+    def guard(messages: int) -> None:
+        calls["n"] += messages
+        if calls["n"] > after_messages:
+            raise SimulatedCrash("crash in the middle of a batch")
+
+    def crashing_handle(message: Message, ctx: Context) -> Any:
+        guard(1)
+        return handle(message, ctx)
+
+    def crashing_batch(messages: Sequence[Message], ctx: Any) -> Any:
+        guard(len(messages))
+        return handle_batch(messages, ctx)
+
+    consumer.handle = crashing_handle  # type: ignore[method-assign]
+    if consumer.has_batch_handler:
+        consumer.handle_batch = crashing_batch  # type: ignore[method-assign]
+    return consumer
+
+
+# -- pytest fixtures -------------------------------------------------------------------
+
+
+@pytest.fixture
+def mqdedup_engine() -> Iterator[Engine]:
+    """A database with mqdedup's tables: ``MQDEDUP_TEST_DATABASE_URL`` or temp SQLite."""
+    url = os.environ.get("MQDEDUP_TEST_DATABASE_URL")
+    with tempfile.TemporaryDirectory(prefix="mqdedup-test-") as folder:
+        engine = create_engine(url or f"sqlite:///{Path(folder) / 'test.db'}")
+        init_schema(engine)
+        try:
+            yield engine
+        finally:
+            engine.dispose()
+
+
+@pytest.fixture
+def mqdedup_harness(mqdedup_engine: Engine) -> Callable[..., ConsumerHarness]:
+    """``mqdedup_harness(ConsumerClass or factory)`` → a :class:`ConsumerHarness`."""
+
+    def make(consumer: Callable[[], Consumer], **options: Any) -> ConsumerHarness:
+        return ConsumerHarness(consumer, mqdedup_engine, **options)
+
+    return make
