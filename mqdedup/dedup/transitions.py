@@ -34,25 +34,32 @@ Concurrency: the row lock taken by the ``UPDATE`` serialises concurrent callers.
 winner's commit makes every waiting ``UPDATE`` re-check its condition against the new
 state (PostgreSQL READ COMMITTED, InnoDB locking reads), so they match 0 rows and
 report ``already in target state``. Under PostgreSQL REPEATABLE READ / SERIALIZABLE
-the losers get a serialization failure instead, which the processor retries.
+the losers get a serialization failure instead, and InnoDB (MySQL/MariaDB) may report a
+deadlock (error 1213) when many transactions queue on one row: both are transient, and
+the consumer's processor reruns the transaction. Outside a consumer (a web request),
+run the transaction with :func:`run_transaction`, which does the same.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import Column, Table, inspect, select, update
+from sqlalchemy import Column, Engine, Table, inspect, select, update
 from sqlalchemy.exc import NoInspectionAvailable
-from sqlalchemy.orm import Mapper, Session
+from sqlalchemy.orm import Mapper, Session, sessionmaker
 
-from mqdedup.dialects import latest_committed
+from mqdedup.db import session_factory
+from mqdedup.dialects import is_transient, latest_committed
 from mqdedup.errors import ConfigurationError, MqdedupError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A row whose state is a valid source yet the UPDATE matched nothing can only come from
 # a concurrent change between the two statements (a cycle in the graph); retry a little.
@@ -375,3 +382,35 @@ def _validated_edges(edges: Mapping[str, Iterable[str]]) -> dict[str, frozenset[
             )
         result[source] = target_set
     return result
+
+
+def run_transaction(
+    database: Engine | sessionmaker[Session],
+    work: Callable[[Session], T],
+    *,
+    attempts: int = 5,
+    backoff: float = 0.05,
+) -> T:
+    """Run ``work(session)`` in a transaction; rerun it on transient database errors.
+
+    Deadlocks, serialization failures and lost connections roll the whole transaction
+    back, so the whole unit of work runs again (with jittered exponential backoff, at
+    most ``attempts`` times; then the last error is raised). ``work`` must keep all its
+    effects in the session (state changes, outbox rows) so that a rerun is safe.
+    """
+    if attempts < 1:
+        raise ConfigurationError("run_transaction attempts must be at least 1")
+    sessions = session_factory(database) if isinstance(database, Engine) else database
+    for attempt in range(1, attempts + 1):
+        try:
+            with sessions() as session, session.begin():
+                return work(session)
+        except Exception as error:
+            if attempt == attempts or not is_transient(error):
+                raise
+            log.info(
+                "transient database error; rerunning the transaction",
+                extra={"attempt": attempt, "error": type(error).__name__},
+            )
+            time.sleep(backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+    raise AssertionError("unreachable")  # pragma: no cover
