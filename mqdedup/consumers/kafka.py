@@ -304,7 +304,11 @@ class KafkaConsumer(Consumer):
         return KafkaTransport(self.kafka_settings())
 
     def run(
-        self, database: Engine | sessionmaker[Session], *, stop: StopToken | None = None
+        self,
+        database: Engine | sessionmaker[Session],
+        *,
+        stop: StopToken | None = None,
+        metrics: Metrics | None = None,
     ) -> Metrics:
         """Consume until ``stop`` is requested: the production entry point.
 
@@ -316,7 +320,28 @@ class KafkaConsumer(Consumer):
         """
         from mqdedup.consumers.kafka_runner import KafkaRunner
 
-        return KafkaRunner(self, database, stop=stop).run()
+        return KafkaRunner(self, database, stop=stop, metrics=metrics).run()
+
+    def check_connection(self) -> None:
+        """Raise BrokerUnavailableError (one line) if no bootstrap server answers."""
+        import kafka
+        import kafka.errors
+
+        from mqdedup.errors import BrokerUnavailableError
+
+        settings = self.kafka_settings()
+        admin_config = {
+            **settings.admin_config,
+            "bootstrap_timeout_ms": int(type(self).connect_timeout * 1000),
+        }
+        try:
+            admin = kafka.KafkaAdminClient(**admin_config)
+        except kafka.errors.KafkaError as error:
+            raise BrokerUnavailableError(
+                f"cannot reach Kafka at {','.join(settings.bootstrap_servers)}: "
+                f"{type(error).__name__}"
+            ) from error
+        admin.close()
 
     def replay(
         self,

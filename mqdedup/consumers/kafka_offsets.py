@@ -100,9 +100,10 @@ class OffsetTracker:
         """Record that ``offset`` of ``key`` is handed out; return the epoch to carry.
 
         Returns None when the record must be dropped: a rewind of its partition is
-        pending, so it will be fetched again after the seek. Offsets of one partition
-        must be tracked in increasing order within an epoch; a partition never assigned
-        is assigned on the fly (manual assignment).
+        pending, so it will be fetched again after the seek. A partition never assigned
+        is assigned on the fly (manual assignment). An offset not above the last one
+        handed out means the consumer's position moved back (its fetch state was
+        reset): everything after it comes again, so the partition starts a new epoch.
         """
         with self._lock:
             if key in self._rewinds:
@@ -110,9 +111,9 @@ class OffsetTracker:
             state = self._partitions.get(key)
             if state is None:
                 state = self._partitions[key] = _Partition(epoch=next(self._epochs))
-            if state.last_tracked is not None and offset <= state.last_tracked:
-                raise ValueError(
-                    f"offset {offset} of {key[0]}/{key[1]} tracked after {state.last_tracked}"
+            elif state.last_tracked is not None and offset <= state.last_tracked:
+                state = self._partitions[key] = _Partition(
+                    epoch=next(self._epochs), committed=state.committed
                 )
             state.pending.append(offset)
             state.outstanding.add(offset)

@@ -4,10 +4,11 @@ It keeps the ack contract of :mod:`mqdedup.consumers.transport`:
 
 * offsets are committed (``enable_auto_commit=False``) only for *settled* deliveries,
   and only up to the first one that is not settled yet (:mod:`kafka_offsets`);
-* on a rebalance, settled offsets of revoked partitions are committed, their in-flight
-  deliveries are dropped (their settles are ignored; the next owner gets them again and
-  the dedup table turns them into duplicates); a commit that fails because of the
-  rebalance is logged, never fatal;
+* on a rebalance, settled offsets of revoked partitions are committed; the in-flight
+  deliveries of partitions that really went to another worker are dropped (their settles
+  are ignored; the next owner gets them again and the dedup table turns them into
+  duplicates), those of partitions kept across the rebalance carry on; a commit that
+  fails because of the rebalance is logged, never fatal;
 * ``dead_letter`` publishes the original key, value and headers plus the ``x-mqdedup-*``
   headers to the dead-letter topic and waits for the broker's acknowledgement
   (``acks=all``, idempotent producer) before it returns; it raises otherwise, and the
@@ -134,7 +135,8 @@ class KafkaTransport:
         self._known_dead_letter_topics: set[str] = set()
         self._commit_wanted = threading.Event()
         self._next_commit_attempt = 0.0
-        self._paused: set[Any] = set()
+        self._revoking: set[PartitionKey] = set()
+        self._rebalance_lock = threading.Lock()
         self._closed = False
         self._high_water: dict[PartitionKey, int] = {}
 
@@ -315,6 +317,8 @@ class KafkaTransport:
                 extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
             )
             return []
+        if self.group:
+            self._drop_unassigned()
         deliveries: list[Delivery] = []
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
@@ -339,21 +343,18 @@ class KafkaTransport:
     def pause_all(self) -> None:
         """Pause every assigned partition (fetching stops; group membership stays)."""
         client = self.client
-        assigned = set(client.assignment() or ())
-        new = assigned - client.paused()
-        if new:
-            client.pause(*new)
-        self._paused = (self._paused | new) & assigned
+        unpaused = set(client.assignment() or ()) - set(client.paused() or ())
+        if unpaused:
+            client.pause(*unpaused)
 
     def resume_all(self) -> None:
-        """Resume the partitions :meth:`pause_all` paused."""
-        if not self._paused or self._client is None:
+        """Resume every paused partition (kafka-python keeps the paused flag of a partition
+        that stays assigned across a rebalance)."""
+        if self._client is None:
             return
-        assigned = set(self._client.assignment() or ())
-        resume = self._paused & assigned
-        if resume:
-            self._client.resume(*resume)
-        self._paused = set()
+        paused = set(self._client.paused() or ())
+        if paused:
+            self._client.resume(*paused)
 
     def commit_pending(self, timeout: float | None = None, *, force: bool = False) -> bool:
         """Commit settled offsets not committed yet; True when nothing is left to commit.
@@ -366,7 +367,8 @@ class KafkaTransport:
             return True
         if not force and time.monotonic() < self._next_commit_attempt:
             return False
-        offsets = self.tracker.to_commit()
+        assigned = self._assigned_keys()
+        offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
         if not offsets:
             return True
         ok = self._commit(
@@ -491,6 +493,61 @@ class KafkaTransport:
         """The next offset the consumer will fetch for ``partition``."""
         return int(self.client.position(TopicPartition(*partition)))
 
+    # -- rebalances -----------------------------------------------------------------------
+
+    def _assigned_keys(self) -> set[PartitionKey]:
+        if self._client is None:
+            return set()
+        return {partition_key(tp) for tp in self._client.assignment() or ()}
+
+    def _drop_unassigned(self) -> None:
+        """Forget partitions kafka-python no longer assigns (their work is dropped)."""
+        with self._rebalance_lock:
+            assigned = self._assigned_keys()
+            gone = [key for key in self.tracker.partitions if key not in assigned]
+            if gone:
+                self.tracker.revoke(gone)
+                self._revoking.difference_update(gone)
+
+    def _partitions_revoked(self, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
+        """Listener (IO thread): commit what is settled; the drop waits for the assignment.
+
+        With the eager protocol every partition is "revoked" before each rebalance, but
+        kafka-python keeps the fetch state (position, buffered records) of a partition
+        that is assigned again; its in-flight work must then be kept, not dropped.
+        """
+        wanted = set(keys)
+        uncommitted = {k: v for k, v in self.tracker.to_commit().items() if k in wanted}
+        self._commit_on_revoke(uncommitted)
+        with self._rebalance_lock:
+            self._revoking.update(keys)
+        return uncommitted
+
+    def _partitions_assigned(self, keys: list[PartitionKey]) -> tuple[list[PartitionKey], ...]:
+        """Listener (IO thread): drop partitions really gone, start fresh ones afresh.
+
+        ``keys`` is the whole new assignment (eager) or the added partitions
+        (cooperative). A partition kept from the previous assignment keeps its state in
+        kafka-python and here; any other assigned partition has a fresh fetch state
+        (it starts at the committed offset), so it gets a new epoch.
+        """
+        with self._rebalance_lock:
+            assigned = self._assigned_keys() | set(keys)
+            revoking, self._revoking = self._revoking, set()
+            gone = sorted(revoking - assigned)
+            self.tracker.revoke(gone)
+            tracked = set(self.tracker.partitions)
+            fresh = sorted((set(keys) - revoking) | (assigned - tracked))
+            self.tracker.assign(fresh)
+        kept = sorted(assigned - set(fresh))
+        return gone, fresh, kept
+
+    def _partitions_lost(self, keys: list[PartitionKey]) -> None:
+        """Listener (IO thread): membership expired; nothing may be committed any more."""
+        with self._rebalance_lock:
+            self.tracker.revoke(keys)
+            self._revoking.difference_update(keys)
+
     # -- internals -----------------------------------------------------------------------
 
     def _on_owner_thread(self) -> bool:
@@ -605,7 +662,7 @@ class KafkaTransport:
 
 
 class _RebalanceListener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]
-    """Commits settled offsets of revoked partitions and drops their in-flight work.
+    """Keeps the offset tracker in step with kafka-python's assignment.
 
     kafka-python 3 runs these callbacks on its IO thread; they only touch the
     (thread-safe) offset tracker and queue an asynchronous commit.
@@ -616,8 +673,7 @@ class _RebalanceListener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]
 
     def on_partitions_revoked(self, revoked: Any) -> None:
         keys = [partition_key(tp) for tp in revoked]
-        uncommitted = self.transport.tracker.revoke(keys)
-        self.transport._commit_on_revoke(uncommitted)
+        uncommitted = self.transport._partitions_revoked(keys)
         log.info(
             "partitions revoked",
             extra={
@@ -629,7 +685,7 @@ class _RebalanceListener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]
 
     def on_partitions_lost(self, lost: Any) -> None:
         keys = [partition_key(tp) for tp in lost]
-        self.transport.tracker.revoke(keys)
+        self.transport._partitions_lost(keys)
         log.warning(
             "partitions lost (group membership expired); their in-flight work is dropped",
             extra={"consumer": self.transport.settings.consumer_name, "partitions": _names(keys)},
@@ -637,10 +693,15 @@ class _RebalanceListener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         keys = [partition_key(tp) for tp in assigned]
-        self.transport.tracker.assign(keys)
+        gone, fresh, kept = self.transport._partitions_assigned(keys)
         log.info(
             "partitions assigned",
-            extra={"consumer": self.transport.settings.consumer_name, "partitions": _names(keys)},
+            extra={
+                "consumer": self.transport.settings.consumer_name,
+                "partitions": _names(fresh),
+                "kept": _names(kept),
+                "dropped": _names(gone),
+            },
         )
 
 

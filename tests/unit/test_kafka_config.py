@@ -188,3 +188,16 @@ def test_dead_letter_headers_keep_the_originals_and_name_the_source() -> None:
     assert as_dict["x-mqdedup-source-partition"] == "2"
     assert as_dict["x-mqdedup-source-offset"] == "41"
     assert as_dict["x-mqdedup-source-timestamp"] == "1764000000000"
+
+
+def test_unreachable_broker_is_a_one_line_error(sqlite_engine: Engine) -> None:
+    from mqdedup.errors import BrokerUnavailableError
+
+    nowhere = consumer_class(bootstrap_servers="127.0.0.1:1", connect_timeout=0.5)()
+    with pytest.raises(
+        BrokerUnavailableError, match=r"cannot reach Kafka at 127\.0\.0\.1:1"
+    ) as caught:
+        nowhere.check_connection()
+    assert "\n" not in str(caught.value)
+    with pytest.raises(BrokerUnavailableError, match="cannot reach Kafka"):
+        nowhere.run(sqlite_engine)

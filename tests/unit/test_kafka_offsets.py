@@ -5,8 +5,6 @@ from __future__ import annotations
 import random
 import threading
 
-import pytest
-
 from mqdedup.consumers.kafka_offsets import OffsetTracker
 
 P0 = ("orders", 0)
@@ -124,11 +122,15 @@ def test_rewind_of_an_old_epoch_is_ignored() -> None:
     assert tracker.take_rewinds() == []
 
 
-def test_offsets_must_increase_within_an_epoch() -> None:
+def test_a_position_that_moves_back_starts_a_new_epoch() -> None:
     tracker = OffsetTracker()
-    tracker.track(P0, 5)
-    with pytest.raises(ValueError, match="tracked after"):
-        tracker.track(P0, 5)
+    old = track_all(tracker, P0, range(5, 10))
+    tracker.settle(P0, 5, old)
+    again = tracker.track(P0, 6)  # the consumer's fetch position was reset to 6
+    assert again is not None and again != old
+    assert not tracker.settle(P0, 7, old)  # in-flight work of before is dropped
+    assert tracker.settle(P0, 6, again)
+    assert tracker.to_commit() == {P0: 7}
 
 
 def test_settle_twice_or_unknown_offset_is_ignored() -> None:

@@ -6,10 +6,12 @@ tests run next to other engineers' test runs on the shared services.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine
@@ -20,6 +22,7 @@ from mqdedup.schema import schema
 from tests.conftest import require_service
 from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import KafkaHelper
+from tests.services import PrivateService, free_port
 
 
 @pytest.fixture(scope="session")
@@ -71,3 +74,25 @@ def db(pg_url: str) -> Iterator[TestDatabase]:
     orders_table(prefix).drop(engine, checkfirst=True)
     schema(prefix).metadata.drop_all(engine)
     engine.dispose()
+
+
+@pytest.fixture
+def private_kafka(kafka_bootstrap: str, tmp_path: Path) -> Iterator[PrivateService]:
+    """A PRIVATE Kafka broker (own port and state dir) that a test may stop and start.
+
+    The shared broker on the default port is never touched. The instance is stopped at
+    the end, and killed if it does not stop (also when its start failed half-way).
+    """
+    port = free_port()
+    while port >= 65000:  # its controller listens on port + 1
+        port = free_port()
+    broker = PrivateService("kafka", tmp_path / "services", "KAFKA_PORT", port)
+    try:
+        broker.start()
+        yield broker
+    finally:
+        try:
+            broker.stop()
+        except Exception:
+            with contextlib.suppress(Exception):
+                broker.kill()

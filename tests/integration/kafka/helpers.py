@@ -58,9 +58,13 @@ class KafkaHelper:
         self.created: list[str] = []
         self._producer: Any = None
 
-    def close(self) -> None:
+    def close(self, *, delete_topics: bool = True) -> None:
+        """Disconnect; delete the topics this helper created unless told not to."""
         if self._producer is not None:
             self._producer.close(timeout=5)
+        if not delete_topics:
+            self.admin.close()
+            return
         existing = set(self.admin.list_topics())
         doomed = [t for t in self.created if t in existing]
         doomed += [f"{t}.DLT" for t in self.created if f"{t}.DLT" in existing]
@@ -99,6 +103,30 @@ class KafkaHelper:
             count += 1
         self.producer.flush(timeout=60)
         return count
+
+    def produce_positions(
+        self, topic: str, messages: Iterable[Outgoing]
+    ) -> dict[str, list[tuple[int, int]]]:
+        """Produce and return ``message id -> [(partition, offset), ...]``."""
+        sent = []
+        for message in messages:
+            headers = (
+                [] if message.message_id is None else [("message-id", message.message_id.encode())]
+            )
+            future = self.producer.send(
+                topic,
+                key=message.key,
+                value=message.body,
+                headers=headers,
+                partition=message.partition,
+            )
+            sent.append((message.message_id, future))
+        self.producer.flush(timeout=60)
+        positions: dict[str, list[tuple[int, int]]] = {}
+        for message_id, future in sent:
+            metadata = future.get(timeout=30)
+            positions.setdefault(message_id or "", []).append((metadata.partition, metadata.offset))
+        return positions
 
     def _consumer(self, group: str | None = None) -> Any:
         return kafka.KafkaConsumer(

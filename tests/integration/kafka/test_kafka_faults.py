@@ -1,0 +1,286 @@
+"""Fault injection against the real broker: kill -9, rebalances, a broker outage.
+
+Workers run as subprocesses (``tests/integration/kafka/worker.py``, the same
+``consumer.run(engine, stop=...)`` the CLI runs) and are killed with SIGKILL at random
+points and right after a database commit, before the offsets are committed.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mqdedup import Metrics, StopToken
+from tests.integration.kafka.conftest import TestDatabase
+from tests.integration.kafka.consumers import make_consumer
+from tests.integration.kafka.helpers import (
+    KafkaHelper,
+    Outgoing,
+    WorkerProcess,
+    row_counts,
+    total_rows,
+    unique_name,
+    wait_for,
+)
+from tests.services import PrivateService
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def with_duplicates(
+    rng: random.Random, unique: int, copies: int, partitions: int, prefix: str
+) -> list[Outgoing]:
+    """``unique`` messages plus ``copies`` re-sends of random ones at later positions."""
+    keyed = [
+        (
+            float(i),
+            Outgoing(f"{prefix}-{i}", f"body-{i}".encode(), partition=rng.randrange(partitions)),
+        )
+        for i in range(unique)
+    ]
+    for index in rng.sample(range(unique), copies):
+        original = keyed[index][1]
+        keyed.append(
+            (
+                rng.uniform(index + 0.5, unique),
+                Outgoing(original.message_id, original.body, partition=rng.randrange(partitions)),
+            )
+        )
+    return [message for _, message in sorted(keyed, key=lambda pair: pair[0])]
+
+
+def test_kill_9_five_times_during_20000_messages_loses_and_doubles_nothing(
+    kafka_helper: KafkaHelper, db: TestDatabase, tmp_path: Path
+) -> None:
+    seed = random.randrange(1_000_000)
+    rng = random.Random(seed)
+    topic = kafka_helper.create_topic(partitions=3)
+    positions = kafka_helper.produce_positions(topic, with_duplicates(rng, 16_000, 4_000, 3, "k"))
+    assert sum(len(p) for p in positions.values()) == 20_000
+    unique = set(positions)
+    group = unique_name("group")
+    spec: dict[str, Any] = {
+        "topic": topic,
+        "group": group,
+        "prefix": db.prefix,
+        "bootstrap": kafka_helper.bootstrap,
+        "batch_size": 200,
+        "delay": 0.02,
+    }
+
+    def redelivery_pending() -> list[str]:
+        """Ids whose rows are committed but whose offsets are not (yet)."""
+        committed = kafka_helper.committed(group, topic)
+        done = row_counts(db.engine, db.prefix)
+        return [
+            message_id
+            for message_id in done
+            if all(offset >= (committed.get(p) or 0) for p, offset in positions[message_id])
+        ]
+
+    for round_number in range(5):
+        label = f"kill{round_number}"
+        if round_number % 2 == 0:
+            # The dangerous moment: the batch's transaction committed, its offsets not.
+            hold_file = tmp_path / f"{label}.hold"
+            worker = WorkerProcess(
+                {
+                    **spec,
+                    "hold_file": str(hold_file),
+                    "hold_at": rng.randint(1, 4),
+                    "hold_for": 120.0,
+                },
+                db.url,
+                tmp_path,
+                label,
+            )
+            wait_for(
+                lambda: hold_file.exists() or worker.process.poll() is not None,
+                90,
+                f"{label} to hold after a commit",
+            )
+            worker.ensure_alive()
+            worker.kill()
+            assert redelivery_pending(), f"seed {seed}: the kill did not hit the commit window"
+        else:
+            # A random point of the run.
+            worker = WorkerProcess(spec, db.url, tmp_path, label)
+            target = total_rows(db.engine, db.prefix) + rng.randint(300, 2_500)
+            wait_for(
+                lambda: (
+                    total_rows(db.engine, db.prefix) >= min(target, len(unique))
+                    or worker.process.poll() is not None
+                ),
+                90,
+                f"{label} to process more rows",
+                interval=0.02,
+            )
+            worker.ensure_alive()
+            worker.kill()
+
+    assert total_rows(db.engine, db.prefix) < len(unique), (
+        f"seed {seed}: the run ended before the last kill"
+    )
+    final = WorkerProcess(spec, db.url, tmp_path, "final")
+    try:
+        wait_for(
+            lambda: total_rows(db.engine, db.prefix) >= len(unique), 120, "every unique message"
+        )
+        wait_for(
+            lambda: kafka_helper.committed(group, topic) == kafka_helper.end_offsets(topic),
+            60,
+            "offsets at the end",
+        )
+    finally:
+        code = final.terminate()
+    assert code == 0, final.log_tail()
+    counts = row_counts(db.engine, db.prefix)
+    assert set(counts) == unique, f"seed {seed}: missing {len(unique - set(counts))}"
+    doubled = {k: v for k, v in counts.items() if v != 1}
+    assert not doubled, f"seed {seed}: applied more than once: {list(doubled.items())[:5]}"
+
+
+def test_rebalance_third_worker_joins_and_one_leaves(
+    kafka_helper: KafkaHelper, db: TestDatabase, tmp_path: Path
+) -> None:
+    rng = random.Random(11)
+    topic = kafka_helper.create_topic(partitions=6)
+    kafka_helper.produce(topic, with_duplicates(rng, 6_000, 1_500, 6, "r"))
+    group = unique_name("group")
+    spec: dict[str, Any] = {
+        "topic": topic,
+        "group": group,
+        "prefix": db.prefix,
+        "bootstrap": kafka_helper.bootstrap,
+        "batch_size": 50,
+        "delay": 0.1,
+    }
+
+    def rows_by(worker: str) -> int:
+        with db.engine.connect() as connection:
+            from sqlalchemy import func, select
+
+            from tests.integration.kafka.consumers import orders_table
+
+            table = orders_table(db.prefix)
+            return int(
+                connection.execute(
+                    select(func.count()).where(table.c.worker == worker)
+                ).scalar_one()
+            )
+
+    workers = {name: WorkerProcess(spec, db.url, tmp_path, name) for name in ("w1", "w2")}
+    try:
+        wait_for(lambda: rows_by("w1") > 0 and rows_by("w2") > 0, 60, "w1 and w2 to share the work")
+        assert total_rows(db.engine, db.prefix) < 3_000, "too fast: the join would not be mid-run"
+        workers["w3"] = WorkerProcess(spec, db.url, tmp_path, "w3")
+        wait_for(lambda: rows_by("w3") > 0, 60, "w3 to get partitions")
+        assert total_rows(db.engine, db.prefix) < 5_000, "too fast: w1 would not leave mid-run"
+        assert workers["w1"].terminate() == 0, workers["w1"].log_tail()  # leaves the group
+        w1_rows = rows_by("w1")
+        wait_for(lambda: total_rows(db.engine, db.prefix) >= 6_000, 120, "every unique message")
+        wait_for(
+            lambda: kafka_helper.committed(group, topic) == kafka_helper.end_offsets(topic),
+            60,
+            "offsets at the end",
+        )
+        assert rows_by("w1") == w1_rows  # nothing after it left
+    finally:
+        codes = {
+            name: worker.terminate()
+            for name, worker in workers.items()
+            if worker.process.poll() is None
+        }
+    assert all(code == 0 for code in codes.values()), codes
+    counts = row_counts(db.engine, db.prefix)
+    assert set(counts) == {f"r-{i}" for i in range(6_000)}
+    assert set(counts.values()) == {1}
+    committed = kafka_helper.committed(group, topic)
+    assert committed == kafka_helper.end_offsets(topic)
+    assert all(offset and offset > 0 for offset in committed.values())
+
+
+def test_broker_down_for_20_seconds_mid_run_then_the_worker_resumes(
+    db: TestDatabase, private_kafka: PrivateService
+) -> None:
+    broker = private_kafka
+    port = broker.port
+    helper: KafkaHelper | None = None
+    try:
+        helper = KafkaHelper(f"127.0.0.1:{port}")
+        topic = helper.create_topic(partitions=3)
+        helper.produce(
+            topic, [Outgoing(f"o-{i}", b"before", partition=i % 3) for i in range(4_000)]
+        )
+        consumer = make_consumer(
+            topic=topic,
+            group=unique_name("group"),
+            prefix=db.prefix,
+            bootstrap=helper.bootstrap,
+            batch_size=50,
+            delay=0.05,
+            kafka_config={"request_timeout_ms": 5000, "reconnect_backoff_max_ms": 1000},
+            commit_timeout=3.0,
+        )
+        stop = StopToken()
+        result: list[Metrics | BaseException] = []
+
+        def target() -> None:
+            try:
+                result.append(consumer().run(db.engine, stop=stop))
+            except BaseException as error:
+                result.append(error)
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        wait_for(lambda: total_rows(db.engine, db.prefix) >= 500, 60, "the first rows")
+        helper.close(delete_topics=False)
+        helper = None
+
+        broker.stop()
+        outage_ends = time.monotonic() + 20
+        rows_at_stop = total_rows(db.engine, db.prefix)
+        while time.monotonic() < outage_ends:  # the outage itself lasts 20 s
+            assert thread.is_alive(), f"the worker died during the outage: {result}"
+            time.sleep(0.5)
+        assert rows_at_stop < 4_000, "the run ended before the outage"
+        broker.start()
+
+        helper = KafkaHelper(f"127.0.0.1:{port}")
+        helper.created.append(topic)  # deleted at the end
+        wait_for(
+            lambda: helper is not None and len(helper.end_offsets(topic)) == 3, 60, "the topic back"
+        )
+        # New messages after the outage are consumed too (partition chosen by the key).
+        helper.produce(
+            topic,
+            [Outgoing(f"o-{i}", b"after", key=f"o-{i}".encode()) for i in range(4_000, 4_500)],
+        )
+        wait_for(
+            lambda: total_rows(db.engine, db.prefix) >= 4_500, 120, "every message after the outage"
+        )
+        wait_for(
+            lambda: (
+                helper is not None
+                and helper.committed(consumer.group_id or "", topic) == helper.end_offsets(topic)
+            ),
+            60,
+            "offsets at the end",
+        )
+        stop.request()
+        thread.join(60)
+        assert not thread.is_alive()
+        metrics = result[0]
+        assert isinstance(metrics, Metrics), metrics
+        assert metrics.dead_lettered == 0  # an outage never poisons messages
+        counts = row_counts(db.engine, db.prefix)
+        assert set(counts) == {f"o-{i}" for i in range(4_500)}
+        assert set(counts.values()) == {1}
+    finally:
+        if helper is not None:
+            helper.close()
