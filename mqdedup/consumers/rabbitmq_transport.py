@@ -33,7 +33,7 @@ from tenacity import (
     retry_if_exception,
     stop_after_delay,
     stop_never,
-    wait_exponential_jitter,
+    wait_random_exponential,
 )
 
 from mqdedup.consumers.metrics import Metrics
@@ -459,7 +459,7 @@ class RabbitMQTransport:
         """Backoff for (re)connecting: bounded by ``startup_timeout`` only the first time."""
         return Retrying(
             retry=retry_if_exception(lambda error: self._retry_connect(error, first)),
-            wait=wait_exponential_jitter(initial=0.2, max=self._backoff_max, jitter=0.5),
+            wait=wait_random_exponential(multiplier=0.2, max=self._backoff_max),
             stop=stop_after_delay(self._startup_timeout) if first else stop_never,
             sleep=self._sleep_unless_closing,
             before_sleep=self._log_connect_retry,

@@ -1,0 +1,416 @@
+"""Parts of the RabbitMQ integration tests: test consumers, a broker admin, worker runners."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pika
+import pika.exceptions
+from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, insert, select
+
+from mqdedup import Message
+from mqdedup.consumers.base import Context
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.rabbitmq import RabbitMQConsumer, RabbitMQTransport
+from mqdedup.consumers.rabbitmq_topology import declare_topology
+from mqdedup.consumers.stopping import StopToken
+from mqdedup.schema import schema
+from tests.services import REPO, wait_for
+
+__all__ = ["REPO", "wait_for"]
+
+
+# -- business table ------------------------------------------------------------------------
+
+
+def orders_table(prefix: str) -> Table:
+    """``<prefix>orders``: one row per handled message; no unique constraint on purpose."""
+    return Table(
+        f"{prefix}orders",
+        MetaData(),
+        Column("row_id", Integer, primary_key=True, autoincrement=True),
+        Column("message_id", String(255), nullable=False),
+        Column("body", String(2000), nullable=True),
+    )
+
+
+def order_counts(engine: Engine, table: Table) -> dict[str, int]:
+    """Business rows per message id."""
+    with engine.connect() as connection:
+        rows = connection.execute(
+            select(table.c.message_id, func.count()).group_by(table.c.message_id)
+        ).all()
+    return {row[0]: row[1] for row in rows}
+
+
+def row_count(engine: Engine, table: Table) -> int:
+    with engine.connect() as connection:
+        return int(connection.execute(select(func.count()).select_from(table)).scalar_one())
+
+
+def claims(engine: Engine, prefix: str, consumer: str) -> set[str]:
+    """Message ids with a committed dedup claim for ``consumer``."""
+    processed = schema(prefix).processed
+    with engine.connect() as connection:
+        rows = connection.execute(
+            select(processed.c.message_id).where(processed.c.consumer_name == consumer)
+        )
+        return {row[0] for row in rows}
+
+
+def attempts(engine: Engine, prefix: str, consumer: str, message_id: str) -> int | None:
+    table = schema(prefix).attempts
+    with engine.connect() as connection:
+        value = connection.execute(
+            select(table.c.attempts).where(
+                table.c.consumer_name == consumer, table.c.message_id == message_id
+            )
+        ).scalar_one_or_none()
+    return None if value is None else int(value)
+
+
+# -- test consumers -----------------------------------------------------------------------
+
+
+class OrdersConsumer(RabbitMQConsumer):
+    """Writes one row per message to ``orders``; records what happened for the test.
+
+    ``before_write`` is a hook tests set (gates, sleeps, failures); ``duplicate_ids``
+    lists the duplicates the processor reported; ``transport`` is the live transport.
+    """
+
+    orders: ClassVar[Table]
+    batch_size = 100
+    poll_timeout = 0.2
+    before_write: ClassVar[Callable[[Message], None] | None] = None
+
+    def __init__(self) -> None:
+        self.transport: RabbitMQTransport | None = None
+        self.calls: Counter[str] = Counter()
+        self.duplicate_ids: list[str] = []
+        self.duplicate_messages: list[Message] = []
+
+    def create_transport(
+        self, *, stop: StopToken | None = None, metrics: Metrics | None = None
+    ) -> RabbitMQTransport:
+        self.transport = super().create_transport(stop=stop, metrics=metrics)
+        return self.transport
+
+    def handle(self, message: Message, ctx: Context) -> Any:
+        assert message.id is not None
+        self.calls[message.id] += 1
+        hook = type(self).before_write
+        if hook is not None:
+            hook(message)
+        ctx.session.execute(
+            insert(self.orders).values(message_id=message.id, body=message.text()[:2000])
+        )
+        return None
+
+    def on_duplicate(self, message: Message, stored_result: Any) -> None:
+        assert message.id is not None
+        self.duplicate_ids.append(message.id)
+        self.duplicate_messages.append(message)
+
+
+def make_consumer(queue: str, prefix: str, url: str, **attributes: Any) -> type[OrdersConsumer]:
+    """A consumer class for ``queue`` writing to ``<prefix>orders`` with its own tables."""
+    namespace: dict[str, Any] = {
+        "queue": queue,
+        "url": url,
+        "table_prefix": prefix,
+        "orders": orders_table(prefix),
+        "connection_name": f"mqdedup-test:{queue}",
+        **attributes,
+    }
+    hook = namespace.get("before_write")
+    if hook is not None:
+        namespace["before_write"] = staticmethod(hook)
+    return type(f"Orders_{queue.replace('-', '_')}", (OrdersConsumer,), namespace)
+
+
+# -- broker admin ------------------------------------------------------------------------
+
+
+@dataclass
+class Published:
+    """What a test published: every message id (with copies) and the unique ones."""
+
+    ids: list[str]
+
+    @property
+    def unique(self) -> set[str]:
+        return set(self.ids)
+
+    @property
+    def copies(self) -> int:
+        return len(self.ids) - len(self.unique)
+
+
+def with_duplicates(
+    count: int, duplicate_share: float, prefix: str = "m", seed: int = 7
+) -> list[str]:
+    """``count`` message ids of which ``duplicate_share`` repeat an earlier id.
+
+    Each copy lands at a random later position (near or far: same batch or later).
+    """
+    rng = random.Random(seed)
+    copies = round(count * duplicate_share)
+    ids = [f"{prefix}{number:06d}" for number in range(count - copies)]
+    for _ in range(copies):
+        original = rng.randrange(len(ids))
+        position = rng.randint(original + 1, len(ids))
+        ids.insert(position, ids[original])
+    return ids
+
+
+class BrokerAdmin:
+    """A plain pika connection for publishing and inspecting queues in tests."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._connection: Any = None
+        self._channel: Any = None
+
+    def channel(self) -> Any:
+        if self._connection is None or not self._connection.is_open:
+            self._connection = pika.BlockingConnection(pika.URLParameters(self.url))
+            self._channel = None
+        if self._channel is None or not self._channel.is_open:
+            self._channel = self._connection.channel()
+        return self._channel
+
+    def declare(self, consumer: RabbitMQConsumer) -> None:
+        """Declare the consumer's queue, DLQ and bindings (as the consumer will)."""
+        declare_topology(self.channel(), consumer.topology())
+
+    def publish(
+        self,
+        queue: str,
+        ids: Iterable[str | None],
+        *,
+        body: Callable[[str | None], bytes] | None = None,
+        properties: Callable[[str | None], dict[str, Any]] | None = None,
+        wait: bool = True,
+    ) -> int:
+        """Publish one persistent message per id (``message_id`` property); return the count."""
+        channel = self.channel()
+        before = self.depth(queue) if wait else 0
+        count = 0
+        for message_id in ids:
+            extra = properties(message_id) if properties else {}
+            channel.basic_publish(
+                exchange="",
+                routing_key=queue,
+                body=body(message_id) if body else json.dumps({"id": message_id}).encode(),
+                properties=pika.BasicProperties(message_id=message_id, delivery_mode=2, **extra),
+            )
+            count += 1
+        if wait:
+            wait_for(
+                lambda: self.depth(queue) >= before + count, 60, f"{count} messages in {queue}"
+            )
+        return count
+
+    def depth(self, queue: str) -> int:
+        """Ready messages in ``queue`` (unacked ones are not counted)."""
+        try:
+            frame = self.channel().queue_declare(queue=queue, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as error:
+            if error.reply_code == 404:
+                return 0
+            raise
+        return int(frame.method.message_count)
+
+    def peek_all(self, queue: str) -> list[tuple[Any, bytes]]:
+        """Every ready message of ``queue`` (properties, body), left in the queue."""
+        channel = self.channel()
+        found: list[tuple[Any, bytes]] = []
+        while True:
+            method, properties, body = channel.basic_get(queue, auto_ack=False)
+            if method is None:
+                break
+            found.append((properties, body))
+        channel.close()  # returns everything taken to the queue, in order
+        self._channel = None
+        return found
+
+    def delete(self, *queues: str) -> None:
+        for queue in queues:
+            try:
+                self.channel().queue_delete(queue=queue)
+            except pika.exceptions.AMQPError:
+                self._channel = None
+
+    def close(self) -> None:
+        if self._connection is not None and self._connection.is_open:
+            self._connection.close()
+
+
+# -- rabbitmqctl -------------------------------------------------------------------------
+
+
+def rabbitmqctl_command() -> list[str] | None:
+    """The ``rabbitmqctl -n <node>`` command of the shared node (MQDEDUP_RABBITMQCTL)."""
+    value = os.environ.get("MQDEDUP_RABBITMQCTL")
+    return shlex.split(value) if value else None
+
+
+def connection_pids(ctl: Sequence[str], connection_name: str) -> list[str]:
+    """Broker pids of the connections whose client-provided name is ``connection_name``."""
+    result = subprocess.run(
+        [*ctl, "list_connections", "pid", "client_properties", "-q", "--no-table-headers"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    marker = f'{{"connection_name","{connection_name}"}}'
+    return [line.split("\t", 1)[0] for line in result.stdout.splitlines() if marker in line]
+
+
+def close_connections(ctl: Sequence[str], connection_name: str, reason: str) -> int:
+    """Close (broker side) only the connections named ``connection_name``; return how many."""
+    pids = connection_pids(ctl, connection_name)
+    for pid in pids:
+        subprocess.run(
+            [*ctl, "close_connection", pid, reason],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    return len(pids)
+
+
+def connection_heartbeat(ctl: Sequence[str], connection_name: str) -> list[int]:
+    """Negotiated heartbeat timeouts (seconds) of the connections named ``connection_name``."""
+    result = subprocess.run(
+        [*ctl, "list_connections", "timeout", "client_properties", "-q", "--no-table-headers"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    marker = f'{{"connection_name","{connection_name}"}}'
+    return [int(line.split("\t", 1)[0]) for line in result.stdout.splitlines() if marker in line]
+
+
+# -- running workers ---------------------------------------------------------------------
+
+
+class ThreadedWorker:
+    """``consumer.run(engine, stop=...)`` in a thread: the production entry point, observable."""
+
+    def __init__(self, consumer: OrdersConsumer, engine: Engine) -> None:
+        self.consumer = consumer
+        self.engine = engine
+        self.stop = StopToken()
+        self.metrics = Metrics()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="test-worker", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.consumer.run(self.engine, stop=self.stop, metrics=self.metrics)
+        except BaseException as error:
+            self.error = error
+
+    @property
+    def transport(self) -> RabbitMQTransport:
+        assert self.consumer.transport is not None
+        return self.consumer.transport
+
+    def start(self) -> ThreadedWorker:
+        self.thread.start()
+        wait_for(
+            lambda: (
+                self.error is not None
+                or (self.consumer.transport is not None and self.consumer.transport.connected)
+            ),
+            60,
+            "the worker to connect",
+        )
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def finish(self, timeout: float = 60) -> Metrics:
+        """Request a graceful stop and wait for the worker to return."""
+        self.stop.request()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "worker did not stop"
+        if self.error is not None:
+            raise self.error
+        return self.metrics
+
+    def __enter__(self) -> ThreadedWorker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.thread.is_alive():
+            self.stop.request()
+            self.thread.join(60)
+
+
+@dataclass
+class WorkerProcess:
+    """A worker in a subprocess (``worker_main``), for kill -9 and signal tests."""
+
+    process: subprocess.Popen[str]
+
+    @classmethod
+    def start(cls, config: dict[str, Any]) -> WorkerProcess:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.rabbitmq.worker_main", json.dumps(config)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        return cls(process)
+
+    def wait(self, timeout: float) -> tuple[int, dict[str, Any]]:
+        """Exit code and the JSON report the worker printed (empty if it printed none)."""
+        try:
+            stdout, stderr = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            stdout, stderr = self.process.communicate()
+            raise AssertionError(f"worker did not exit within {timeout}s:\n{stderr[-3000:]}")
+        report: dict[str, Any] = {}
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                report = json.loads(line)
+        self.stderr = stderr
+        return self.process.returncode, report
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+
+def poll(seconds: float, check: Callable[[], None], interval: float = 0.5) -> None:
+    """Keep asserting ``check`` for ``seconds`` (an outage's length), failing at once."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        check()
+        time.sleep(interval)
+    check()
+
+
+def read_marker(path: Path) -> str | None:
+    return path.read_text() if path.exists() else None

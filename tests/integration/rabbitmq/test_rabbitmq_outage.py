@@ -1,0 +1,133 @@
+"""RabbitMQ stopped for 20 s mid-run (a PRIVATE node, never the shared one): pause, resume."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from random import Random
+
+import pytest
+
+from mqdedup import Message
+from tests.integration.rabbitmq.conftest import Database
+from tests.integration.rabbitmq.support import (
+    BrokerAdmin,
+    ThreadedWorker,
+    make_consumer,
+    order_counts,
+    poll,
+    wait_for,
+    with_duplicates,
+)
+from tests.services import PrivateService
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+OUTAGE_SECONDS = 20.0
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_amqp_port() -> int:
+    """A free AMQP port whose Erlang distribution port (+20000) is free too."""
+    rng = Random()
+    for _ in range(200):
+        port = rng.randint(21000, 29999)
+        if _port_free(port) and _port_free(port + 20000):
+            return port
+    raise RuntimeError("no free port pair for a private RabbitMQ node")
+
+
+@dataclass
+class PrivateRabbit:
+    service: PrivateService
+    url: str
+
+
+@pytest.fixture
+def private_rabbit(tmp_path: Path) -> Iterator[PrivateRabbit]:
+    """A RabbitMQ node of this test only (own state dir and port), stopped afterwards."""
+    port = _free_amqp_port()
+    service = PrivateService("rabbitmq", tmp_path / "services", "RABBITMQ_PORT", port)
+    service.start()
+    try:
+        yield PrivateRabbit(service, f"amqp://guest:guest@127.0.0.1:{port}/%2F")
+    finally:
+        try:
+            service.stop()
+        except RuntimeError:
+            service.kill()
+
+
+def test_rabbitmq_stopped_for_20s_mid_run_the_worker_waits_reconnects_and_resumes(
+    db: Database, private_rabbit: PrivateRabbit
+) -> None:
+    url = private_rabbit.url
+    admin = BrokerAdmin(url)
+    ids = with_duplicates(3_000, 0.2, seed=5)
+    unique = sorted(set(ids))
+    in_handler, release = threading.Event(), threading.Event()
+    hold_id = unique[1_000]
+
+    def hold_until_the_broker_is_down(message: Message) -> None:
+        if message.id == hold_id and not in_handler.is_set():
+            in_handler.set()
+            if not release.wait(120):
+                raise TimeoutError("never released")
+
+    consumer = make_consumer(
+        "outage-orders",
+        db.prefix,
+        url,
+        batch_size=100,
+        reconnect_backoff_max=2.0,
+        before_write=hold_until_the_broker_is_down,
+    )()
+    admin.declare(consumer)
+    admin.publish("outage-orders", ids)
+    admin.close()
+
+    with ThreadedWorker(consumer, db.engine) as worker:
+        assert in_handler.wait(60), "the worker never reached the held batch"
+        private_rabbit.service.stop()  # mid-batch: the batch's deliveries die with it
+        release.set()  # the batch commits; its acks cannot be sent
+
+        def still_waiting() -> None:
+            assert worker.thread.is_alive() and worker.error is None, "the worker gave up"
+            assert worker.metrics.dead_lettered == 0, "an outage must not dead-letter"
+            assert not worker.transport.connected
+
+        poll(OUTAGE_SECONDS, still_waiting)
+        rows_during_outage = len(order_counts(db.engine, db.orders))
+        assert hold_id in order_counts(db.engine, db.orders)
+
+        private_rabbit.service.start()
+        admin = BrokerAdmin(url)
+        wait_for(
+            lambda: (
+                len(order_counts(db.engine, db.orders)) == len(unique)
+                and admin.depth("outage-orders") == 0
+            ),
+            120,
+            "the worker to resume and finish",
+        )
+        metrics = worker.finish()
+
+    counts = order_counts(db.engine, db.orders)
+    assert sorted(counts) == unique, "nothing lost across the restart"
+    assert set(counts.values()) == {1}, "nothing applied twice"
+    assert rows_during_outage < len(unique), "the outage really was mid-run"
+    assert worker.transport.reconnects >= 1
+    assert metrics.dead_lettered == 0
+    assert hold_id in consumer.duplicate_ids, "the unacked batch came back and was skipped"
+    assert admin.depth("outage-orders") == 0 and admin.depth("outage-orders.dlq") == 0
+    admin.close()
