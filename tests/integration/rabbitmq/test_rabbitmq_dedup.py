@@ -8,7 +8,6 @@ import pytest
 
 from mqdedup import Message
 from mqdedup.errors import SimulatedCrash
-
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import (
     BrokerAdmin,
