@@ -284,3 +284,84 @@ def test_broker_down_for_20_seconds_mid_run_then_the_worker_resumes(
     finally:
         if helper is not None:
             helper.close()
+
+
+def test_sigterm_finishes_the_batch_in_flight_commits_it_and_exits(
+    kafka_helper: KafkaHelper, db: TestDatabase, tmp_path: Path
+) -> None:
+    topic = kafka_helper.create_topic(partitions=3)
+    outgoing = [Outgoing(f"g-{i}", b"x", partition=i % 3) for i in range(3_000)]
+    positions = kafka_helper.produce_positions(topic, outgoing)
+    group = unique_name("group")
+    spec = {
+        "topic": topic,
+        "group": group,
+        "prefix": db.prefix,
+        "bootstrap": kafka_helper.bootstrap,
+        "batch_size": 100,
+        "delay": 0.3,
+    }
+    worker = WorkerProcess(spec, db.url, tmp_path, "graceful")
+    wait_for(lambda: total_rows(db.engine, db.prefix) >= 300, 60, "the first batches")
+    worker.ensure_alive()
+    started = time.monotonic()
+    assert worker.terminate(timeout=30) == 0, worker.log_tail()
+    assert time.monotonic() - started < 15
+
+    committed = kafka_helper.committed(group, topic)
+    rows = row_counts(db.engine, db.prefix)
+    below_commit = {
+        message_id
+        for message_id, [(partition, offset)] in positions.items()
+        if offset < (committed[partition] or 0)
+    }
+    # Settled after commit, and everything settled was committed before leaving: the rows
+    # are exactly the messages below the committed offsets.
+    assert set(rows) == below_commit
+    assert set(rows.values()) == {1}
+    assert 300 <= len(rows) < 3_000
+    assert worker.metrics()["processed"] == len(rows)
+
+
+def test_second_signal_stops_at_once_and_the_next_worker_gets_the_rest(
+    kafka_helper: KafkaHelper, db: TestDatabase, tmp_path: Path
+) -> None:
+    topic = kafka_helper.create_topic(partitions=2)
+    kafka_helper.produce(topic, [Outgoing(f"s-{i}", b"x", partition=i % 2) for i in range(400)])
+    group = unique_name("group")
+    spec: dict[str, Any] = {
+        "topic": topic,
+        "group": group,
+        "prefix": db.prefix,
+        "bootstrap": kafka_helper.bootstrap,
+        "batch_size": 100,
+    }
+    # The first batch's transaction commits, then the worker sits there before settling.
+    hold_file = tmp_path / "slow.hold"
+    slow = WorkerProcess(
+        {**spec, "hold_file": str(hold_file), "hold_at": 1, "hold_for": 60.0},
+        db.url,
+        tmp_path,
+        "slow",
+    )
+    wait_for(lambda: hold_file.exists() or slow.process.poll() is not None, 60, "the held batch")
+    slow.ensure_alive()
+    slow.process.send_signal(15)  # graceful: would wait for the batch in flight ...
+    wait_for(lambda: "stop signal" in slow.log_tail(), 10, "the first signal to be handled")
+    started = time.monotonic()
+    assert slow.terminate(timeout=20) == 130, slow.log_tail()  # ... the second one does not
+    assert time.monotonic() - started < 10
+    assert total_rows(db.engine, db.prefix) == 100  # committed in the database, not settled
+
+    rest = WorkerProcess(spec, db.url, tmp_path, "rest")
+    try:
+        wait_for(lambda: total_rows(db.engine, db.prefix) >= 400, 60, "the rest")
+        wait_for(
+            lambda: kafka_helper.committed(group, topic) == kafka_helper.end_offsets(topic),
+            30,
+            "offsets at the end",
+        )
+    finally:
+        assert rest.terminate() == 0, rest.log_tail()
+    assert row_counts(db.engine, db.prefix) == {f"s-{i}": 1 for i in range(400)}
+    assert rest.metrics()["duplicates"] >= 100  # the held batch came again, deduplicated
