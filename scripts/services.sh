@@ -13,8 +13,8 @@
 #
 # Knobs (environment): MQDEDUP_STATE_DIR (data root, default /var/tmp/mqdedup-services),
 # MQDEDUP_CACHE_DIR (downloads, default /var/cache/mqdedup), PG_PORT (5432),
-# RABBITMQ_PORT (5672; node rabbit-<port>@localhost, dist port <port>+20000),
-# REDIS_PORT (6379), KAFKA_PORT (9092; controller KAFKA_PORT+1), MARIADB_PORT (3306),
+# RABBITMQ_PORT (5672; node rabbit-<port>@localhost, Erlang dist port <port>+20000 if free),
+# REDIS_PORT (6379), KAFKA_PORT (9092; controller KAFKA_PORT+1 or next free), MARIADB_PORT (3306),
 # KAFKA_VERSION (4.1.1), KAFKA_HEAP_OPTS ("-Xmx512m -Xms256m"), MQDEDUP_START_TIMEOUT (120 s).
 # Every instance lives in "$MQDEDUP_STATE_DIR/<service>-<port>", so a test can run a private
 # instance next to the shared one by changing the state dir and/or the port.
@@ -36,19 +36,13 @@ PG_PORT=${PG_PORT:-5432}
 RABBITMQ_PORT=${RABBITMQ_PORT:-5672}
 REDIS_PORT=${REDIS_PORT:-6379}
 KAFKA_PORT=${KAFKA_PORT:-9092}
-KAFKA_CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
+KAFKA_CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-} # default KAFKA_PORT+1, see kafka_pick_controller_port
 MARIADB_PORT=${MARIADB_PORT:-3306}
 KAFKA_VERSION=${KAFKA_VERSION:-4.1.1}
 KAFKA_HEAP_OPTS=${KAFKA_HEAP_OPTS:--Xmx512m -Xms256m}
 
 RABBITMQ_NODE="rabbit-${RABBITMQ_PORT}@localhost"
-if [[ -n ${RABBITMQ_DIST_PORT:-} ]]; then
-    RABBIT_DIST_PORT=$RABBITMQ_DIST_PORT
-elif ((RABBITMQ_PORT + 20000 <= 65535)); then
-    RABBIT_DIST_PORT=$((RABBITMQ_PORT + 20000))
-else
-    RABBIT_DIST_PORT=$((RABBITMQ_PORT - 20000))
-fi
+RABBIT_DIST_PORT=${RABBITMQ_DIST_PORT:-} # chosen by rmq_pick_dist_port when unset
 RABBITMQ_HOME_DIR=/var/lib/rabbitmq # its .erlang.cookie is shared by server and rabbitmqctl
 RABBITMQCTL=/usr/sbin/rabbitmqctl
 
@@ -171,6 +165,8 @@ apt_install() {
         fi
         if ! nolock apt-get install "${opts[@]}" "$@" >>"$logf" 2>&1; then
             if ((!APT_UPDATED)); then
+                # Stale package lists (404s) or an interrupted earlier install: repair and retry.
+                nolock dpkg --configure -a >>"$logf" 2>&1 || true
                 nolock apt-get update -q >>"$logf" 2>&1 && APT_UPDATED=1
                 nolock apt-get install "${opts[@]}" "$@" >>"$logf" 2>&1
             else
@@ -451,6 +447,27 @@ EOF
     : >"$RMQ_INST/rabbitmq-env.conf"
 }
 
+# Erlang distribution port: RABBITMQ_DIST_PORT, else <port>+20000 (RabbitMQ's convention), else
+# <port>-20000, else the next free port above <port>. It need not be stable across restarts
+# (rabbitmqctl finds the node through epmd), only free.
+rmq_pick_dist_port() {
+    local c
+    [[ -n $RABBIT_DIST_PORT ]] && return 0
+    for c in $((RABBITMQ_PORT + 20000)) $((RABBITMQ_PORT - 20000)); do
+        if ((c >= 1024 && c <= 65535)) && ! port_open "$c"; then
+            RABBIT_DIST_PORT=$c
+            return 0
+        fi
+    done
+    for ((c = RABBITMQ_PORT + 1; c <= 65535; c++)); do
+        if ! port_open "$c"; then
+            RABBIT_DIST_PORT=$c
+            return 0
+        fi
+    done
+    die "rabbitmq: no free Erlang distribution port found"
+}
+
 rmq_start() {
     local t0
     t0=$(now)
@@ -463,6 +480,7 @@ rmq_start() {
         need_root "starting rabbitmq"
         rmq_install
         mkdir -p "$RMQ_INST"
+        rmq_pick_dist_port
         rmq_write_conf
         rm -f "$RMQ_INST/rabbitmq.pid"
         log "rabbitmq: starting node $RABBITMQ_NODE on $HOST:$RABBITMQ_PORT (dist port $RABBIT_DIST_PORT, data $RMQ_INST/mnesia)"
@@ -786,6 +804,25 @@ rootLogger.appenderRef.err.ref = STDERR
 EOF
 }
 
+# Controller port: KAFKA_CONTROLLER_PORT, else the one this instance used before, else
+# KAFKA_PORT+1 when free, else the next free port. Remembered in <instance>/controller.port.
+kafka_pick_controller_port() {
+    local c
+    if [[ -z $KAFKA_CONTROLLER_PORT && -s $KAFKA_INST/controller.port ]]; then
+        KAFKA_CONTROLLER_PORT=$(tr -dc '0-9' <"$KAFKA_INST/controller.port")
+    fi
+    if [[ -z $KAFKA_CONTROLLER_PORT ]]; then
+        for ((c = KAFKA_PORT + 1; c != KAFKA_PORT; c = c >= 65535 ? 1024 : c + 1)); do
+            if ! port_open "$c"; then
+                KAFKA_CONTROLLER_PORT=$c
+                break
+            fi
+        done
+        [[ -n $KAFKA_CONTROLLER_PORT ]] || die "kafka: no free controller port"
+    fi
+    printf '%s\n' "$KAFKA_CONTROLLER_PORT" >"$KAFKA_INST/controller.port"
+}
+
 kafka_start() {
     local t0 java
     t0=$(now)
@@ -798,6 +835,7 @@ kafka_start() {
         kafka_install
         java=$(java_bin)
         mkdir -p "$KAFKA_INST"
+        kafka_pick_controller_port
         kafka_write_conf
         if [[ ! -s $KAFKA_INST/data/meta.properties ]]; then
             [[ -s $KAFKA_INST/cluster.id ]] ||
