@@ -18,6 +18,7 @@ from sqlalchemy import (
     BigInteger,
     Column,
     DateTime,
+    Dialect,
     Index,
     Integer,
     LargeBinary,
@@ -32,7 +33,9 @@ from sqlalchemy import (
 from sqlalchemy.dialects.mysql import DATETIME as MYSQL_DATETIME
 from sqlalchemy.dialects.mysql import LONGBLOB as MYSQL_LONGBLOB
 from sqlalchemy.dialects.mysql import VARBINARY as MYSQL_VARBINARY
+from sqlalchemy.dialects.mysql import VARCHAR as MYSQL_VARCHAR
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from mqdedup.errors import ConfigurationError
 
@@ -43,9 +46,50 @@ _PREFIX_PATTERN = re.compile(r"^[a-z_][a-z0-9_]{0,30}$")
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 # Timestamps with microseconds on MySQL/MariaDB too (plain DATETIME there keeps seconds).
 PreciseDateTime = DateTime(timezone=True).with_variant(MYSQL_DATETIME(fsp=6), "mysql", "mariadb")
-# MySQL/MariaDB: keys compare byte for byte. The servers' default collations are
+# MySQL/MariaDB: utf8mb4 and byte-wise comparison. The servers' default collations are
 # case- and accent-insensitive, which would make ids "A-1" and "a-1" one dedup key.
-MYSQL_TABLE_OPTIONS: dict[str, Any] = {"mysql_charset": "utf8mb4", "mysql_collate": "utf8mb4_bin"}
+# (``mariadb_`` options apply with ``mariadb://`` URLs, ``mysql_`` ones with ``mysql://``.)
+MYSQL_TABLE_OPTIONS: dict[str, Any] = {
+    "mysql_charset": "utf8mb4",
+    "mysql_collate": "utf8mb4_bin",
+    "mariadb_charset": "utf8mb4",
+    "mariadb_collate": "utf8mb4_bin",
+}
+
+
+class KeyString(TypeDecorator[str]):
+    """A VARCHAR key column compared exactly, byte for byte, on every database.
+
+    PostgreSQL and SQLite compare text exactly already. On MySQL/MariaDB even the
+    ``*_bin`` collations are PAD SPACE (``'id'`` equals ``'id '``), so key columns get
+    the server's binary NO PAD collation, chosen when the table is created:
+    ``utf8mb4_nopad_bin`` (MariaDB >= 10.2) or ``utf8mb4_0900_bin`` (MySQL >= 8.0.17).
+    Older servers have none and keep ``utf8mb4_bin`` (ids differing only by trailing
+    spaces then collide there).
+    """
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, length: int = 255) -> None:
+        super().__init__(length)
+        self.length = length
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(
+                MYSQL_VARCHAR(
+                    self.length, charset="utf8mb4", collation=_mysql_key_collation(dialect)
+                )
+            )
+        return dialect.type_descriptor(String(self.length))
+
+
+def _mysql_key_collation(dialect: Dialect) -> str:
+    version = tuple(getattr(dialect, "server_version_info", None) or ())
+    if getattr(dialect, "is_mariadb", False):
+        return "utf8mb4_nopad_bin" if version >= (10, 2) else "utf8mb4_bin"
+    return "utf8mb4_0900_bin" if version >= (8, 0, 17) else "utf8mb4_bin"
 
 
 @dataclass(frozen=True)
@@ -77,8 +121,8 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
     processed = Table(
         f"{prefix}processed_messages",
         metadata,
-        Column("consumer_name", String(255), nullable=False),
-        Column("message_id", String(255), nullable=False),
+        Column("consumer_name", KeyString(255), nullable=False),
+        Column("message_id", KeyString(255), nullable=False),
         Column("processed_at", DateTime(timezone=True), nullable=False),
         Column("result", JSONType, nullable=True),
         PrimaryKeyConstraint("consumer_name", "message_id", name=f"{prefix}processed_pk"),
@@ -88,8 +132,8 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
     attempts = Table(
         f"{prefix}message_attempts",
         metadata,
-        Column("consumer_name", String(255), nullable=False),
-        Column("message_id", String(255), nullable=False),
+        Column("consumer_name", KeyString(255), nullable=False),
+        Column("message_id", KeyString(255), nullable=False),
         Column("attempts", Integer, nullable=False),
         Column("last_error", Text, nullable=True),
         Column("updated_at", DateTime(timezone=True), nullable=False),
@@ -103,7 +147,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         f"{prefix}tokens",
         metadata,
         Column("token_hash", String(64), nullable=False),
-        Column("owner", String(255), nullable=False),
+        Column("owner", KeyString(255), nullable=False),
         Column("issued_at", PreciseDateTime, nullable=False),
         Column("expires_at", PreciseDateTime, nullable=False),
         Column("used_at", PreciseDateTime, nullable=True),

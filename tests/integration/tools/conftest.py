@@ -18,7 +18,7 @@ from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, s
 
 from mqdedup.db import check_connection, create_engine, init_schema
 from mqdedup.errors import DatabaseUnavailableError
-from mqdedup.schema import MYSQL_TABLE_OPTIONS, schema
+from mqdedup.schema import MYSQL_TABLE_OPTIONS, KeyString, schema
 from tests.conftest import require_service
 
 MARIADB_URL_ENV = "MQDEDUP_TEST_MARIADB_URL"
@@ -61,7 +61,7 @@ def business_tables(prefix: str) -> Business:
         f"{prefix}orders",
         metadata,
         Column("row_id", Integer, primary_key=True, autoincrement=True),
-        Column("message_id", String(255), nullable=False),
+        Column("message_id", KeyString(255), nullable=False),
         Column("order_id", String(64), nullable=True),
         **MYSQL_TABLE_OPTIONS,
     )
@@ -153,7 +153,13 @@ def namespace(redis_conn: redis.Redis) -> Iterator[str]:
 
 
 def lock_waiters(engine: Engine, table_name: str) -> int:
-    """Sessions now blocked on a row lock while running a statement on ``table_name``."""
+    """Sessions now blocked while running a statement on ``table_name``.
+
+    PostgreSQL: backends waiting on a lock. MariaDB: other connections with a statement
+    on the table in progress (in these tests such a statement only lasts while it waits
+    on a row lock). ``INNODB_TRX`` is not used: InnoDB refreshes it only when it was not
+    read for 100 ms, so polling it faster keeps serving a stale picture.
+    """
     pattern = f"%{table_name}%"
     with engine.connect() as connection:
         if engine.dialect.name == "postgresql":
@@ -163,7 +169,7 @@ def lock_waiters(engine: Engine, table_name: str) -> int:
             )
         else:
             query = text(
-                "SELECT count(*) FROM information_schema.INNODB_TRX "
-                "WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE :pattern"
+                "SELECT count(*) FROM information_schema.PROCESSLIST "
+                "WHERE COMMAND = 'Query' AND ID <> CONNECTION_ID() AND INFO LIKE :pattern"
             )
         return int(connection.execute(query, {"pattern": pattern}).scalar_one())
