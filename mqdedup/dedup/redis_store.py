@@ -44,7 +44,7 @@ from enum import StrEnum
 from typing import Any, ClassVar, TypeVar
 
 import redis
-from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential_jitter
+from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential, wait_random
 
 from mqdedup.consumers.base import RetryPolicy
 from mqdedup.consumers.metrics import Metrics
@@ -379,6 +379,7 @@ class _Round:
     duplicates: list[tuple[Delivery, Any]] = field(default_factory=list)
     failures: list[tuple[Delivery, Exception]] = field(default_factory=list)
     busy: list[tuple[Delivery, float]] = field(default_factory=list)
+    results: dict[str, Any] = field(default_factory=dict)
 
 
 class RedisProcessor:
@@ -414,14 +415,15 @@ class RedisProcessor:
         """Process and settle one batch; returns where each delivery ended."""
         started = time.monotonic()
         report = BatchReport()
+        results: dict[str, Any] = {}
         unique, repeats = self._identify(deliveries, report)
         waiting = unique
         while waiting:
             round_ = self._round(waiting)
-            self._collect(round_, report)
+            self._collect(round_, report, results)
             busy = list(round_.busy)
             for delivery, error in round_.failures:
-                busy.extend(self._retry(delivery, error, report))
+                busy.extend(self._retry(delivery, error, report, results))
             if not busy:
                 break
             waiting = [d for d, _ in busy]
@@ -429,7 +431,7 @@ class RedisProcessor:
             if not self._pause(pause):
                 report.unsettled.extend(waiting)
                 break
-        self._resolve_repeats(repeats, report)
+        self._resolve_repeats(repeats, report, results)
         self._dead_letter(report)
         if report.settled:
             self.transport.settle(report.settled)
@@ -506,6 +508,7 @@ class RedisProcessor:
         answer = self._with_redis_retry(
             lambda: self.store.complete(self.name, {message_id: result}, self.worker_id)
         )
+        outcome.results[message_id] = result
         if answer.get(message_id) != "ok":
             log.warning(
                 "claim was not held when the handler finished; its effect may have run twice",
@@ -513,14 +516,16 @@ class RedisProcessor:
             )
         outcome.processed.append(delivery)
 
-    def _collect(self, round_: _Round, report: BatchReport) -> None:
+    def _collect(self, round_: _Round, report: BatchReport, results: dict[str, Any]) -> None:
         report.processed.extend(round_.processed)
         report.duplicates.extend(d for d, _ in round_.duplicates)
+        results.update(round_.results)
         for delivery, stored in round_.duplicates:
+            results[str(delivery.message.id)] = stored
             self.consumer.on_duplicate(delivery.message, stored)
 
     def _retry(
-        self, delivery: Delivery, error: Exception, report: BatchReport
+        self, delivery: Delivery, error: Exception, report: BatchReport, results: dict[str, Any]
     ) -> list[tuple[Delivery, float]]:
         """Rerun one failed message until done, dead-lettered or busy elsewhere."""
         message_id = str(delivery.message.id)
@@ -537,12 +542,15 @@ class RedisProcessor:
                 return []
             self.metrics.retries += 1
             round_ = self._round([delivery])
-            self._collect(round_, report)
+            self._collect(round_, report, results)
             if not round_.failures:
                 return round_.busy
             error = round_.failures[0][1]
 
-    def _resolve_repeats(self, repeats: list[tuple[Delivery, str]], report: BatchReport) -> None:
+    def _resolve_repeats(
+        self, repeats: list[tuple[Delivery, str]], report: BatchReport, results: dict[str, Any]
+    ) -> None:
+        """A repeat inside the batch shares its first copy's fate (and gets its result)."""
         if not repeats:
             return
         fate: dict[str, Any] = {str(d.message.id): "done" for d in report.settled}
@@ -553,6 +561,7 @@ class RedisProcessor:
             repeat = Delivery(delivery.message.with_id(message_id), delivery.token)
             if outcome == "done":
                 report.duplicates.append(repeat)
+                self.consumer.on_duplicate(repeat.message, results.get(message_id))
             elif isinstance(outcome, DeadLetter):
                 report.dead_lettered.append((repeat, outcome))
             else:
@@ -602,7 +611,8 @@ class RedisProcessor:
         """Run ``work``; while Redis is unreachable, wait with backoff and run it again."""
         retrying = Retrying(
             retry=retry_if_exception(is_transient_redis_error),
-            wait=wait_exponential_jitter(initial=0.1, max=self.policy.infrastructure_backoff_max),
+            wait=wait_exponential(multiplier=0.1, max=self.policy.infrastructure_backoff_max)
+            + wait_random(0, 0.1),
             stop=stop_never,
             sleep=self._infrastructure_sleep,
             before_sleep=self._log_redis_retry,
