@@ -37,6 +37,9 @@ class BatchReport:
     duplicates: list[Delivery] = field(default_factory=list)
     dead_lettered: list[tuple[Delivery, DeadLetter]] = field(default_factory=list)
     unsettled: list[Delivery] = field(default_factory=list)
+    #: Handler results by message id: stored by this batch, or (when ``on_duplicate``
+    #: is overridden) read back for its duplicates. Repeats inside the batch get them.
+    results: dict[str, Any] = field(default_factory=dict)
 
     @property
     def settled(self) -> list[Delivery]:
@@ -52,6 +55,7 @@ class _Pass:
     duplicates: list[Delivery] = field(default_factory=list)
     failures: list[tuple[Delivery, Exception]] = field(default_factory=list)
     stored_results: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)
 
 
 class _RerunWithoutError(Exception):
@@ -176,6 +180,7 @@ class Processor:
                     session, self.name, [str(d.message.id) for d in outcome.duplicates]
                 )
             results = self._handle(session, new, outcome, use_batch_handler, savepoints)
+            outcome.results = results
             if outcome.failures and self.consumer.deduplicate:
                 self.store.forget(
                     session, self.name, [str(d.message.id) for d, _ in outcome.failures]
@@ -267,6 +272,8 @@ class Processor:
         """After a commit: the after-commit hook, duplicate callbacks, bookkeeping."""
         report.processed.extend(outcome.processed)
         report.duplicates.extend(outcome.duplicates)
+        report.results.update(outcome.stored_results)
+        report.results.update(outcome.results)
         self.metrics.processed += len(outcome.processed)
         self.metrics.duplicates += len(outcome.duplicates)
         if outcome.processed:
@@ -323,6 +330,8 @@ class Processor:
             if outcome == "done":
                 report.duplicates.append(repeat)
                 self.metrics.duplicates += 1
+                if self.consumer.wants_duplicate_results:
+                    self.consumer.on_duplicate(repeat.message, report.results.get(message_id))
             elif isinstance(outcome, DeadLetter):
                 report.dead_lettered.append((repeat, outcome))
             else:
