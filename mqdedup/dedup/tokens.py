@@ -164,29 +164,30 @@ class DatabaseTokenStore:
         """Create a token for ``owner`` valid for ``ttl``; return it (only its hash is kept)."""
         check_owner(owner)
         lifetime = timedelta(seconds=ttl_seconds(ttl))
-        now = self._now()
-        with self._transaction(session) as active:
-            for _ in range(_ISSUE_ATTEMPTS):
-                token = new_token()
-                row = {
-                    "token_hash": token_hash(token),
-                    "owner": owner,
-                    "issued_at": now,
-                    "expires_at": now + lifetime,
-                    "used_at": None,
-                }
-                # A savepoint, so that the (astronomically unlikely) collision of two
-                # random 256-bit tokens does not abort the caller's transaction.
-                savepoint = active.begin_nested()
-                try:
-                    active.execute(insert(self.table).values(row))
-                except Exception as error:
-                    savepoint.rollback()
-                    if dialects.is_unique_violation(error):
-                        continue
-                    raise
-                savepoint.commit()
-                return token
+        for _ in range(_ISSUE_ATTEMPTS):
+            token = new_token()
+            now = self._now()
+            row = {
+                "token_hash": token_hash(token),
+                "owner": owner,
+                "issued_at": now,
+                "expires_at": now + lifetime,
+                "used_at": None,
+            }
+            try:
+                if session is None:
+                    with self._transaction(None) as own:
+                        own.execute(insert(self.table).values(row))
+                else:
+                    # A savepoint, so that the (astronomically unlikely) collision of two
+                    # random 256-bit tokens does not abort the caller's transaction.
+                    with session.begin_nested():
+                        session.execute(insert(self.table).values(row))
+            except Exception as error:
+                if dialects.is_unique_violation(error):
+                    continue
+                raise
+            return token
         raise RuntimeError("could not issue a unique token")  # pragma: no cover
 
     def consume(self, owner: str, token: str, *, session: Session | None = None) -> TokenOutcome:

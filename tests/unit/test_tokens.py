@@ -126,3 +126,12 @@ def test_purge_drops_long_expired_tokens_only(engine: Engine) -> None:
     assert token_rows(engine) == 1
     assert store.consume("alice", old) is TokenOutcome.UNKNOWN
     assert store.consume("alice", fresh) is TokenOutcome.CONSUMED
+
+
+def test_a_colliding_token_is_retried(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DatabaseTokenStore(engine)
+    taken = store.issue("alice", 60)
+    fresh = iter([taken, "fresh"])
+    monkeypatch.setattr("mqdedup.dedup.tokens.new_token", lambda: next(fresh))
+    assert store.issue("bob", 60) == "fresh"
+    assert token_rows(engine) == 2

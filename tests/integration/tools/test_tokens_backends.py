@@ -151,3 +151,23 @@ def test_redis_tombstones_go_after_retention(redis_conn: redis.Redis, namespace:
     assert 14_000 < ttl_ms <= 15_000  # lifetime + retention
     assert store.consume("alice", token) is TokenOutcome.CONSUMED
     assert 13_000 < redis_conn.pttl(store.key(token)) <= 15_000  # KEEPTTL kept it
+
+
+def test_a_colliding_token_is_recognised_by_its_duplicate_key_code(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issuing retries with a fresh token when the random one already exists: the
+    duplicate key is recognised by its code (SQLSTATE 23505 / MySQL error 1062)."""
+    store = DatabaseTokenStore(database.engine, prefix=database.prefix)
+    taken = store.issue("alice", 60)
+    fresh = iter([taken, taken, "a-fresh-token"])
+    monkeypatch.setattr("mqdedup.dedup.tokens.new_token", lambda: next(fresh))
+
+    assert store.issue("bob", 60) == "a-fresh-token"  # in its own transaction
+    fresh = iter([taken, "another-fresh-token"])
+    with Session(database.engine) as session, session.begin():
+        session.execute(insert(database.business.orders).values(message_id="kept"))
+        assert store.issue("bob", 60, session=session) == "another-fresh-token"
+    # The collision rolled back only its savepoint: the caller's write survived.
+    assert database.business.order_counts(database.engine) == {"kept": 1}
+    assert store.consume("alice", taken) is TokenOutcome.CONSUMED  # still alice's
