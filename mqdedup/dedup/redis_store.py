@@ -356,12 +356,23 @@ class RedisConsumer:
         )
 
     def run(
-        self, redis_connection: redis.Redis | str | None = None, *, stop: StopToken | None = None
+        self,
+        connection: Any = None,
+        *,
+        stop: StopToken | None = None,
+        metrics: Metrics | None = None,
     ) -> Metrics:
-        """Consume until ``stop`` is requested."""
-        store = self.create_store(redis_connection)
+        """Consume until ``stop`` is requested.
+
+        ``connection`` is a ``redis.Redis`` or a ``redis://`` URL; anything else (such as
+        the database engine ``mqdedup worker`` passes to every consumer) is ignored, and
+        ``redis_url`` / ``MQDEDUP_REDIS_URL`` is used.
+        """
+        client = connection if isinstance(connection, redis.Redis | str) else None
+        store = self.create_store(client)
         check_redis(store.redis)
-        return RedisWorker(self, self.create_transport(), store, stop=stop).run()
+        worker = RedisWorker(self, self.create_transport(), store, stop=stop, metrics=metrics)
+        return worker.run()
 
     def validate(self) -> None:
         """Raise ConfigurationError for settings that cannot work."""

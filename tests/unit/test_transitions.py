@@ -194,3 +194,47 @@ def test_bad_declarations_name_the_problem() -> None:
         Session() as session,
     ):
         plain.transition(session, 1, to="PAID", expected_version=1)
+
+
+def test_run_transaction_reruns_transient_errors_only(engine: Engine) -> None:
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    from mqdedup.dedup.transitions import run_transaction
+
+    def busy() -> OperationalError:
+        cause = sqlite3.OperationalError("database is locked")
+        cause.sqlite_errorcode = 5  # type: ignore[attr-defined]  # SQLITE_BUSY: transient
+        return OperationalError("UPDATE", {}, cause)
+
+    calls: list[int] = []
+
+    def pay(session: Session) -> Any:
+        calls.append(1)
+        result = machine.transition(session, 1, to="PAID")
+        if len(calls) < 3:
+            raise busy()  # rolls the transition back; the rerun applies it
+        return result
+
+    result = run_transaction(engine, pay, backoff=0.001)
+    assert result.applied and len(calls) == 3
+    assert state_of(engine, 1) == ("PAID", 1)
+
+    def broken(session: Session) -> Any:
+        calls.append(1)
+        raise ValueError("a bug, not an outage")
+
+    calls.clear()
+    with pytest.raises(ValueError, match="a bug"):
+        run_transaction(engine, broken, backoff=0.001)
+    assert len(calls) == 1
+
+    def always_busy(session: Session) -> Any:
+        calls.append(1)
+        raise busy()
+
+    calls.clear()
+    with pytest.raises(OperationalError):
+        run_transaction(engine, always_busy, attempts=2, backoff=0.001)
+    assert len(calls) == 2  # gave up after its attempts, with the last error

@@ -263,3 +263,32 @@ def test_unreachable_redis_is_a_one_line_error() -> None:
     ) as info:
         check_redis(client)
     assert "secret" not in str(info.value) and "\n" not in str(info.value)
+
+
+def test_run_entry_point_with_its_own_transport(
+    redis_url: str, redis_conn: redis.Redis, namespace: str
+) -> None:
+    """``run()`` as ``mqdedup worker`` calls it: (engine, stop=, metrics=); the engine is
+    ignored, Redis comes from ``redis_url``, the transport from ``create_transport``."""
+    broker = InMemoryBroker()
+    for number in range(50):
+        broker.publish("sms", "x", message_id=f"sms-{number % 40}")
+
+    class Standalone(sms_consumer(namespace, effects=redis_conn)):  # type: ignore[misc]
+        def create_transport(self) -> Any:
+            return broker.transport("sms")
+
+    Standalone.redis_url = redis_url
+    stop, metrics = StopToken(), Metrics()
+    thread = threading.Thread(
+        target=Standalone().run, args=(object(),), kwargs={"stop": stop, "metrics": metrics}
+    )
+    thread.start()
+    try:
+        wait_for(lambda: broker.settled_count.get("sms", 0) == 50, 30, "50 settled deliveries")
+    finally:
+        stop.request()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert sorted(effects(redis_conn, namespace)) == sorted(f"sms-{n}" for n in range(40))
+    assert (metrics.processed, metrics.duplicates) == (40, 10)
