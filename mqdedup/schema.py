@@ -172,10 +172,12 @@ def _outbox_table(prefix: str, metadata: MetaData) -> Table:
     Plain data only: the payload as bytes, headers and AMQP properties as JSON. ``state``
     is ``pending`` until the relay published the row (``published``) or gave up on it
     after its attempts (``failed``, kept until retried). ``locked_by``/``locked_until``
-    are the relay's lease on a claimed row; ``shard_hash`` places the row's key in a
-    shard owned by one relay.
+    are the relay's lease on a claimed row (no index covers them, so taking a lease is a
+    HOT update); ``shard_hash`` places the row's key in a shard owned by one relay.
     """
     pending = text("state = 'pending'")
+    retrying = text("state = 'pending' AND attempts > 0")
+    published = text("state = 'published'")
     return Table(
         f"{prefix}outbox",
         metadata,
@@ -207,13 +209,22 @@ def _outbox_table(prefix: str, metadata: MetaData) -> Table:
         Column("published_at", PreciseDateTime, nullable=True),
         UniqueConstraint("message_id", name=f"{prefix}outbox_message_id_key"),
         Index(f"{prefix}outbox_pending_idx", "id", postgresql_where=pending, sqlite_where=pending),
+        # Rows waiting for a retry hold back later rows of their key (small: failures only).
         Index(
-            f"{prefix}outbox_pending_key_idx",
+            f"{prefix}outbox_retrying_idx",
             "message_key",
             "id",
-            postgresql_where=pending,
-            sqlite_where=pending,
+            postgresql_where=retrying,
+            sqlite_where=retrying,
         ),
-        Index(f"{prefix}outbox_state_idx", "state", "published_at"),
+        Index(
+            f"{prefix}outbox_published_idx",
+            "published_at",
+            postgresql_where=published,
+            sqlite_where=published,
+        ),
+        # Room on each page, so that taking a lease (an update of unindexed columns)
+        # stays on the page as a HOT update.
+        postgresql_with={"fillfactor": 80},
         **MYSQL_TABLE_OPTIONS,
     )

@@ -113,9 +113,10 @@ class ControlConnection:
         """The server process id of this connection (the owner in ``pg_locks``)."""
         return int(self._conn.info.backend_pid)
 
-    def shard_filter(self) -> ShardFilter:
-        """The claim filter: shards whose locks this connection holds."""
-        return ShardFilter(self.shards, self.shard_class, self.backend_pid)
+    def shard_filter(self, shards: set[int] | None = None) -> ShardFilter:
+        """The claim filter for ``shards`` (default: all this connection holds)."""
+        chosen = frozenset(self.owned if shards is None else shards & self.owned)
+        return ShardFilter(self.shards, chosen, self.shard_class, self.backend_pid)
 
     # -- wake-up -----------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 
 class Outcome(enum.Enum):
@@ -57,9 +57,8 @@ class PublishResult:
 PUBLISHED = PublishResult(Outcome.PUBLISHED)
 
 
-@dataclass(frozen=True, slots=True)
-class OutboxRecord:
-    """One claimed outbox row, as the relay hands it to a publisher.
+class OutboxRecord(NamedTuple):
+    """One claimed outbox row, as the relay hands it to a publisher (read-only).
 
     ``destination`` is the Kafka topic or the RabbitMQ exchange; ``routing_key`` is
     ``None`` for Kafka. ``key`` is the Kafka record key (for RabbitMQ only the ordering

@@ -27,13 +27,16 @@ which polls.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -46,7 +49,13 @@ from mqdedup.consumers.stopping import StopToken, graceful_signals
 from mqdedup.dialects import is_transient
 from mqdedup.errors import ConfigurationError
 from mqdedup.outbox.coordination import ControlConnection
-from mqdedup.outbox.publishers import OutboxRecord, Outcome, Publisher, PublishResult
+from mqdedup.outbox.publishers import (
+    PUBLISHED,
+    OutboxRecord,
+    Outcome,
+    Publisher,
+    PublishResult,
+)
 from mqdedup.outbox.store import OutboxStatus, OutboxStore, ShardFilter
 from mqdedup.schema import DEFAULT_PREFIX
 
@@ -150,6 +159,11 @@ class CycleReport:
     failed: list[OutboxRecord] = field(default_factory=list)
     unavailable: list[OutboxRecord] = field(default_factory=list)
 
+    @property
+    def complete(self) -> bool:
+        """True when every claimed row was published."""
+        return len(self.published) == self.claimed
+
 
 class Relay:
     """Publishes committed outbox rows through ``publishers`` (broker name → publisher).
@@ -195,6 +209,9 @@ class Relay:
             )
         self._next_rebalance = 0.0
         self._next_purge = 0.0
+        self._verified: set[int] = set()
+        self._executors: dict[str, ThreadPoolExecutor] = {}
+        self._metrics_lock = threading.Lock()
 
     # -- the daemon ----------------------------------------------------------------------------
 
@@ -207,9 +224,10 @@ class Relay:
     ) -> RelayMetrics:
         """Relay until ``stop`` is requested (or, with ``until_idle``, nothing is claimable).
 
-        A stop lets the batch in flight finish: published, marked, then return. With
-        ``handle_signals`` SIGTERM/SIGINT request that stop (a second one stops at once).
-        Publishers are closed on the way out.
+        A stop lets the batch in flight finish: published, marked, then return (rows
+        claimed ahead for the next batch are released). With ``handle_signals``
+        SIGTERM/SIGINT request that stop (a second one stops at once). Publishers and
+        the control connection are closed on the way out.
         """
         if stop is not None:
             self.stop = stop
@@ -225,12 +243,13 @@ class Relay:
             try:
                 while not self.stop.requested:
                     try:
-                        report = self.run_once()
+                        self._maintain()
+                        moved = self._burst()
                     except _RelayStoppedError:
                         break
-                    if report.claimed:
+                    if moved:
                         continue  # more may be waiting; an empty claim leads to the wait
-                    if until_idle and not report.claimed and not self._paused_brokers():
+                    if until_idle and not self._paused_brokers():
                         break
                     self._idle()
             finally:
@@ -239,24 +258,12 @@ class Relay:
         return self.metrics
 
     def run_once(self) -> CycleReport:
-        """One claim → publish → mark cycle (plus due maintenance); what it did."""
+        """One claim → publish → mark cycle without overlap (plus due maintenance)."""
         self._maintain()
         records = self._with_database_retry(self._claim)
-        report = CycleReport(claimed=len(records))
         if not records:
-            return report
-        self.metrics.batches += 1
-        self.metrics.claimed += len(records)
-        started = time.monotonic()
-        results = self._publish(records)
-        self.metrics.seconds_publishing += time.monotonic() - started
-        for record, result in zip(records, results, strict=True):
-            if result.outcome is Outcome.PUBLISHED:
-                report.published.append(record)
-            elif result.outcome is Outcome.REJECTED:
-                report.rejected.append((record, result.error or "rejected"))
-            else:
-                report.unavailable.append(record)
+            return CycleReport()
+        report = self._publish_batch(records)
         self._before_mark(report)
         self._settle(report)
         return report
@@ -265,15 +272,68 @@ class Relay:
         """Publish until nothing is claimable (tests, one-shot jobs); bounded by ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            report = self.run_once()
-            if not report.claimed and not self._paused_brokers():
+            self._maintain()
+            moved = self._burst(until=deadline)
+            if not moved and not self._paused_brokers():
                 return self.metrics
-            if report.claimed and not report.published:
+            if not moved:
                 self._idle(min(self.config.poll_interval, max(0.0, deadline - time.monotonic())))
         raise TimeoutError(f"outbox not drained within {timeout} s")
 
+    def _burst(self, until: float | None = None) -> int:
+        """Claim → publish → mark, batch after batch; return the rows claimed.
+
+        While a batch is being published, the next one is claimed and the previous one
+        marked on two helper threads, so the broker and the database work at the same
+        time. A batch that did not publish completely ends the burst: the rows claimed
+        ahead are released and its failures are settled first, so a key's later rows
+        never overtake a row that has to be retried. The burst also ends at maintenance
+        time (shards may move between bursts only) and on a stop request.
+        """
+        if until is None:
+            until = self._next_rebalance if self._control is not None else self._next_purge
+        batch = self._with_database_retry(self._claim)
+        claimed = 0
+        marks: list[Future[None]] = []
+        try:
+            while batch:
+                claimed += len(batch)
+                ahead: Future[list[OutboxRecord]] | None = None
+                if not self.stop.requested and time.monotonic() < until:
+                    ahead = self._helpers("claim").submit(
+                        self._with_database_retry, self._claim, background=True
+                    )
+                report = self._publish_batch(batch)
+                self._before_mark(report)
+                if ahead is not None and report.complete and not self.stop.requested:
+                    marks.append(self._helpers("mark").submit(self._settle, report, True))
+                    batch = ahead.result()
+                    continue
+                if ahead is not None:
+                    extra = [record.id for record in ahead.result()]
+                    if extra:
+                        self._with_database_retry(
+                            functools.partial(self.store.release, self.engine, extra, self.relay_id)
+                        )
+                self._settle(report)
+                batch = []
+        finally:
+            for mark in marks:
+                mark.result()
+        return claimed
+
+    def _helpers(self, name: str) -> ThreadPoolExecutor:
+        executor = self._executors.get(name)
+        if executor is None:
+            executor = ThreadPoolExecutor(1, thread_name_prefix=f"mqdedup-relay-{name}")
+            self._executors[name] = executor
+        return executor
+
     def close(self) -> None:
         """Close the publishers and the control connection (releases shards)."""
+        for executor in self._executors.values():
+            executor.shutdown(wait=True)
+        self._executors.clear()
         for name, publisher in self.publishers.items():
             try:
                 publisher.close()
@@ -307,10 +367,16 @@ class Relay:
         if not brokers:
             return []
         shard_filter: ShardFilter | None = None
-        if self._control is not None:
-            if not self._control.connected or not self._control.owned:
+        control = self._control
+        if control is not None:
+            if not control.connected or not control.owned:
                 return []
-            shard_filter = self._control.shard_filter()
+            claimable = self._taken_over(set(control.owned))
+            if not claimable:
+                return []
+            shard_filter = control.shard_filter(claimable)
+        elif not self._taken_over({0}):
+            return []
         return self.store.claim(
             self.engine,
             self.relay_id,
@@ -320,12 +386,33 @@ class Relay:
             shard_filter=shard_filter,
         )
 
-    def _publish(self, records: Sequence[OutboxRecord]) -> list[PublishResult]:
-        """Send each broker's records through its publisher, keeping id order per broker."""
+    def _taken_over(self, owned: set[int]) -> set[int]:
+        """The owned shards that are safe to claim from.
+
+        A shard just taken over may hold rows leased by a relay that died; they must be
+        published before later rows of their keys, so the shard waits until those
+        leases have expired (or the rows were marked by their relay).
+        """
+        self._verified &= owned
+        unverified = owned - self._verified
+        if unverified:
+            shards = self._control.shards if self._control is not None else None
+            held = self.store.foreign_leases(self.engine, self.relay_id, shards) & unverified
+            self._verified |= unverified - held
+            if held:
+                log.info(
+                    "waiting for another relay's leases to expire before claiming",
+                    extra={"relay": self.relay_id, "shards": sorted(held)},
+                )
+        return set(self._verified)
+
+    def _publish_batch(self, records: Sequence[OutboxRecord]) -> CycleReport:
+        """Send each broker's records through its publisher (id order per broker)."""
+        started = time.monotonic()
         by_broker: dict[str, list[int]] = {}
         for index, record in enumerate(records):
             by_broker.setdefault(record.broker, []).append(index)
-        results: list[PublishResult | None] = [None] * len(records)
+        results: list[PublishResult] = [PUBLISHED] * len(records)
         for broker, indexes in by_broker.items():
             batch = [records[i] for i in indexes]
             try:
@@ -336,27 +423,41 @@ class Relay:
                     )
             except Exception as error:
                 log.exception("publisher failed", extra={"broker": broker})
-                outcome = [PublishResult.unavailable(f"{type(error).__name__}: {error}")] * len(
-                    batch
-                )
+                failure = PublishResult.unavailable(f"{type(error).__name__}: {error}")
+                outcome = [failure] * len(batch)
             for index, result in zip(indexes, outcome, strict=True):
                 results[index] = result
             self._broker_result(broker, outcome)
-        return [result for result in results if result is not None]
+        report = CycleReport(claimed=len(records))
+        for record, result in zip(records, results, strict=True):
+            if result.outcome is Outcome.PUBLISHED:
+                report.published.append(record)
+            elif result.outcome is Outcome.REJECTED:
+                report.rejected.append((record, result.error or "rejected"))
+            else:
+                report.unavailable.append(record)
+        with self._metrics_lock:
+            self.metrics.batches += 1
+            self.metrics.claimed += len(records)
+            self.metrics.seconds_publishing += time.monotonic() - started
+        return report
 
     def _before_mark(self, report: CycleReport) -> None:
         """Hook between publishing and marking (fault-injection tests override it)."""
 
-    def _settle(self, report: CycleReport) -> None:
+    def _settle(self, report: CycleReport, background: bool = False) -> None:
+        """Mark published rows, count refused ones, release the others."""
         config = self.config
         if report.published:
             ids = [record.id for record in report.published]
             self._with_database_retry(
                 lambda: self.store.mark_published(
                     self.engine, ids, delete_rows=config.delete_published
-                )
+                ),
+                background=background,
             )
-            self.metrics.published += len(ids)
+            with self._metrics_lock:
+                self.metrics.published += len(ids)
         if report.rejected:
             for record, error in report.rejected:
                 log.warning(
@@ -374,8 +475,9 @@ class Relay:
                     self.engine, report.rejected, config.max_attempts, config.row_backoff
                 )
             )
-            self.metrics.rejected += len(report.rejected)
-            self.metrics.failed += len(report.failed)
+            with self._metrics_lock:
+                self.metrics.rejected += len(report.rejected)
+                self.metrics.failed += len(report.failed)
             for record in report.failed:
                 log.error(
                     "outbox row failed after its last attempt; kept as failed",
@@ -389,7 +491,8 @@ class Relay:
         if report.unavailable:
             ids = [record.id for record in report.unavailable]
             self._with_database_retry(lambda: self.store.release(self.engine, ids, self.relay_id))
-            self.metrics.unavailable += len(ids)
+            with self._metrics_lock:
+                self.metrics.unavailable += len(ids)
 
     # -- brokers -------------------------------------------------------------------------------
 
@@ -491,14 +594,18 @@ class Relay:
 
     # -- infrastructure ------------------------------------------------------------------------
 
-    def _with_database_retry(self, work: Callable[[], T]) -> T:
-        """Run ``work``; on a transient database error wait with backoff and run it again."""
+    def _with_database_retry(self, work: Callable[[], T], *, background: bool = False) -> T:
+        """Run ``work``; on a transient database error wait with backoff and run it again.
+
+        ``background``: called from a helper thread, which must not touch the publishers
+        (their connections belong to the relay's thread).
+        """
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
             wait=wait_exponential(multiplier=0.1, max=self.config.database_backoff_max)
             + wait_random(0, 0.1),
             stop=stop_never,
-            sleep=self._database_sleep,
+            sleep=self._background_sleep if background else self._database_sleep,
             before_sleep=self._log_database_retry,
             reraise=True,
         )
@@ -508,8 +615,13 @@ class Relay:
         if not self._pause(seconds):
             raise _RelayStoppedError("stop requested while the database was unavailable")
 
+    def _background_sleep(self, seconds: float) -> None:
+        if self.stop.wait(seconds):
+            raise _RelayStoppedError("stop requested while the database was unavailable")
+
     def _log_database_retry(self, state: Any) -> None:
-        self.metrics.database_retries += 1
+        with self._metrics_lock:
+            self.metrics.database_retries += 1
         error = state.outcome.exception() if state.outcome else None
         log.warning(
             "database unavailable; relay retrying",

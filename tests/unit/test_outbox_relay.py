@@ -92,7 +92,7 @@ def test_refused_row_is_retried_with_backoff_then_failed_and_kept(sqlite_engine:
     publisher = MemoryPublisher(
         reject=lambda r: "too large" if r.destination == "too-large" else None
     )
-    relay = relay_for(sqlite_engine, publisher)
+    relay = relay_for(sqlite_engine, publisher, initial_backoff=0.4, max_backoff=0.4)
 
     relay.run_once()  # attempt 1: the good rows go out, the bad one waits for its backoff
     assert publisher.published_ids() == good
