@@ -48,6 +48,7 @@ PROPERTY_NAMES: tuple[str, ...] = (
     "app_id",
     "cluster_id",
 )
+_PROPERTY_SET = frozenset(PROPERTY_NAMES)
 PERSISTENT = 2
 
 
@@ -80,25 +81,37 @@ def to_message(queue: str, method: Any, properties: Any, body: bytes | None) -> 
     """Build the handler's :class:`Message` from a pika delivery.
 
     ``properties`` holds the AMQP basic properties that are set, plus ``exchange`` and
-    ``routing_key`` of the delivery.
+    ``routing_key`` of the delivery. (Hot path: one call per delivery.)
     """
-    raw_headers: Mapping[str, Any] = properties.headers or {}
-    props: dict[str, Any] = {}
-    for name in PROPERTY_NAMES:
-        value = getattr(properties, name, None)
-        if value is not None:
-            props[name] = value
+    props: dict[str, Any] = {
+        name: value
+        for name, value in vars(properties).items()
+        if value is not None and name in _PROPERTY_SET
+    }
     props["exchange"] = method.exchange
     props["routing_key"] = method.routing_key
-    timestamp = properties.timestamp
+    raw_headers: Mapping[str, Any] | None = properties.headers
+    redelivered = bool(method.redelivered)
+    if raw_headers:
+        headers: dict[str, HeaderValue] = {
+            str(key): value
+            if value is None or isinstance(value, str | bytes)
+            else header_value(value)
+            for key, value in raw_headers.items()
+        }
+        attempt = delivery_attempt(redelivered, raw_headers)
+    else:
+        headers = {}
+        attempt = 2 if redelivered else 1
+    timestamp = props.get("timestamp")
     return Message(
         body=body or b"",
-        headers={str(key): header_value(value) for key, value in raw_headers.items()},
+        headers=headers,
         properties=props,
         source=queue,
         timestamp=datetime.fromtimestamp(timestamp, UTC) if timestamp is not None else None,
-        redelivered=bool(method.redelivered),
-        attempt=delivery_attempt(bool(method.redelivered), raw_headers),
+        redelivered=redelivered,
+        attempt=attempt,
     )
 
 

@@ -222,7 +222,7 @@ class RabbitMQTransport:
             except Exception:  # already closed: the I/O thread is not blocked in it
                 log.debug("wake-up of a closed connection ignored")
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(self._command_timeout, 10.0))
+            self._thread.join(timeout=10.0)
             if self._thread.is_alive():
                 log.warning(
                     "RabbitMQ I/O thread did not stop in time; abandoning it",
