@@ -398,7 +398,8 @@ class RedisProcessor:
 
     The same ack contract as the database processor: a delivery is settled only after
     its completion was written to Redis (or it was a duplicate, or dead-lettered).
-    Redis outages are waited out with backoff and never dead-letter anything.
+    Redis outages are waited out with backoff and never dead-letter anything; each wait
+    counts in ``metrics.database_retries`` (the store is this consumer's database).
     """
 
     def __init__(
