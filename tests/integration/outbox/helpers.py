@@ -260,13 +260,15 @@ def relay_thread(relay: Relay) -> Iterator[tuple[StopToken, list[RelayMetrics]]]
     assert not errors, errors
 
 
-class RelayProcess:
-    """``python -m tests.integration.outbox.relay_main <config>`` with its output collected."""
+class WorkerProcess:
+    """``python -m <module> <config>`` with its output collected (relay or consumer)."""
+
+    module = "tests.integration.outbox.chain_worker"
 
     def __init__(self, config: dict[str, Any]) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.outbox.relay_main", json.dumps(config)],
+            [sys.executable, "-m", self.module, json.dumps(config)],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
@@ -285,21 +287,31 @@ class RelayProcess:
     def saw(self, prefix: str) -> bool:
         return any(line.startswith(prefix) for line in list(self.lines))
 
+    def value_of(self, prefix: str) -> str:
+        """The text after ``prefix`` on the first output line starting with it."""
+        for line in list(self.lines):
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        raise AssertionError(f"no line {prefix!r} in:\n{self.tail()}")
+
     def wait_for_line(self, prefix: str, timeout: float) -> None:
         def seen() -> bool:
             if self.process.poll() is not None and not self.saw(prefix):
-                raise AssertionError(f"relay exited ({self.process.returncode}):\n{self.tail()}")
+                raise AssertionError(f"{self.module} exited:\n{self.tail()}")
             return self.saw(prefix)
 
-        wait_for(seen, timeout, f"relay output {prefix!r}")
+        wait_for(seen, timeout, f"output {prefix!r} of {self.module}")
 
     def kill(self) -> None:
         """SIGKILL: no batch is finished, nothing is marked, no lock is released cleanly."""
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=30)
 
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
     def stop(self, timeout: float = 60.0) -> dict[str, Any]:
-        """SIGTERM (graceful) and the metrics the relay printed."""
+        """SIGTERM (graceful) and the metrics the process printed."""
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(timeout=timeout)
         self._reader.join(timeout=10)
@@ -311,6 +323,12 @@ class RelayProcess:
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.lines[-lines:])
+
+
+class RelayProcess(WorkerProcess):
+    """``python -m tests.integration.outbox.relay_main <config>``."""
+
+    module = "tests.integration.outbox.relay_main"
 
 
 def poll_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
