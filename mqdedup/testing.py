@@ -43,6 +43,7 @@ from mqdedup.consumers.worker import Worker
 from mqdedup.db import create_engine, init_schema
 from mqdedup.errors import SimulatedCrash
 from mqdedup.message import Message
+from mqdedup.schema import schema
 
 
 class EffectivelyOnceError(AssertionError):
@@ -186,13 +187,24 @@ def _crash_mid_batch(consumer: Consumer, after_messages: int) -> Consumer:
 # -- pytest fixtures -------------------------------------------------------------------
 
 
+TESTING_DATABASE_ENV = "MQDEDUP_TESTING_DATABASE_URL"
+
+
 @pytest.fixture
 def mqdedup_engine() -> Iterator[Engine]:
-    """A database with mqdedup's tables: ``MQDEDUP_TEST_DATABASE_URL`` or temp SQLite."""
-    url = os.environ.get("MQDEDUP_TEST_DATABASE_URL")
+    """A database with mqdedup's tables, empty at the start of each test.
+
+    A temporary SQLite file, or the database named by ``MQDEDUP_TESTING_DATABASE_URL``
+    (e.g. your PostgreSQL), whose framework tables are emptied before each test.
+    """
+    url = os.environ.get(TESTING_DATABASE_ENV)
     with tempfile.TemporaryDirectory(prefix="mqdedup-test-") as folder:
         engine = create_engine(url or f"sqlite:///{Path(folder) / 'test.db'}")
         init_schema(engine)
+        if url:
+            with engine.begin() as connection:
+                for table in reversed(schema().metadata.sorted_tables):
+                    connection.execute(table.delete())
         try:
             yield engine
         finally:
