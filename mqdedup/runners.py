@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.stopping import StopToken
-from mqdedup.supervisor import ChildSpec
+from mqdedup.supervisor import ChildSpec, MetricsHolder
 
 
-def run_consumer(spec: ChildSpec, stop: StopToken, metrics: Metrics) -> None:
+def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
     """Import the consumer, connect, and consume until the stop token is set."""
     from mqdedup.db import check_connection, create_engine
     from mqdedup.loading import load_consumer_class
@@ -21,7 +20,29 @@ def run_consumer(spec: ChildSpec, stop: StopToken, metrics: Metrics) -> None:
     engine = create_engine(spec.options["database_url"])
     try:
         check_connection(engine)
-        consumer.run(engine, stop=stop, metrics=metrics)
+        consumer.run(engine, stop=stop, metrics=metrics.source)
+    finally:
+        engine.dispose()
+
+
+def run_relay(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
+    """Connect and relay committed outbox rows until the stop token is set."""
+    from mqdedup.db import check_connection, create_engine
+    from mqdedup.outbox.relay import Relay, RelayConfig, create_publishers
+
+    options = spec.options
+    engine = create_engine(options["database_url"])
+    try:
+        check_connection(engine)
+        publishers = create_publishers(
+            kafka_bootstrap=options.get("kafka_bootstrap"), rabbitmq_url=options.get("rabbitmq_url")
+        )
+        config = RelayConfig(
+            batch_size=options["relay_batch_size"], poll_interval=options["poll_interval"]
+        )
+        relay = Relay(engine, publishers, prefix=options["table_prefix"], config=config)
+        metrics.source = relay.metrics
+        relay.run(stop)
     finally:
         engine.dispose()
 

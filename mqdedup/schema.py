@@ -102,6 +102,7 @@ class Schema:
     attempts: Table
     tokens: Table
     outbox: Table
+    retention: Table
 
 
 def validate_prefix(prefix: str) -> str:
@@ -156,6 +157,16 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         **MYSQL_TABLE_OPTIONS,
     )
     outbox = _outbox_table(prefix, metadata)
+    # The dedup retention horizon: claims before ``purged_before`` may have been purged,
+    # so a replay of older messages could apply them again (``*``: every consumer).
+    retention = Table(
+        f"{prefix}retention_horizons",
+        metadata,
+        Column("consumer_name", KeyString(255), primary_key=True),
+        Column("purged_before", DateTime(timezone=True), nullable=False),
+        Column("purged_at", DateTime(timezone=True), nullable=False),
+        **MYSQL_TABLE_OPTIONS,
+    )
     return Schema(
         prefix=prefix,
         metadata=metadata,
@@ -163,6 +174,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         attempts=attempts,
         tokens=tokens,
         outbox=outbox,
+        retention=retention,
     )
 
 

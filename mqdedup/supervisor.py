@@ -35,9 +35,24 @@ RESTART_BACKOFF_MAX = 30.0
 STABLE_AFTER = 30.0
 
 
+class MetricsHolder:
+    """What a child reports: ``source`` is anything with ``snapshot() -> dict``.
+
+    Consumers count into the default :class:`~mqdedup.consumers.metrics.Metrics`; a
+    relay replaces ``source`` with its own counters.
+    """
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def snapshot(self) -> dict[str, Any]:
+        """The source's current counters."""
+        return dict(self.source.snapshot())
+
+
 @dataclass(frozen=True)
 class ChildSpec:
-    """What one child runs: ``runner`` is ``module:function`` taking (spec, stop, metrics)."""
+    """What one child runs: ``runner`` is ``module:function`` taking (spec, stop, holder)."""
 
     name: str
     index: int
@@ -282,7 +297,7 @@ def child_main(spec: ChildSpec, connection: Connection) -> None:
     # so that it does not count as a second (immediate) stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = StopToken()
-    metrics = Metrics()
+    metrics = MetricsHolder(Metrics())
 
     def _on_term(_signum: int, _frame: FrameType | None) -> None:
         if stop.requested:
@@ -295,7 +310,7 @@ def child_main(spec: ChildSpec, connection: Connection) -> None:
     )
     reporter.start()
     module_name, _, function_name = spec.runner.partition(":")
-    runner: Callable[[ChildSpec, Any, Metrics], None] = getattr(
+    runner: Callable[[ChildSpec, Any, MetricsHolder], None] = getattr(
         importlib.import_module(module_name), function_name
     )
     code = exitcodes.OK

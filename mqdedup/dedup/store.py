@@ -7,13 +7,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, bindparam, delete, select, tuple_, update
+from sqlalchemy import Engine, bindparam, delete, func, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from mqdedup import dialects
 from mqdedup.schema import DEFAULT_PREFIX, Schema, schema
 
 log = logging.getLogger(__name__)
+
+#: The retention-horizon key of a purge that covered every consumer.
+ALL_CONSUMERS = "*"
 
 
 def utcnow() -> datetime:
@@ -121,8 +124,46 @@ class DedupStore:
             deleted = self._purge_table(engine, table, time_column, cutoff, consumer, chunk_size)
             if table is self._processed:
                 total = deleted
+        self._advance_horizon(engine, consumer or ALL_CONSUMERS, cutoff)
         log.info("purged dedup records", extra={"deleted": total, "cutoff": cutoff.isoformat()})
         return total
+
+    def retention_horizon(self, engine: Engine, consumer: str) -> datetime | None:
+        """Claims of ``consumer`` older than this may have been purged (None: never purged).
+
+        A replay of messages older than the horizon could apply them a second time.
+        """
+        table = self.schema.retention
+        with engine.connect() as connection:
+            value = connection.execute(
+                select(func.max(table.c.purged_before)).where(
+                    table.c.consumer_name.in_([consumer, ALL_CONSUMERS])
+                )
+            ).scalar()
+        if value is None:
+            return None
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+    def _advance_horizon(self, engine: Engine, consumer: str, cutoff: datetime) -> None:
+        table = self.schema.retention
+        now = utcnow()
+        with engine.begin() as connection:
+            moved = connection.execute(
+                update(table)
+                .where(table.c.consumer_name == consumer, table.c.purged_before < cutoff)
+                .values(purged_before=cutoff, purged_at=now)
+            ).rowcount
+            if moved:
+                return
+            exists = connection.execute(
+                select(table.c.consumer_name).where(table.c.consumer_name == consumer)
+            ).first()
+            if exists is None:
+                connection.execute(
+                    table.insert().values(
+                        consumer_name=consumer, purged_before=cutoff, purged_at=now
+                    )
+                )
 
     @staticmethod
     def _purge_table(

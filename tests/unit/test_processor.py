@@ -255,3 +255,19 @@ def test_purge_removes_old_claims_in_chunks(sqlite_engine: Engine) -> None:
         assert (
             connection.execute(select(func.count()).select_from(schema().processed)).scalar() == 0
         )
+
+
+def test_purge_advances_the_retention_horizon(sqlite_engine: Engine) -> None:
+    from datetime import timedelta
+
+    store = DedupStore()
+    assert store.retention_horizon(sqlite_engine, "orders") is None
+    store.purge(sqlite_engine, timedelta(days=7), consumer="orders")
+    first = store.retention_horizon(sqlite_engine, "orders")
+    assert first is not None and store.retention_horizon(sqlite_engine, "other") is None
+    store.purge(sqlite_engine, timedelta(days=30))  # every consumer, an older cutoff
+    assert store.retention_horizon(sqlite_engine, "orders") == first
+    assert store.retention_horizon(sqlite_engine, "other") is not None
+    store.purge(sqlite_engine, timedelta(days=1), consumer="orders")
+    later = store.retention_horizon(sqlite_engine, "orders")
+    assert later is not None and later > first

@@ -1,0 +1,1 @@
+"""The implementations of the ``mqdedup`` sub-commands (the parser lives in mqdedup.cli)."""
