@@ -142,7 +142,8 @@ class DedupStore:
             ).scalar()
         if value is None:
             return None
-        return value if value.tzinfo else value.replace(tzinfo=UTC)
+        horizon: datetime = value if value.tzinfo else value.replace(tzinfo=UTC)
+        return horizon
 
     def _advance_horizon(self, engine: Engine, consumer: str, cutoff: datetime) -> None:
         table = self.schema.retention
