@@ -143,6 +143,9 @@ class RabbitMQTransport:
         self.prefetch = prefetch
         self._stop = stop
         self.metrics = metrics or Metrics()
+        # The key exists before the I/O thread updates it, so that a snapshot taken on
+        # another thread never iterates a dict that changes size.
+        self.metrics.lag.setdefault(self.queue, 0)
         self._startup_timeout = startup_timeout
         self._backoff_max = reconnect_backoff_max
         self._linger = linger

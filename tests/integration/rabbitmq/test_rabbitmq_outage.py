@@ -100,11 +100,14 @@ def test_rabbitmq_stopped_for_20s_mid_run_the_worker_waits_reconnects_and_resume
         assert in_handler.wait(60), "the worker never reached the held batch"
         private_rabbit.service.stop()  # mid-batch: the batch's deliveries die with it
         release.set()  # the batch commits; its acks cannot be sent
+        wait_for(lambda: not worker.transport.connected, 30, "the worker to see the outage")
 
         def still_waiting() -> None:
             assert worker.thread.is_alive() and worker.error is None, "the worker gave up"
             assert worker.metrics.dead_lettered == 0, "an outage must not dead-letter"
-            assert not worker.transport.connected
+            assert not worker.transport.connected, (
+                f"connected to a stopped broker? generation {worker.transport.generation}"
+            )
 
         poll(OUTAGE_SECONDS, still_waiting)
         rows_during_outage = len(order_counts(db.engine, db.orders))
