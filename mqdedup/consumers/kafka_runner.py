@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: Longest a poll blocks, so commits, stops and rebalances are handled promptly.
 POLL_SLICE = 0.1
+#: How often the consumer thread polls (with paused partitions) while the buffer is full.
+KEEPALIVE_INTERVAL = 0.5
 #: How often the per-partition lag is refreshed.
 LAG_INTERVAL = 1.0
 
@@ -75,6 +77,11 @@ class _Buffer:
         """Sleep up to ``timeout`` or until something changes."""
         with self._changed:
             self._changed.wait(timeout)
+
+    def wait_for_room(self, limit: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` until fewer than ``limit`` deliveries are buffered."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self._items) < limit, timeout)
 
     def notify(self) -> None:
         with self._changed:
@@ -151,23 +158,22 @@ class KafkaRunner:
 
     def _consume_loop(self) -> None:
         transport = self.transport
-        batch_size = self.consumer.batch_size
         max_buffered = self.settings.max_buffered
         next_lag = time.monotonic()
         next_log = next_lag + self.settings.metrics_interval
         while not (self.stop.requested or self._processing_done.is_set()):
             transport.commit_pending()
             transport.apply_rewinds()
+            deliveries: list[Delivery] = []
             room = max_buffered - len(self._buffer)
             if room > 0:
                 transport.resume_all()
-                deliveries = transport.poll(min(room, batch_size), POLL_SLICE)
-            else:
-                # Full: stay in the group without fetching until the processor catches up.
+                deliveries = transport.poll(room, POLL_SLICE)
+            elif not self._buffer.wait_for_room(max_buffered, KEEPALIVE_INTERVAL):
+                # Still full (a long batch, a database outage): poll with every partition
+                # paused, so the group keeps us and rebalances are followed.
                 transport.pause_all()
                 deliveries = transport.poll(1, 0.0)
-                if not deliveries:
-                    self._buffer.wait(POLL_SLICE)
             if deliveries:
                 self._buffer.put(deliveries)
             now = time.monotonic()

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import kafka
 import kafka.errors as kafka_errors
-from kafka.structs import OffsetAndMetadata, TopicPartition
+from kafka.structs import MemberState, OffsetAndMetadata, TopicPartition
 
 from mqdedup.consumers.kafka_offsets import OffsetTracker, PartitionKey
 from mqdedup.consumers.metrics import Metrics
@@ -52,6 +52,10 @@ SOURCE_PARTITION_HEADER = "x-mqdedup-source-partition"
 SOURCE_OFFSET_HEADER = "x-mqdedup-source-offset"
 SOURCE_TIMESTAMP_HEADER = "x-mqdedup-source-timestamp"
 DEAD_LETTER_PREFIX = "x-mqdedup-"
+#: Shortest poll while the group is (re)joining, so the join completes inside one call.
+REBALANCE_POLL = 1.0
+#: A join still not complete after this many seconds is started again.
+REJOIN_AFTER = 5.0
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -137,6 +141,7 @@ class KafkaTransport:
         self._next_commit_attempt = 0.0
         self._revoking: set[PartitionKey] = set()
         self._rebalance_lock = threading.Lock()
+        self._rebalancing_since: float | None = None
         self._closed = False
         self._high_water: dict[PartitionKey, int] = {}
 
@@ -240,7 +245,7 @@ class KafkaTransport:
                 settled += 1
         if settled:
             if self._on_owner_thread():
-                self.commit_pending()
+                self.commit_pending(force=True)
             else:
                 self._commit_wanted.set()
 
@@ -299,8 +304,14 @@ class KafkaTransport:
     # -- used by the runner (owner thread) -------------------------------------------------
 
     def poll(self, max_records: int, timeout: float) -> list[Delivery]:
-        """One kafka-python poll; records become tracked deliveries (owner thread only)."""
+        """One kafka-python poll; records become tracked deliveries (owner thread only).
+
+        While the group is (re)joining, the poll waits at least ``REBALANCE_POLL``
+        seconds so the join can complete inside the call (see :meth:`_watch_join`).
+        """
         client = self.client
+        if self.group and self._watch_join():
+            timeout = max(timeout, REBALANCE_POLL)
         try:
             batches = client.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
         except kafka_errors.CommitFailedError as error:
@@ -359,8 +370,9 @@ class KafkaTransport:
     def commit_pending(self, timeout: float | None = None, *, force: bool = False) -> bool:
         """Commit settled offsets not committed yet; True when nothing is left to commit.
 
-        Failures are logged and retried on a later call (after a short back-off); they
-        are never fatal: uncommitted deliveries come back and are deduplicated.
+        At most one commit per ``commit_interval`` unless ``force``; failures are logged
+        and retried on a later call (after a short back-off). Neither is a risk: an
+        offset not committed yet only means its messages may come again, deduplicated.
         """
         self._commit_wanted.clear()
         if not self.group or self._client is None:
@@ -374,7 +386,9 @@ class KafkaTransport:
         ok = self._commit(
             self._client, offsets, self.settings.commit_timeout if timeout is None else timeout
         )
-        self._next_commit_attempt = 0.0 if ok else time.monotonic() + 1.0
+        self._next_commit_attempt = time.monotonic() + (
+            self.settings.commit_interval if ok else max(1.0, self.settings.commit_interval)
+        )
         return ok
 
     @property
@@ -494,6 +508,34 @@ class KafkaTransport:
         return int(self.client.position(TopicPartition(*partition)))
 
     # -- rebalances -----------------------------------------------------------------------
+
+    def _watch_join(self) -> bool:
+        """True while the member is not STABLE; repairs a join that never completes.
+
+        kafka-python 3.0 loses a completed JoinGroup/SyncGroup when the ``poll()`` that
+        started it timed out first and the rebalance was triggered by a metadata change
+        (e.g. a new topic's partitions): the member then stays ``REBALANCING`` with no
+        partitions for good. If that lasts ``REJOIN_AFTER`` seconds, ask the coordinator
+        to rejoin (harmless while a join is still in flight: it is awaited again).
+        """
+        state = getattr(self._client.group_metadata(), "state", None)
+        if state == MemberState.STABLE:
+            self._rebalancing_since = None
+            return False
+        now = time.monotonic()
+        if self._rebalancing_since is None:
+            self._rebalancing_since = now
+        elif now - self._rebalancing_since >= REJOIN_AFTER:
+            coordinator = getattr(self._client, "_coordinator", None)
+            request_rejoin = getattr(coordinator, "request_rejoin", None)
+            if callable(request_rejoin):
+                log.warning(
+                    "group join did not complete; rejoining",
+                    extra={"consumer": self.settings.consumer_name, "state": str(state)},
+                )
+                request_rejoin()
+            self._rebalancing_since = now
+        return True
 
     def _assigned_keys(self) -> set[PartitionKey]:
         if self._client is None:

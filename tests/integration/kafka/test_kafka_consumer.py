@@ -220,7 +220,7 @@ def test_long_batches_do_not_cost_the_group_membership(
 ) -> None:
     topic = kafka_helper.create_topic(partitions=2)
     ids = [f"slow-{i}" for i in range(12)]
-    kafka_helper.produce(topic, [Outgoing(mid, b"x") for mid in ids])
+    kafka_helper.produce(topic, [Outgoing(mid, b"x", partition=i % 2) for i, mid in enumerate(ids)])
     # Each batch takes 2.5 s, longer than max_poll_interval_ms: without polling on the side
     # the worker would be evicted from the group and the messages delivered again.
     consumer = consumer_for(
@@ -296,3 +296,34 @@ def test_replay_counts_duplicates_and_reapplies_only_what_was_forgotten(
     assert row_counts(db.engine, db.prefix) == {f"r-{i}": 1 for i in range(60)}
     # The replay never touched the group's offsets.
     assert kafka_helper.committed(group, topic) == committed_before
+
+
+def test_a_group_join_lost_by_kafka_python_is_started_again(
+    kafka_helper: KafkaHelper, db: TestDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kafka-python 3.0 can lose a completed JoinGroup/SyncGroup when the poll that
+    started it timed out first (here forced with 1 ms polls): without the watchdog the
+    worker stays in the group with no partitions and never consumes anything."""
+    from mqdedup.consumers import kafka_runner, kafka_transport
+
+    monkeypatch.setattr(kafka_transport, "REBALANCE_POLL", 0.0)
+    monkeypatch.setattr(kafka_transport, "REJOIN_AFTER", 2.0)
+    monkeypatch.setattr(kafka_runner, "POLL_SLICE", 0.001)
+    for attempt in range(3):
+        topic = kafka_helper.create_topic(partitions=2)  # new topic: metadata arrives late
+        ids = [f"j{attempt}-{i}" for i in range(20)]
+        kafka_helper.produce(
+            topic, [Outgoing(mid, b"x", partition=i % 2) for i, mid in enumerate(ids)]
+        )
+        consumer = consumer_for(kafka_helper, db, topic, batch_size=10)
+        with running(consumer, db):
+            wait_for(
+                lambda: (
+                    kafka_helper.committed(consumer.group_id or "", topic)
+                    == kafka_helper.end_offsets(topic)
+                ),
+                30,
+                f"attempt {attempt}: everything committed",
+            )
+        counts = row_counts(db.engine, db.prefix)
+        assert all(counts.get(mid) == 1 for mid in ids)
