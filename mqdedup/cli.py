@@ -81,6 +81,9 @@ def _settings(args: argparse.Namespace, *names: str) -> dict[str, Any]:
     """Resolve settings for a command: flag > env > config file > default."""
     file_data = load_file(getattr(args, "config", None))
     flags = {
+        "relay_processes": getattr(args, "processes", None),
+        "poll_interval": getattr(args, "poll_interval", None),
+        "relay_batch_size": getattr(args, "batch_size", None),
         "database_url": getattr(args, "database", None),
         "table_prefix": getattr(args, "table_prefix", None),
         "kafka_bootstrap": getattr(args, "kafka_bootstrap", None),
@@ -133,6 +136,64 @@ def build_parser() -> argparse.ArgumentParser:
     purge.add_argument("--consumer", default=None, help="only this consumer name")
     purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
     purge.set_defaults(run=_cmd_dedup_purge)
+    stats = dedup_commands.add_parser("stats", help="dedup records per consumer, oldest, size")
+    _database_option(stats)
+    stats.set_defaults(run=_cmd_dedup_stats)
+
+    outbox = commands.add_parser("outbox", help="inspect and repair the outbox")
+    outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
+    outbox_status = outbox_commands.add_parser("status", help="pending / failed / published rows")
+    _database_option(outbox_status)
+    outbox_status.set_defaults(run=_cmd_outbox_status)
+    retry = outbox_commands.add_parser("retry-failed", help="put failed rows back to pending")
+    _database_option(retry)
+    retry.add_argument("--id", dest="ids", type=int, action="append", help="only this row id")
+    retry.add_argument("--destination", default=None, help="only this topic / exchange")
+    retry.set_defaults(run=_cmd_outbox_retry)
+    outbox_purge = outbox_commands.add_parser("purge", help="delete old published rows in chunks")
+    _database_option(outbox_purge)
+    outbox_purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
+    outbox_purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
+    outbox_purge.set_defaults(run=_cmd_outbox_purge)
+
+    relay = commands.add_parser("relay", help="publish committed outbox rows (a daemon)")
+    _database_option(relay)
+    _broker_options(relay)
+    relay.add_argument(
+        "--processes", type=int, default=None, help="relay processes" + env_help("relay_processes")
+    )
+    relay.add_argument(
+        "--poll-interval",
+        type=float,
+        default=None,
+        help="seconds between polls without NOTIFY" + env_help("poll_interval"),
+    )
+    relay.add_argument(
+        "--batch-size", type=int, default=None, help="rows per claim" + env_help("relay_batch_size")
+    )
+    relay.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="seconds to drain after a stop signal" + env_help("shutdown_timeout"),
+    )
+    relay.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="serve /healthz and /metrics" + env_help("health_port"),
+    )
+    relay.set_defaults(run=_cmd_relay)
+
+    status = commands.add_parser(
+        "status", help="one screen: consumers' lag, dedup table, outbox backlog"
+    )
+    status.add_argument(
+        "consumers", nargs="*", metavar="CONSUMER", help="module.path:ConsumerClass to show lag for"
+    )
+    _database_option(status)
+    _broker_options(status)
+    status.set_defaults(run=_cmd_status)
 
     worker = commands.add_parser(
         "worker", help="run consumers in supervised worker processes until SIGTERM/SIGINT"
@@ -187,12 +248,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exitcodes.INTERRUPTED
 
 
-def _engine(args: argparse.Namespace) -> tuple[Engine, str]:
+def _engine(args: argparse.Namespace, *, require_schema: bool = True) -> tuple[Engine, str]:
     """A connected engine for the command's database, and the table prefix."""
     settings = _settings(args)
     engine = create_engine(settings["database_url"])
     check_connection(engine)
+    if require_schema:
+        _require_schema(engine, settings["table_prefix"])
     return engine, settings["table_prefix"]
+
+
+def _require_schema(engine: Engine, prefix: str) -> None:
+    problems = check_schema(engine, prefix)
+    if problems:
+        raise ConfigurationError(f"the database does not match this mqdedup version: {problems[0]}")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -219,14 +288,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_init(args: argparse.Namespace) -> int:
-    engine, prefix = _engine(args)
+    engine, prefix = _engine(args, require_schema=False)
     created = init_schema(engine, prefix)
     print(f"created: {', '.join(created)}" if created else "schema is up to date")
     return exitcodes.OK
 
 
 def _cmd_db_check(args: argparse.Namespace) -> int:
-    problems = check_schema(*_engine(args))
+    problems = check_schema(*_engine(args, require_schema=False))
     for problem in problems:
         print(problem)
     if not problems:
@@ -243,6 +312,98 @@ def _cmd_dedup_purge(args: argparse.Namespace) -> int:
     )
     print(f"deleted {deleted} dedup records older than {args.older_than}")
     return exitcodes.OK
+
+
+def _cmd_dedup_stats(args: argparse.Namespace) -> int:
+    from mqdedup.commands.operations import dedup_stats, format_dedup_stats
+
+    print(format_dedup_stats(*dedup_stats(*_engine(args))))
+    return exitcodes.OK
+
+
+def _cmd_outbox_status(args: argparse.Namespace) -> int:
+    from mqdedup.commands.operations import format_outbox_status
+
+    print(format_outbox_status(*_engine(args)))
+    return exitcodes.OK
+
+
+def _cmd_outbox_retry(args: argparse.Namespace) -> int:
+    from mqdedup.outbox.store import OutboxStore
+
+    engine, prefix = _engine(args)
+    count = OutboxStore(prefix).retry_failed(engine, ids=args.ids, destination=args.destination)
+    print(f"{count} failed outbox row(s) back to pending")
+    return exitcodes.OK
+
+
+def _cmd_outbox_purge(args: argparse.Namespace) -> int:
+    from mqdedup.outbox.store import OutboxStore
+
+    engine, prefix = _engine(args)
+    count = OutboxStore(prefix).purge(engine, args.older_than, chunk_size=args.chunk_size)
+    print(f"deleted {count} published outbox row(s) older than {args.older_than}")
+    return exitcodes.OK
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from mqdedup.commands.status import status_screen
+    from mqdedup.loading import load_consumer_class
+    from mqdedup.runners import _export_environment
+
+    settings = _settings(args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url")
+    _export_environment(settings)
+    consumers = [load_consumer_class(reference)() for reference in args.consumers]
+    engine, prefix = _engine(args)
+    print(status_screen(engine, prefix, consumers))
+    return exitcodes.OK
+
+
+def _cmd_relay(args: argparse.Namespace) -> int:
+    from mqdedup.commands.reachability import check_kafka_reachable, check_rabbitmq_reachable
+    from mqdedup.outbox.relay import create_publishers
+    from mqdedup.supervisor import ChildSpec, Supervisor
+
+    settings = _settings(
+        args,
+        "database_url",
+        "table_prefix",
+        "kafka_bootstrap",
+        "rabbitmq_url",
+        "relay_processes",
+        "poll_interval",
+        "relay_batch_size",
+        "shutdown_timeout",
+        "health_port",
+    )
+    if settings["relay_processes"] < 1:
+        raise ConfigurationError("--processes must be at least 1")
+    engine = create_engine(settings["database_url"])
+    check_connection(engine)
+    _require_schema(engine, settings["table_prefix"])
+    engine.dispose()
+    for publisher in create_publishers(
+        kafka_bootstrap=settings["kafka_bootstrap"], rabbitmq_url=settings["rabbitmq_url"]
+    ).values():
+        publisher.close()  # validates the configuration; connections open lazily
+    if settings["kafka_bootstrap"]:
+        check_kafka_reachable(settings["kafka_bootstrap"])
+    if settings["rabbitmq_url"]:
+        check_rabbitmq_reachable(settings["rabbitmq_url"])
+    specs = [
+        ChildSpec(
+            name="relay",
+            index=index,
+            runner="mqdedup.runners:run_relay",
+            options=settings,
+            log_level=args.log_level,
+        )
+        for index in range(settings["relay_processes"])
+    ]
+    supervisor = Supervisor(
+        specs, shutdown_timeout=settings["shutdown_timeout"], health_port=settings["health_port"]
+    )
+    return supervisor.run()
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -266,6 +427,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     consumers = [load_consumer_class(reference)() for reference in args.consumers]
     engine = create_engine(settings["database_url"])
     check_connection(engine)
+    _require_schema(engine, settings["table_prefix"])
     engine.dispose()
     for consumer in consumers:
         consumer.validate()

@@ -132,11 +132,11 @@ def check_schema(engine: Engine, prefix: str = DEFAULT_PREFIX) -> list[str]:
     problems: list[str] = []
     for name, table in schema(prefix).metadata.tables.items():
         if name not in existing:
-            problems.append(f"table {name} is missing (run `mqdedup db init`)")
+            problems.append(f"table {name} is missing (run `mqdedup db upgrade`)")
             continue
         live = {column["name"] for column in inspector.get_columns(name)}
         problems.extend(
-            f"table {name} lacks column {column.name}"
+            f"table {name} lacks column {column.name} (run `mqdedup db upgrade`)"
             for column in table.columns
             if column.name not in live
         )

@@ -1,0 +1,41 @@
+"""Can the brokers be reached? A TCP-level check for start-up errors in one line."""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlsplit
+
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+
+
+def check_kafka_reachable(bootstrap: str, timeout: float = 3.0) -> None:
+    """Raise BrokerUnavailableError unless one of the bootstrap servers accepts a connection."""
+    servers = [s.strip() for s in bootstrap.split(",") if s.strip()]
+    if not servers:
+        raise ConfigurationError("Kafka bootstrap servers are empty")
+    errors = []
+    for server in servers:
+        host, _, port = server.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigurationError(f"Kafka bootstrap server {server!r} must be host:port")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                return
+        except OSError as exc:
+            errors.append(f"{server}: {exc.strerror or exc}")
+    raise BrokerUnavailableError(f"cannot reach Kafka ({'; '.join(errors)})")
+
+
+def check_rabbitmq_reachable(url: str, timeout: float = 3.0) -> None:
+    """Raise BrokerUnavailableError unless the RabbitMQ URL's host accepts a connection."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("amqp", "amqps") or not parts.hostname:
+        raise ConfigurationError("RabbitMQ URL must look like amqp://user:password@host:5672/vhost")
+    port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout):
+            return
+    except OSError as exc:
+        raise BrokerUnavailableError(
+            f"cannot reach RabbitMQ at {parts.hostname}:{port}: {exc.strerror or exc}"
+        ) from exc
