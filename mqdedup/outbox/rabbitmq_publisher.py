@@ -13,16 +13,18 @@ declare). Nacks, lost connections and missing acks after ``confirm_timeout`` are
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pika
 import pika.exceptions
 import pika.spec
 
+from mqdedup.consumers.rabbitmq_topology import connection_parameters, mask_amqp_url
 from mqdedup.errors import ConfigurationError
 from mqdedup.outbox.publishers import PUBLISHED, OutboxRecord, PublishResult
 
@@ -31,19 +33,6 @@ log = logging.getLogger(__name__)
 
 class _UnavailableError(Exception):
     """The broker cannot be used right now (connect failed, channel lost)."""
-
-
-def mask_amqp_url(url: str) -> str:
-    """The URL without its password, safe for logs and errors."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "amqp://***"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
 @dataclass
@@ -78,13 +67,9 @@ class RabbitMQPublisher:
     ) -> None:
         if window < 1:
             raise ConfigurationError("RabbitMQ confirm window must be at least 1")
-        try:
-            self.parameters = pika.URLParameters(url)
-        except Exception as error:
-            raise ConfigurationError(
-                f"malformed RabbitMQ URL {mask_amqp_url(url)!r}: {type(error).__name__}"
-            ) from error
-        self.parameters.connection_attempts = 1
+        self.parameters = connection_parameters(
+            url, f"mqdedup-relay:{socket.gethostname()}:{os.getpid()}"
+        )
         self.parameters.socket_timeout = connect_timeout
         self.parameters.stack_timeout = connect_timeout
         self.parameters.blocked_connection_timeout = confirm_timeout

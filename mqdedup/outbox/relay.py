@@ -27,6 +27,7 @@ which polls.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -42,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential, wait_random
 
 from mqdedup.consumers.stopping import StopToken, graceful_signals
@@ -56,7 +57,12 @@ from mqdedup.outbox.publishers import (
     Publisher,
     PublishResult,
 )
-from mqdedup.outbox.store import OutboxStatus, OutboxStore, ShardFilter
+from mqdedup.outbox.store import (
+    OutboxStatus,
+    OutboxStore,
+    ShardFilter,
+    prepare_relay_connection,
+)
 from mqdedup.schema import DEFAULT_PREFIX
 
 log = logging.getLogger(__name__)
@@ -211,6 +217,7 @@ class Relay:
         self._next_purge = 0.0
         self._verified: set[int] = set()
         self._executors: dict[str, ThreadPoolExecutor] = {}
+        self._connections: dict[str, Connection] = {}
         self._metrics_lock = threading.Lock()
 
     # -- the daemon ----------------------------------------------------------------------------
@@ -309,18 +316,44 @@ class Relay:
                     marks.append(self._helpers("mark").submit(self._settle, report, True))
                     batch = ahead.result()
                     continue
-                if ahead is not None:
-                    extra = [record.id for record in ahead.result()]
-                    if extra:
-                        self._with_database_retry(
-                            functools.partial(self.store.release, self.engine, extra, self.relay_id)
+                extra = [record.id for record in ahead.result()] if ahead is not None else []
+                for mark in marks:  # the marking connection is free again after these
+                    mark.result()
+                marks.clear()
+                if extra:
+                    self._with_database_retry(
+                        functools.partial(
+                            self._on, "mark", self.store.release, extra, self.relay_id
                         )
+                    )
                 self._settle(report)
                 batch = []
         finally:
             for mark in marks:
                 mark.result()
         return claimed
+
+    def _on(self, name: str, statement: Callable[..., T], *arguments: Any, **options: Any) -> T:
+        """Run a store statement on the relay's ``name`` connection (claim / mark).
+
+        On PostgreSQL each helper has its own connection, detached from the pool, in
+        autocommit with the relay's session settings: a claim or a mark is one round
+        trip. A connection that failed is dropped; the retry opens a new one.
+        """
+        if self._control is None:
+            return statement(self.engine, *arguments, **options)
+        connection = self._connections.get(name)
+        if connection is None or connection.closed or connection.invalidated:
+            connection = prepare_relay_connection(self.engine.connect())
+            connection.detach()  # the session settings must not reach the pool
+            self._connections[name] = connection
+        try:
+            return statement(connection, *arguments, **options)
+        except Exception:
+            self._connections.pop(name, None)
+            with contextlib.suppress(Exception):
+                connection.close()
+            raise
 
     def _helpers(self, name: str) -> ThreadPoolExecutor:
         executor = self._executors.get(name)
@@ -334,6 +367,10 @@ class Relay:
         for executor in self._executors.values():
             executor.shutdown(wait=True)
         self._executors.clear()
+        for connection in self._connections.values():
+            with contextlib.suppress(Exception):
+                connection.close()
+        self._connections.clear()
         for name, publisher in self.publishers.items():
             try:
                 publisher.close()
@@ -377,8 +414,9 @@ class Relay:
             shard_filter = control.shard_filter(claimable)
         elif not self._taken_over({0}):
             return []
-        return self.store.claim(
-            self.engine,
+        return self._on(
+            "claim",
+            self.store.claim,
             self.relay_id,
             self.config.batch_size,
             timedelta(seconds=self.config.lease),
@@ -451,8 +489,8 @@ class Relay:
         if report.published:
             ids = [record.id for record in report.published]
             self._with_database_retry(
-                lambda: self.store.mark_published(
-                    self.engine, ids, delete_rows=config.delete_published
+                lambda: self._on(
+                    "mark", self.store.mark_published, ids, delete_rows=config.delete_published
                 ),
                 background=background,
             )
@@ -490,7 +528,9 @@ class Relay:
                 )
         if report.unavailable:
             ids = [record.id for record in report.unavailable]
-            self._with_database_retry(lambda: self.store.release(self.engine, ids, self.relay_id))
+            self._with_database_retry(
+                lambda: self._on("mark", self.store.release, ids, self.relay_id)
+            )
             with self._metrics_lock:
                 self.metrics.unavailable += len(ids)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -46,15 +47,49 @@ from mqdedup.schema import DEFAULT_PREFIX, schema
 log = logging.getLogger(__name__)
 
 MAX_ERROR_LENGTH = 2000
-# Claim: walk the pending index in id order and stop at the limit, even when the
-# statistics still describe an almost empty table (a fresh backlog). Leases and marks
-# need no synchronous commit: one lost in a database crash only means a row is
-# published again, which the at-least-once contract allows anyway.
+Bind = Engine | Connection
+
+# PostgreSQL settings of the relay's statements. The planner settings keep the claim on
+# the pending index in id order, stopping at the limit, and the update on the primary
+# key, even when the statistics still describe an almost empty table (a fresh backlog).
+# Leases and marks need no synchronous commit: one lost in a database crash only means a
+# row is published again, which the at-least-once contract allows anyway.
+_PLANNER = ("enable_sort", "enable_bitmapscan", "enable_hashjoin", "enable_mergejoin")
+RELAY_SESSION_SETTINGS = [f"SET {name} = off" for name in _PLANNER] + [
+    "SET synchronous_commit = off"
+]
 _CLAIM_SETTINGS = text(
-    "SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off; "
-    "SET LOCAL synchronous_commit = off"
+    "; ".join(setting.replace("SET ", "SET LOCAL ") for setting in RELAY_SESSION_SETTINGS)
 )
 _MARK_SETTINGS = text("SET LOCAL synchronous_commit = off")
+
+
+def prepare_relay_connection(connection: Connection) -> Connection:
+    """Make ``connection`` a relay connection: autocommit (each statement is its own
+    short transaction, one round trip) with the relay's session settings (PostgreSQL).
+
+    Detach the connection from the pool afterwards (the settings stay on it).
+    """
+    connection = connection.execution_options(isolation_level="AUTOCOMMIT")
+    for setting in RELAY_SESSION_SETTINGS:
+        connection.exec_driver_sql(setting)
+    return connection
+
+
+@contextmanager
+def _transaction(bind: Bind, settings: Any) -> Iterator[Connection]:
+    """A short transaction on an engine, or the statement's own on a relay connection."""
+    if isinstance(bind, Connection):
+        yield bind
+        return
+    with bind.begin() as connection:
+        if bind.dialect.name == "postgresql":
+            connection.execute(settings)
+        yield connection
+
+
+def _record_id(record: OutboxRecord) -> int:
+    return record.id
 
 
 @dataclass(frozen=True)
@@ -115,7 +150,7 @@ class OutboxStore:
 
     def claim(
         self,
-        engine: Engine,
+        bind: Bind,
         relay_id: str,
         limit: int,
         lease: timedelta,
@@ -125,10 +160,12 @@ class OutboxStore:
     ) -> list[OutboxRecord]:
         """Lease up to ``limit`` due pending rows for ``brokers``, oldest id first.
 
-        One short transaction: ``SELECT … ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED``,
-        then ``UPDATE … SET locked_by, locked_until WHERE id = ANY(…)``. A row is skipped
-        while an earlier row with the same key waits for its retry or is leased by another
-        relay, so a key's rows leave in order. Returns the records sorted by id.
+        One statement, its own short transaction: ``WITH chosen AS (SELECT id … ORDER BY
+        id LIMIT n FOR UPDATE SKIP LOCKED) UPDATE … SET locked_by, locked_until FROM chosen
+        RETURNING …``. A row is skipped while an earlier row with the same key waits for
+        its retry, so a key's rows leave in order. ``bind`` is an engine or a connection
+        prepared with :func:`prepare_relay_connection` (autocommit, planner settings).
+        Returns the records sorted by id.
         """
         table = self.table
         now = utcnow()
@@ -152,38 +189,35 @@ class OutboxStore:
         ]
         if shard_filter is not None:
             conditions.extend(_owned_shards(candidate.c.shard_hash, shard_filter))
-        query = (
-            select(
-                candidate.c.id,
-                candidate.c.message_id,
-                candidate.c.broker,
-                candidate.c.destination,
-                candidate.c.routing_key,
-                candidate.c.message_key,
-                # JSON as text, decoded below: much cheaper than the driver's JSON loader.
-                cast(candidate.c.headers, Text),
-                cast(candidate.c.properties, Text),
-                candidate.c.payload,
-                candidate.c.attempts,
-                candidate.c.created_at,
-            )
+        chosen = (
+            select(candidate.c.id)
             .where(*conditions)
             .order_by(candidate.c.id)
             .limit(limit)
+            .with_for_update(skip_locked=True, of=candidate)
+            .cte("chosen")
         )
-        postgresql = engine.dialect.name == "postgresql"
-        if postgresql:
-            query = query.with_for_update(skip_locked=True, of=candidate)
-        with engine.begin() as connection:
-            if postgresql:
-                connection.execute(_CLAIM_SETTINGS)
-            rows = connection.execute(query).all()
-            if rows:
-                connection.execute(
-                    update(table)
-                    .where(_id_in(table.c.id, [row.id for row in rows], engine))
-                    .values(locked_by=relay_id, locked_until=now + lease)
-                )
+        statement = (
+            update(table)
+            .where(table.c.id == chosen.c.id)
+            .values(locked_by=relay_id, locked_until=now + lease)
+            .returning(
+                table.c.id,
+                table.c.message_id,
+                table.c.broker,
+                table.c.destination,
+                table.c.routing_key,
+                table.c.message_key,
+                # JSON as text, decoded below: much cheaper than the driver's JSON loader.
+                cast(table.c.headers, Text),
+                cast(table.c.properties, Text),
+                table.c.payload,
+                table.c.attempts,
+                table.c.created_at,
+            )
+        )
+        with _transaction(bind, _CLAIM_SETTINGS) as connection:
+            rows = connection.execute(statement).all()
         loads = json.loads
         records = [
             OutboxRecord(
@@ -201,6 +235,7 @@ class OutboxStore:
             )
             for row in rows
         ]
+        records.sort(key=_record_id)
         return records
 
     def foreign_leases(self, engine: Engine, relay_id: str, shards: int | None = None) -> set[int]:
@@ -225,34 +260,32 @@ class OutboxStore:
         with engine.connect() as connection:
             return {int(value) for value in connection.execute(query).scalars()}
 
-    def mark_published(self, engine: Engine, ids: Sequence[int], *, delete_rows: bool) -> None:
+    def mark_published(self, bind: Bind, ids: Sequence[int], *, delete_rows: bool) -> None:
         """Mark rows published (or delete them) in one statement."""
         if not ids:
             return
         table = self.table
         statement: Any
         if delete_rows:
-            statement = delete(table).where(_id_in(table.c.id, ids, engine))
+            statement = delete(table).where(_id_in(table.c.id, ids, bind))
         else:
             statement = (
                 update(table)
-                .where(_id_in(table.c.id, ids, engine))
+                .where(_id_in(table.c.id, ids, bind))
                 .values(state=PUBLISHED, published_at=utcnow(), locked_by=None, locked_until=None)
             )
-        with engine.begin() as connection:
-            if engine.dialect.name == "postgresql":
-                connection.execute(_MARK_SETTINGS)
+        with _transaction(bind, _MARK_SETTINGS) as connection:
             connection.execute(statement)
 
-    def release(self, engine: Engine, ids: Sequence[int], relay_id: str) -> None:
+    def release(self, bind: Bind, ids: Sequence[int], relay_id: str) -> None:
         """Give leased rows back unchanged (the broker was unavailable)."""
         if not ids:
             return
         table = self.table
-        with engine.begin() as connection:
+        with _transaction(bind, _MARK_SETTINGS) as connection:
             connection.execute(
                 update(table)
-                .where(_id_in(table.c.id, ids, engine), table.c.locked_by == relay_id)
+                .where(_id_in(table.c.id, ids, bind), table.c.locked_by == relay_id)
                 .values(locked_by=None, locked_until=None)
             )
 
@@ -434,9 +467,9 @@ def _owned_shards(shard_hash: Any, owner: ShardFilter) -> list[ColumnElement[boo
     return [shard.in_(sorted(owner.owned)), still_held]  # type: ignore[list-item]
 
 
-def _id_in(column: Any, ids: Sequence[int], engine: Engine) -> ColumnElement[bool]:
+def _id_in(column: Any, ids: Sequence[int], bind: Bind) -> ColumnElement[bool]:
     """``column = ANY(:ids)`` with one array parameter on PostgreSQL, ``IN (…)`` elsewhere."""
-    if engine.dialect.name == "postgresql":
+    if bind.dialect.name == "postgresql":
         # The range lets the planner walk the primary key instead of scanning the table
         # (it underestimates what ``= ANY(array)`` selects).
         array = bindparam("ids", list(ids), type_=ARRAY(BigInteger))
