@@ -12,7 +12,8 @@ from sqlalchemy.orm import Session
 
 from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
 from mqdedup.consumers.base import Consumer, Context
-from mqdedup.outbox import OutboxWriter, Relay, RelayConfig
+from mqdedup.errors import ConfigurationError
+from mqdedup.outbox import MemoryPublisher, OutboxWriter, Relay, RelayConfig
 from mqdedup.outbox.kafka_publisher import KafkaPublisher
 from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
 from mqdedup.outbox.writer import outgoing_message_id
@@ -240,3 +241,17 @@ def test_two_relays_at_once_publish_each_row_once_in_key_order(
     assert order_problems([(p["key"], p["seq"]) for p in payloads]) == []
     assert [m["published"] > 0 for m in metrics] == [True, True], metrics  # both worked
     assert sum(m["published"] for m in metrics) == 6_000
+
+
+def test_relays_that_disagree_on_shards_refuse_to_run_side_by_side(db: OutboxDb) -> None:
+    first = Relay(db.engine, {"kafka": MemoryPublisher()}, prefix=db.prefix)
+    second = Relay(
+        db.engine, {"kafka": MemoryPublisher()}, prefix=db.prefix, config=RelayConfig(shards=8)
+    )
+    try:
+        first.run_once()
+        with pytest.raises(ConfigurationError, match="different shards or publishers"):
+            second.run_once()
+    finally:
+        first.close()
+        second.close()

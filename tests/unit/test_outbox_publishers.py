@@ -1,0 +1,140 @@
+"""Publishers without a broker: how the Kafka publisher classifies each record's outcome."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from kafka import errors as kafka_errors
+
+from mqdedup.errors import ConfigurationError
+from mqdedup.outbox.kafka_publisher import KafkaPublisher
+from mqdedup.outbox.publishers import OutboxRecord, Outcome
+
+
+def record(number: int, topic: str = "t", payload: bytes = b"x") -> OutboxRecord:
+    return OutboxRecord(
+        id=number,
+        message_id=f"m{number}",
+        broker="kafka",
+        destination=topic,
+        routing_key=None,
+        key=b"k",
+        headers={"message-id": f"m{number}", "n": number},
+        properties=None,
+        payload=payload,
+        attempts=0,
+        created_at=datetime.now(UTC),
+    )
+
+
+class FakeFuture:
+    def __init__(self, error: BaseException | None = None, done: bool = True) -> None:
+        self.is_done = done
+        self.exception = error
+
+    def succeeded(self) -> bool:
+        return self.is_done and self.exception is None
+
+
+class FakeProducer:
+    """Records sends; ``plan`` maps a payload to what send() does with it."""
+
+    def __init__(self, plan: dict[bytes, Any]) -> None:
+        self.plan = plan
+        self.sent: list[tuple[str, bytes, list[tuple[str, bytes]]]] = []
+        self.closed = False
+
+    def send(self, topic: str, value: bytes, key: bytes, headers: Any) -> FakeFuture:
+        outcome = self.plan.get(value)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        self.sent.append((topic, value, headers))
+        return outcome if isinstance(outcome, FakeFuture) else FakeFuture()
+
+    def flush(self, timeout: float | None = None) -> None:
+        if self.plan.get(b"flush-timeout"):
+            raise kafka_errors.KafkaTimeoutError("Timeout waiting for future")
+
+    def close(self, timeout: float | None = None) -> None:
+        self.closed = True
+
+
+def publisher_with(plan: dict[bytes, Any]) -> tuple[KafkaPublisher, FakeProducer]:
+    publisher = KafkaPublisher("127.0.0.1:1")
+    producer = FakeProducer(plan)
+    publisher._producer = producer
+    return publisher, producer
+
+
+def test_every_record_is_sent_in_order_with_its_headers_as_bytes() -> None:
+    publisher, producer = publisher_with({})
+    results = publisher.publish_batch([record(1), record(2)])
+    assert [r.outcome for r in results] == [Outcome.PUBLISHED, Outcome.PUBLISHED]
+    assert [headers for _, _, headers in producer.sent] == [
+        [("message-id", b"m1"), ("n", b"1")],
+        [("message-id", b"m2"), ("n", b"2")],
+    ]
+
+
+def test_too_large_record_is_refused_and_the_rest_published() -> None:
+    too_large = kafka_errors.MessageSizeTooLargeError("1048577 bytes")
+    publisher, _ = publisher_with({b"big": too_large})
+    results = publisher.publish_batch([record(1), record(2, payload=b"big"), record(3)])
+    assert [r.outcome for r in results] == [
+        Outcome.PUBLISHED,
+        Outcome.REJECTED,
+        Outcome.PUBLISHED,
+    ]
+    assert results[1].error is not None and "MessageSizeTooLarge" in results[1].error
+
+
+def test_retriable_broker_errors_and_missing_acks_are_unavailable_not_refused() -> None:
+    publisher, _ = publisher_with(
+        {
+            b"leader": FakeFuture(kafka_errors.NotLeaderForPartitionError()),
+            b"pending": FakeFuture(done=False),
+        }
+    )
+    results = publisher.publish_batch([record(1, payload=b"leader"), record(2, payload=b"pending")])
+    assert [r.outcome for r in results] == [Outcome.UNAVAILABLE, Outcome.UNAVAILABLE]
+
+
+def test_metadata_timeout_is_unavailable_until_the_cluster_has_answered() -> None:
+    timeout = kafka_errors.KafkaTimeoutError("Failed to update metadata after 10.0 secs.")
+    publisher, _ = publisher_with({b"lost": timeout})
+    [first] = publisher.publish_batch([record(1, topic="missing", payload=b"lost")])
+    assert first.outcome is Outcome.UNAVAILABLE  # nothing proves the cluster is up
+
+    publisher._last_ack = time.monotonic()  # other records were acknowledged just now
+    results = publisher.publish_batch(
+        [record(2, topic="missing", payload=b"lost"), record(3, topic="missing")]
+    )
+    assert [r.outcome for r in results] == [Outcome.REJECTED, Outcome.REJECTED]
+    assert "unknown or unavailable topic 'missing'" in str(results[0].error)
+
+
+def test_a_producer_in_a_fatal_state_is_replaced() -> None:
+    fenced = FakeFuture(kafka_errors.OutOfOrderSequenceNumberError())
+    publisher, producer = publisher_with({b"x": fenced})
+    [result] = publisher.publish_batch([record(1)])
+    assert result.outcome is Outcome.UNAVAILABLE
+    assert producer.closed and publisher._producer is None
+
+
+def test_unreachable_cluster_makes_every_record_unavailable() -> None:
+    publisher = KafkaPublisher("127.0.0.1:1", connect_timeout=0.2)
+
+    def refuse() -> Any:
+        raise kafka_errors.NoBrokersAvailable()
+
+    publisher._get_producer = refuse  # type: ignore[method-assign]
+    results = publisher.publish_batch([record(1), record(2)])
+    assert {r.outcome for r in results} == {Outcome.UNAVAILABLE}
+
+
+def test_empty_bootstrap_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="bootstrap servers are empty"):
+        KafkaPublisher(" , ")
