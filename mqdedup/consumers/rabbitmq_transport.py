@@ -80,12 +80,17 @@ class _ConsumerCancelledError(Exception):
 
 
 class _Command:
-    """Work for the I/O thread; the worker thread waits for it (bounded)."""
+    """Work for the I/O thread. The worker thread waits for it (bounded), unless it is
+    ``detached`` (acks, nacks): then a failure is only logged by the I/O thread."""
 
-    __slots__ = ("action", "done", "error", "result")
+    __slots__ = ("action", "description", "detached", "done", "error", "result")
 
-    def __init__(self, action: Callable[[], Any]) -> None:
+    def __init__(
+        self, action: Callable[[], Any], description: str = "", detached: bool = False
+    ) -> None:
         self.action = action
+        self.description = description
+        self.detached = detached
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.result: Any = None
@@ -159,7 +164,6 @@ class RabbitMQTransport:
         self._generation = 0
         self._live_generation: int | None = None
         self._live_connection: Any = None
-        self._outstanding_count = 0
         self._wanted = 1 << 30
         self._last_arrival = 0.0
         self._reconnects = 0
@@ -247,7 +251,8 @@ class RabbitMQTransport:
                         break
                     now = time.monotonic()
                     if available and (
-                        self._outstanding_count >= self.prefetch
+                        # The broker sends no more than `prefetch` unsettled deliveries.
+                        available + len(self._handed_out) >= self.prefetch
                         or now - self._last_arrival >= self._linger
                     ):
                         break
@@ -282,7 +287,9 @@ class RabbitMQTransport:
         """Ack deliveries whose transaction committed (``multiple=True`` where contiguous).
 
         Deliveries from a channel that has died since are dropped: they are redelivered
-        and deduplicated. Waits (bounded) until the I/O thread has sent the acks.
+        and deduplicated. The acks are handed to the I/O thread, which sends them in
+        order, before anything queued later and before the connection is closed; this
+        call does not wait for them (an ack has no reply in AMQP anyway).
         """
         live = self.live_generation
         tags: set[int] = set()
@@ -302,23 +309,14 @@ class RabbitMQTransport:
             )
         if not tags or live is None:
             return
-        command = self._submit(functools.partial(self._ack, live, sorted(tags)), live)
+        command = self._submit(
+            functools.partial(self._ack, live, sorted(tags)), live, "ack", detached=True
+        )
         if command is None:
             log.info(
                 "connection lost before the acks; the deliveries will be redelivered and "
                 "skipped as duplicates",
                 extra={"queue": self.queue, "count": len(tags)},
-            )
-            return
-        if not command.done.wait(self._command_timeout):
-            log.warning(
-                "acks not sent within the timeout; they may be redelivered",
-                extra={"queue": self.queue, "count": len(tags)},
-            )
-        elif command.error is not None:
-            log.warning(
-                "acks failed; the deliveries will be redelivered and skipped as duplicates",
-                extra={"queue": self.queue, "count": len(tags), "error": repr(command.error)},
             )
 
     def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
@@ -342,7 +340,9 @@ class RabbitMQTransport:
             message_id=delivery.message.id,
         )
         command = self._submit(
-            functools.partial(self._publish_dead_letter, delivery.message.body, properties), live
+            functools.partial(self._publish_dead_letter, delivery.message.body, properties),
+            live,
+            "dead-letter publish",
         )
         if command is None:
             raise BrokerUnavailableError("connection to RabbitMQ lost before dead-lettering")
@@ -386,9 +386,16 @@ class RabbitMQTransport:
     def _stop_requested(self) -> bool:
         return self._stop is not None and self._stop.requested
 
-    def _submit(self, action: Callable[[], Any], generation: int) -> _Command | None:
+    def _submit(
+        self,
+        action: Callable[[], Any],
+        generation: int,
+        description: str,
+        *,
+        detached: bool = False,
+    ) -> _Command | None:
         """Queue ``action`` for the I/O thread if ``generation`` is still live."""
-        command = _Command(action)
+        command = _Command(action, description, detached)
         with self._lock:
             if self._live_generation != generation or self._live_connection is None:
                 return None
@@ -415,9 +422,7 @@ class RabbitMQTransport:
             "returning unsettled deliveries to the queue",
             extra={"queue": self.queue, "count": len(tags)},
         )
-        command = self._submit(functools.partial(self._nack, live, tags), live)
-        if command is not None:
-            command.done.wait(self._command_timeout)
+        self._submit(functools.partial(self._nack, live, tags), live, "nack", detached=True)
 
     # -- I/O thread --------------------------------------------------------------------------
 
@@ -566,7 +571,10 @@ class RabbitMQTransport:
 
     def _serve(self) -> None:
         connection = self._connection
-        while not self._closing.is_set():
+        while True:
+            if self._closing.is_set():
+                self._drain_commands()  # the last acks go out before the connection closes
+                return
             if self._consuming and self._stop_requested():
                 self._cancel_consuming()
             if self._broker_cancelled:
@@ -585,7 +593,6 @@ class RabbitMQTransport:
             dropped = len(self._buffer)
             self._buffer.clear()
             pending, self._pending = self._pending, []
-            self._outstanding_count = 0
             self._lock.notify_all()
         lost = BrokerUnavailableError("the RabbitMQ connection closed")
         for command in pending:
@@ -609,9 +616,8 @@ class RabbitMQTransport:
         self._outstanding.add(method.delivery_tag)
         with self._lock:
             self._buffer.append((self._io_generation, method, properties, body))
-            self._outstanding_count = len(self._outstanding)
             self._last_arrival = time.monotonic()
-            if len(self._buffer) >= self._wanted or self._outstanding_count >= self.prefetch:
+            if len(self._buffer) >= min(self._wanted, self.prefetch):
                 self._lock.notify_all()
 
     def _on_broker_cancel(self, _frame: Any) -> None:
@@ -622,6 +628,15 @@ class RabbitMQTransport:
             commands, self._pending = self._pending, []
         for command in commands:
             command.run()
+            if command.detached and command.error is not None:
+                log.warning(
+                    "settling failed; the deliveries will be redelivered and skipped as duplicates",
+                    extra={
+                        "queue": self.queue,
+                        "command": command.description,
+                        "error": _describe(command.error),
+                    },
+                )
 
     def _ack(self, generation: int, tags: list[int]) -> int:
         if generation != self._io_generation or self._channel is None or not self._channel.is_open:
@@ -635,7 +650,6 @@ class RabbitMQTransport:
         for tag in plan.singles:
             self._channel.basic_ack(delivery_tag=tag)
             self._outstanding.discard(tag)
-        self._update_outstanding_count()
         return plan.frames
 
     def _nack(self, generation: int, tags: list[int]) -> None:
@@ -645,11 +659,6 @@ class RabbitMQTransport:
             if tag in self._outstanding:
                 self._channel.basic_nack(delivery_tag=tag, requeue=True)
                 self._outstanding.discard(tag)
-        self._update_outstanding_count()
-
-    def _update_outstanding_count(self) -> None:
-        with self._lock:
-            self._outstanding_count = len(self._outstanding)
 
     def _cancel_consuming(self) -> None:
         """Stop receiving (graceful stop) and return the not-yet-fetched deliveries."""

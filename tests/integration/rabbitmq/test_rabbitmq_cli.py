@@ -42,6 +42,8 @@ def test_mqdedup_worker_cli_two_processes_on_one_queue_write_each_order_once(
         "tests.integration.rabbitmq.cli_consumer:CliOrders",
         "--database",
         db.url,
+        "--table-prefix",
+        db.prefix,
         "--rabbitmq-url",
         rabbit_url,
         "--processes",
