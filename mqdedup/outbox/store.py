@@ -8,6 +8,7 @@ a row whose transaction commits late is still found.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -21,6 +22,7 @@ from sqlalchemy import (
     BigInteger,
     Connection,
     Engine,
+    Integer,
     Text,
     and_,
     any_,
@@ -167,57 +169,26 @@ class OutboxStore:
         prepared with :func:`prepare_relay_connection` (autocommit, planner settings).
         Returns the records sorted by id.
         """
-        table = self.table
         now = utcnow()
-        candidate = table.alias("candidate")
-        earlier = table.alias("earlier")
-        # An earlier row of the same key waiting for its retry holds this one back
-        # (matches the small partial index <prefix>outbox_retrying_idx).
-        blocked = exists().where(
-            earlier.c.message_key == candidate.c.message_key,
-            earlier.c.id < candidate.c.id,
-            earlier.c.state == PENDING,
-            earlier.c.attempts > 0,
-            earlier.c.available_at > now,
-        )
-        conditions: list[ColumnElement[bool]] = [
-            candidate.c.state == PENDING,
-            candidate.c.available_at <= now,
-            or_(candidate.c.locked_until.is_(None), candidate.c.locked_until < now),
-            candidate.c.broker.in_(sorted(brokers)),
-            ~blocked,
-        ]
+        params: dict[str, Any] = {
+            "now": now,
+            "until": now + lease,
+            "relay_id": relay_id,
+            "limit": limit,
+            "brokers": sorted(brokers),
+        }
         if shard_filter is not None:
-            conditions.extend(_owned_shards(candidate.c.shard_hash, shard_filter))
-        chosen = (
-            select(candidate.c.id)
-            .where(*conditions)
-            .order_by(candidate.c.id)
-            .limit(limit)
-            .with_for_update(skip_locked=True, of=candidate)
-            .cte("chosen")
-        )
-        statement = (
-            update(table)
-            .where(table.c.id == chosen.c.id)
-            .values(locked_by=relay_id, locked_until=now + lease)
-            .returning(
-                table.c.id,
-                table.c.message_id,
-                table.c.broker,
-                table.c.destination,
-                table.c.routing_key,
-                table.c.message_key,
-                # JSON as text, decoded below: much cheaper than the driver's JSON loader.
-                cast(table.c.headers, Text),
-                cast(table.c.properties, Text),
-                table.c.payload,
-                table.c.attempts,
-                table.c.created_at,
+            params.update(
+                shards=shard_filter.shards,
+                owned_shards=sorted(shard_filter.owned),
+                owned=sorted(shard_filter.owned),
+                owned_count=len(shard_filter.owned),
+                lock_class=shard_filter.lock_class,
+                owner_pid=shard_filter.backend_pid,
             )
-        )
+        statement = self._claim_statement(shard_filter is not None)
         with _transaction(bind, _CLAIM_SETTINGS) as connection:
-            rows = connection.execute(statement).all()
+            rows = connection.execute(statement, params).all()
         loads = json.loads
         records = [
             OutboxRecord(
@@ -237,6 +208,62 @@ class OutboxStore:
         ]
         records.sort(key=_record_id)
         return records
+
+    @functools.cache  # noqa: B019 - two statements per store, built once
+    def _claim_statement(self, sharded: bool) -> Any:
+        """The claim statement (see :meth:`claim`), with bind parameters for the values."""
+        table = self.table
+        now = bindparam("now", type_=table.c.available_at.type)
+        candidate = table.alias("candidate")
+        earlier = table.alias("earlier")
+        # An earlier row of the same key waiting for its retry holds this one back
+        # (matches the small partial index <prefix>outbox_retrying_idx).
+        blocked = exists().where(
+            earlier.c.message_key == candidate.c.message_key,
+            earlier.c.id < candidate.c.id,
+            earlier.c.state == PENDING,
+            earlier.c.attempts > 0,
+            earlier.c.available_at > now,
+        )
+        conditions: list[ColumnElement[bool]] = [
+            candidate.c.state == PENDING,
+            candidate.c.available_at <= now,
+            or_(candidate.c.locked_until.is_(None), candidate.c.locked_until < now),
+            candidate.c.broker.in_(bindparam("brokers", expanding=True)),
+            ~blocked,
+        ]
+        if sharded:
+            conditions.extend(_owned_shards(candidate.c.shard_hash))
+        chosen = (
+            select(candidate.c.id)
+            .where(*conditions)
+            .order_by(candidate.c.id)
+            .limit(bindparam("limit", type_=Integer))
+            .with_for_update(skip_locked=True, of=candidate)
+            .cte("chosen")
+        )
+        return (
+            update(table)
+            .where(table.c.id == chosen.c.id)
+            .values(
+                locked_by=bindparam("relay_id", type_=table.c.locked_by.type),
+                locked_until=bindparam("until", type_=table.c.locked_until.type),
+            )
+            .returning(
+                table.c.id,
+                table.c.message_id,
+                table.c.broker,
+                table.c.destination,
+                table.c.routing_key,
+                table.c.message_key,
+                # JSON as text, decoded below: much cheaper than the driver's JSON loader.
+                cast(table.c.headers, Text),
+                cast(table.c.properties, Text),
+                table.c.payload,
+                table.c.attempts,
+                table.c.created_at,
+            )
+        )
 
     def foreign_leases(self, engine: Engine, relay_id: str, shards: int | None = None) -> set[int]:
         """Shards (``shard_hash % shards``; ``{0}`` without sharding) holding pending rows
@@ -264,29 +291,39 @@ class OutboxStore:
         """Mark rows published (or delete them) in one statement."""
         if not ids:
             return
-        table = self.table
-        statement: Any
-        if delete_rows:
-            statement = delete(table).where(_id_in(table.c.id, ids, bind))
-        else:
-            statement = (
-                update(table)
-                .where(_id_in(table.c.id, ids, bind))
-                .values(state=PUBLISHED, published_at=utcnow(), locked_by=None, locked_until=None)
-            )
+        statement = self._mark_statement(delete_rows, bind.dialect.name == "postgresql")
         with _transaction(bind, _MARK_SETTINGS) as connection:
-            connection.execute(statement)
+            connection.execute(statement, {**_ids_params(ids), "now": utcnow()})
+
+    @functools.cache  # noqa: B019 - four statements per store, built once
+    def _mark_statement(self, delete_rows: bool, postgresql: bool) -> Any:
+        table = self.table
+        selected = _ids_clause(table.c.id, postgresql)
+        if delete_rows:
+            return delete(table).where(selected)
+        return (
+            update(table)
+            .where(selected)
+            .values(
+                state=PUBLISHED,
+                published_at=bindparam("now", type_=table.c.published_at.type),
+                locked_by=None,
+                locked_until=None,
+            )
+        )
 
     def release(self, bind: Bind, ids: Sequence[int], relay_id: str) -> None:
         """Give leased rows back unchanged (the broker was unavailable)."""
         if not ids:
             return
         table = self.table
+        selected = _ids_clause(table.c.id, bind.dialect.name == "postgresql")
         with _transaction(bind, _MARK_SETTINGS) as connection:
             connection.execute(
                 update(table)
-                .where(_id_in(table.c.id, ids, bind), table.c.locked_by == relay_id)
-                .values(locked_by=None, locked_until=None)
+                .where(selected, table.c.locked_by == relay_id)
+                .values(locked_by=None, locked_until=None),
+                _ids_params(ids),
             )
 
     def record_failures(
@@ -445,8 +482,8 @@ class OutboxStore:
         connection.execute(text("SELECT pg_notify(:channel, '')"), {"channel": self.channel})
 
 
-def _owned_shards(shard_hash: Any, owner: ShardFilter) -> list[ColumnElement[bool]]:
-    """The row's shard is one ``owner`` holds, and ``owner`` still holds all of them.
+def _owned_shards(shard_hash: Any) -> list[ColumnElement[bool]]:
+    """The row's shard is one the relay owns, and the relay still holds all of them.
 
     The second condition is an uncorrelated subquery on ``pg_locks`` (evaluated once per
     claim): if the relay's lock connection died, its shards may belong to another relay
@@ -457,28 +494,32 @@ def _owned_shards(shard_hash: Any, owner: ShardFilter) -> list[ColumnElement[boo
         "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
         "AND classid = CAST(:lock_class AS oid) AND objsubid = 2 AND pid = :owner_pid "
         "AND granted AND objid::bigint = ANY(CAST(:owned AS bigint[]))) = :owned_count"
-    ).bindparams(
-        lock_class=owner.lock_class,
-        owner_pid=owner.backend_pid,
-        owned=list(owner.owned),
-        owned_count=len(owner.owned),
     )
-    shard: ColumnElement[int] = shard_hash % owner.shards
-    return [shard.in_(sorted(owner.owned)), still_held]  # type: ignore[list-item]
+    shard: ColumnElement[int] = shard_hash % bindparam("shards", type_=Integer)
+    owned: ColumnElement[bool] = shard.in_(bindparam("owned_shards", expanding=True))
+    return [owned, still_held]  # type: ignore[list-item]
 
 
-def _id_in(column: Any, ids: Sequence[int], bind: Bind) -> ColumnElement[bool]:
-    """``column = ANY(:ids)`` with one array parameter on PostgreSQL, ``IN (…)`` elsewhere."""
-    if bind.dialect.name == "postgresql":
-        # The range lets the planner walk the primary key instead of scanning the table
-        # (it underestimates what ``= ANY(array)`` selects).
-        array = bindparam("ids", list(ids), type_=ARRAY(BigInteger))
+def _ids_clause(column: Any, postgresql: bool) -> ColumnElement[bool]:
+    """``column`` is one of the ``ids`` parameter (see :func:`_ids_params`).
+
+    PostgreSQL: ``= ANY(:ids)`` with one array parameter, plus the ids' range, which lets
+    the planner walk the primary key instead of scanning the table (it underestimates
+    what ``= ANY(array)`` selects). Elsewhere: ``IN (…)``.
+    """
+    if postgresql:
+        array = bindparam("ids", type_=ARRAY(BigInteger))
         clause: ColumnElement[bool] = and_(
-            column.between(min(ids), max(ids)), column == any_(array)
+            column.between(bindparam("low", type_=BigInteger), bindparam("high", type_=BigInteger)),
+            column == any_(array),
         )
         return clause
-    membership: ColumnElement[bool] = column.in_(list(ids))
+    membership: ColumnElement[bool] = column.in_(bindparam("ids", expanding=True))
     return membership
+
+
+def _ids_params(ids: Sequence[int]) -> dict[str, Any]:
+    return {"ids": list(ids), "low": min(ids), "high": max(ids)}
 
 
 def _age(now: datetime, then: datetime) -> float:
