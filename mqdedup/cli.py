@@ -7,6 +7,7 @@ User mistakes end with one line on stderr and a documented exit code
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import re
 import sys
@@ -17,7 +18,9 @@ from typing import Any
 from sqlalchemy import Engine
 
 from mqdedup import exitcodes
+from mqdedup.commands.replay import ReplayRefusedError
 from mqdedup.config import CONFIG_ENV, env_help, load_file, resolve
+from mqdedup.consumers.base import Consumer
 from mqdedup.db import check_connection, check_schema, create_engine, init_schema
 from mqdedup.errors import (
     BrokerUnavailableError,
@@ -35,6 +38,7 @@ _EXIT_CODES: dict[type[MqdedupError], int] = {
     ConsumerImportError: exitcodes.CONSUMER_IMPORT,
     DatabaseUnavailableError: exitcodes.DATABASE_UNAVAILABLE,
     BrokerUnavailableError: exitcodes.BROKER_UNAVAILABLE,
+    ReplayRefusedError: exitcodes.CHECK_FAILED,
 }
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
@@ -184,6 +188,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve /healthz and /metrics" + env_help("health_port"),
     )
     relay.set_defaults(run=_cmd_relay)
+
+    replay = commands.add_parser(
+        "replay",
+        help="run a consumer again over a past range (Kafka) or its dead letters (RabbitMQ)",
+        description="Already processed messages are skipped as duplicates; the live "
+        "consumer group's offsets are not touched.",
+    )
+    replay.add_argument("consumer", help="module.path:ConsumerClass")
+    replay.add_argument(
+        "--from",
+        dest="start",
+        default="beginning",
+        help="offset, ISO time (UTC unless a zone is given) or 'beginning' (default)",
+    )
+    replay.add_argument(
+        "--to", dest="end", default="end", help="offset, ISO time or 'end' (default; exclusive)"
+    )
+    replay.add_argument(
+        "--partition", dest="partitions", type=int, action="append", help="only this partition"
+    )
+    replay.add_argument(
+        "--dry-run", action="store_true", help="count new / duplicate / id-less, write nothing"
+    )
+    replay.add_argument(
+        "--allow-reprocess",
+        action="store_true",
+        help="replay even before the dedup retention horizon (purged ids are applied again)",
+    )
+    replay.add_argument(
+        "--from-dlq", action="store_true", help="RabbitMQ: move dead letters back to the queue"
+    )
+    replay.add_argument("--limit", type=int, default=None, help="with --from-dlq: at most N")
+    _database_option(replay)
+    _broker_options(replay)
+    replay.set_defaults(run=_cmd_replay)
 
     status = commands.add_parser(
         "status", help="one screen: consumers' lag, dedup table, outbox backlog"
@@ -357,6 +396,71 @@ def _cmd_status(args: argparse.Namespace) -> int:
     engine, prefix = _engine(args)
     print(status_screen(engine, prefix, consumers))
     return exitcodes.OK
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from mqdedup.commands.replay import (
+        format_replay_report,
+        parse_position,
+        replay_kafka,
+        requeue_from_dlq,
+    )
+    from mqdedup.consumers.stopping import ImmediateStop, StopToken, graceful_signals
+    from mqdedup.loading import load_consumer_class
+    from mqdedup.runners import _export_environment
+
+    settings = _settings(args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url")
+    _export_environment(settings)
+    start = parse_position(args.start)
+    end = parse_position(args.end, end=True)
+    consumer = load_consumer_class(args.consumer)()
+    consumer.validate()
+    engine, _ = _engine(args)
+    kind = _broker_kind(consumer)
+    if args.from_dlq:
+        if kind != "rabbitmq":
+            raise ConfigurationError("--from-dlq is for RabbitMQ consumers")
+        consumer.check_connection()
+        print(requeue_from_dlq(consumer, engine, args.limit))
+        return exitcodes.OK
+    if kind != "kafka":
+        raise ConfigurationError(
+            f"{args.consumer} is not a KafkaConsumer: replay a range of a Kafka topic, "
+            "or use --from-dlq for a RabbitMQ consumer"
+        )
+    consumer.check_connection()
+    stop = StopToken()
+    try:
+        with graceful_signals(stop):
+            report = replay_kafka(
+                consumer,
+                engine,
+                start=start,
+                end=end,
+                partitions=args.partitions,
+                dry_run=args.dry_run,
+                allow_reprocess=args.allow_reprocess,
+                stop=stop,
+                progress=sys.stderr,
+            )
+    except ImmediateStop:
+        return exitcodes.INTERRUPTED
+    print(format_replay_report(report))
+    return exitcodes.OK
+
+
+def _broker_kind(consumer: Consumer) -> str | None:
+    for module, name, kind in (
+        ("mqdedup.consumers.kafka", "KafkaConsumer", "kafka"),
+        ("mqdedup.consumers.rabbitmq", "RabbitMQConsumer", "rabbitmq"),
+    ):
+        try:
+            base = getattr(importlib.import_module(module), name)
+        except ImportError:
+            continue
+        if isinstance(consumer, base):
+            return kind
+    return None
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:

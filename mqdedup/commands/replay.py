@@ -1,0 +1,125 @@
+"""``mqdedup replay``: run a consumer again over a past range, through its dedup."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from sqlalchemy import Engine
+
+from mqdedup.commands.tables import render_table
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.stopping import StopToken
+from mqdedup.dedup.store import DedupStore
+from mqdedup.errors import ConfigurationError, MqdedupError
+
+BEGINNING = ("beginning", "earliest", "start")
+END = ("end", "latest")
+
+
+class ReplayRefusedError(MqdedupError):
+    """The range reaches before the retention horizon (ids there may have been purged)."""
+
+
+def parse_position(text: str, *, end: bool = False) -> int | datetime | None:
+    """An offset, an ISO-8601 time (UTC if no zone is given), or beginning / end (None)."""
+    value = text.strip()
+    if value.lower() in (END if end else BEGINNING):
+        return None
+    if value.isdigit():
+        return int(value)
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        expected = "an offset, an ISO time" + (", or 'end'" if end else ", or 'beginning'")
+        raise ConfigurationError(
+            f"cannot read {text!r} as a position: expected {expected}"
+        ) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def replay_kafka(
+    consumer: Consumer,
+    engine: Engine,
+    *,
+    start: int | datetime | None,
+    end: int | datetime | None,
+    partitions: list[int] | None,
+    dry_run: bool,
+    allow_reprocess: bool,
+    stop: StopToken,
+    progress: TextIO | None = None,
+) -> Any:
+    """Replay a Kafka consumer's topics over the range; return its ReplayReport."""
+    from mqdedup.consumers.kafka_horizon import partitions_before_horizon
+    from mqdedup.consumers.kafka_replay import KafkaReplay
+
+    replay = KafkaReplay(
+        consumer,  # type: ignore[arg-type]
+        engine,
+        start=start,
+        end=end,
+        partitions=partitions,
+        dry_run=dry_run,
+        stop=stop,
+    )
+    horizon = DedupStore(consumer.table_prefix).retention_horizon(engine, consumer.consumer_name)
+    if horizon is not None and not allow_reprocess:
+        early = partitions_before_horizon(replay, horizon)
+        if early:
+            where = ", ".join(
+                f"{k} from {s} (horizon at {h})" for k, (s, h) in sorted(early.items())
+            )
+            raise ReplayRefusedError(
+                f"the range starts before the dedup retention horizon {horizon.isoformat()} "
+                f"(dedup records older than that may have been purged, so those messages could "
+                f"be applied twice): {where}; replay from after the horizon, or pass "
+                "--allow-reprocess to accept it"
+            )
+    done = threading.Event()
+    reporter = threading.Thread(target=_progress, args=(replay, done, progress), daemon=True)
+    reporter.start()
+    try:
+        return replay.run()
+    finally:
+        done.set()
+        reporter.join(timeout=2)
+
+
+def _progress(replay: Any, done: threading.Event, stream: TextIO | None) -> None:
+    if stream is None or not stream.isatty():
+        return
+    while not done.wait(0.5):
+        report = replay.report
+        total = sum(max(0, b - a) for a, b in report.ranges.values()) or 1
+        seen = report.total
+        filled = min(30, seen * 30 // total)
+        stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {seen:,}/{total:,}")
+        stream.flush()
+    stream.write("\n")
+
+
+def format_replay_report(report: Any) -> str:
+    """The final summary table."""
+    title = "Replay (dry run: nothing written)" if report.dry_run else "Replay"
+    rows = [
+        ("messages read", report.total),
+        ("new" + (" (would be processed)" if report.dry_run else " (processed now)"), report.new),
+        ("duplicates (already processed)", report.duplicates),
+        ("without a message id", report.without_id),
+        ("dead-lettered", report.dead_lettered),
+        ("unsettled", report.unsettled),
+    ]
+    ranges = ", ".join(f"{k} [{a}, {b})" for k, (a, b) in sorted(report.ranges.items()))
+    return f"{title}\n{render_table(['', 'count'], rows)}\nranges: {ranges or '-'}"
+
+
+def requeue_from_dlq(consumer: Consumer, engine: Engine, limit: int | None) -> str:
+    """Move dead letters back to the consumer's queue (they are then processed by its
+    workers, through dedup) and describe what happened."""
+    result = consumer.requeue_dead_letters(limit, database=engine)  # type: ignore[attr-defined]
+    return (
+        f"moved {result.moved} message(s) from the dead-letter queue back to the queue "
+        f"({result.remaining} left, {result.skipped} skipped)"
+    )
