@@ -117,7 +117,9 @@ class RelayConfig:
         if self.lease <= 0 or self.poll_interval <= 0:
             raise ConfigurationError("relay lease and poll_interval must be positive")
         if self.initial_backoff < 0 or self.max_backoff < 0 or self.broker_backoff_max <= 0:
-            raise ConfigurationError("relay backoffs must not be negative")
+            raise ConfigurationError(
+                "relay backoffs must not be negative and broker_backoff_max must be positive"
+            )
         if self.purge_chunk_size < 1:
             raise ConfigurationError("relay purge_chunk_size must be at least 1")
 
@@ -298,7 +300,10 @@ class Relay:
         time (shards may move between bursts only) and on a stop request.
         """
         if until is None:
-            until = self._next_rebalance if self._control is not None else self._next_purge
+            due = [self._next_rebalance] if self._control is not None else []
+            if self.config.retention is not None:
+                due.append(self._next_purge)
+            until = min(due, default=float("inf"))
         batch = self._with_database_retry(self._claim)
         claimed = 0
         marks: list[Future[None]] = []
