@@ -415,7 +415,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     end = parse_position(args.end, end=True)
     consumer = load_consumer_class(args.consumer)()
     consumer.validate()
-    engine, _ = _engine(args)
+    engine, _ = _engine(args, require_schema=False)
+    _require_schema(engine, consumer.table_prefix)
     kind = _broker_kind(consumer)
     if args.from_dlq:
         if kind != "rabbitmq":
@@ -531,11 +532,11 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     consumers = [load_consumer_class(reference)() for reference in args.consumers]
     engine = create_engine(settings["database_url"])
     check_connection(engine)
-    _require_schema(engine, settings["table_prefix"])
-    engine.dispose()
     for consumer in consumers:
         consumer.validate()
+        _require_schema(engine, consumer.table_prefix)
         consumer.check_connection()
+    engine.dispose()
     specs = [
         ChildSpec(
             name=consumer.consumer_name,

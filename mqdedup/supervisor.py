@@ -125,6 +125,11 @@ class Supervisor:
             details = {
                 "children": len(self.children),
                 "running": running,
+                "pids": [
+                    c.process.pid
+                    for c in self.children
+                    if c.process is not None and c.process.is_alive()
+                ],
                 "restarts": sum(c.restarts for c in self.children),
                 "draining": self._draining_since is not None,
             }

@@ -1,0 +1,31 @@
+"""Consumers for the CLI acceptance tests, configured by environment variables.
+
+``mqdedup worker tests.acceptance.cli_consumers:Orders`` runs in fresh processes, so the
+test's topic, group and table prefix travel as ``ACCEPT_*`` variables.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tests.integration.kafka.consumers import FAST_GROUP, BulkTestOrders
+
+_PREFIX = os.environ.get("ACCEPT_PREFIX", "accept_")
+
+
+class Orders(BulkTestOrders):
+    """One business row per message (bulk insert), in ``<ACCEPT_PREFIX>orders``."""
+
+    __test__ = False
+    topics = (os.environ.get("ACCEPT_TOPIC", "accept-orders"),)
+    group_id = os.environ.get("ACCEPT_GROUP", "accept-group")
+    table_prefix = _PREFIX
+    business_prefix = _PREFIX
+    batch_size = 200
+    poll_timeout = 0.2
+    kafka_config = FAST_GROUP
+    metrics_interval = 5.0
+
+
+class NotAConsumer:
+    """A class that is not a mqdedup consumer."""
