@@ -308,3 +308,56 @@ def _count(output: str, label: str) -> int:
         if line.strip().startswith(label):
             return int(line.split()[-1].replace(",", ""))
     raise AssertionError(f"no {label!r} line in:\n{output}")
+
+
+def test_relay_sigterm_mid_stream_marks_its_batch_and_exits_0(
+    kafka: KafkaHelper, setup: dict[str, Any]
+) -> None:
+    from sqlalchemy.orm import Session
+
+    from mqdedup.outbox.writer import OutboxWriter, OutgoingMessage
+
+    engine, prefix, env = setup["engine"], setup["prefix"], setup["env"]
+    topic = kafka.create_topic(partitions=3, kind="relayed")
+    total = 30_000
+    with Session(engine) as session, session.begin():
+        OutboxWriter(session, prefix=prefix).publish_many(
+            OutgoingMessage({"n": n}, topic=topic, key=f"k{n % 50}") for n in range(total)
+        )
+    outbox = schema(prefix).outbox
+
+    def published() -> int:
+        with engine.connect() as connection:
+            return int(
+                connection.execute(
+                    select(func.count()).select_from(outbox).where(outbox.c.state == "published")
+                ).scalar_one()
+            )
+
+    relay = subprocess.Popen(
+        [MQDEDUP, "--log-level", "INFO", "relay", "--table-prefix", prefix, "--batch-size", "200"],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: published() >= 1000, 120, "the relay to publish")
+        relay.send_signal(signal.SIGTERM)
+        _, err = relay.communicate(timeout=90)
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+    assert relay.returncode == exitcodes.OK, err[-3000:]
+    marked = published()
+    assert 1000 <= marked < total, "SIGTERM should stop the relay mid-stream"
+    with engine.connect() as connection:
+        leased = connection.execute(
+            select(func.count())
+            .select_from(outbox)
+            .where(outbox.c.state == "pending", outbox.c.locked_by.is_not(None))
+        ).scalar_one()
+    assert leased == 0  # claimed-ahead rows were released
+    # Every row it published was marked: the topic holds exactly the marked rows.
+    assert len(kafka.read_all(topic, marked, timeout=60)) == marked
