@@ -220,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-dlq", action="store_true", help="RabbitMQ: move dead letters back to the queue"
     )
     replay.add_argument("--limit", type=int, default=None, help="with --from-dlq: at most N")
+    replay.add_argument(
+        "--stream",
+        default=None,
+        help="RabbitMQ: the stream queue to replay (default: the consumer's queue)",
+    )
     _database_option(replay)
     _broker_options(replay)
     replay.set_defaults(run=_cmd_replay)
@@ -403,6 +408,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         format_replay_report,
         parse_position,
         replay_kafka,
+        replay_stream,
         requeue_from_dlq,
     )
     from mqdedup.consumers.stopping import ImmediateStop, StopToken, graceful_signals
@@ -424,26 +430,38 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         consumer.check_connection()
         print(requeue_from_dlq(consumer, engine, args.limit))
         return exitcodes.OK
-    if kind != "kafka":
+    if kind is None:
         raise ConfigurationError(
-            f"{args.consumer} is not a KafkaConsumer: replay a range of a Kafka topic, "
-            "or use --from-dlq for a RabbitMQ consumer"
+            f"{args.consumer} is neither a KafkaConsumer nor a RabbitMQConsumer: "
+            "replay needs a broker to read from"
         )
     consumer.check_connection()
     stop = StopToken()
     try:
         with graceful_signals(stop):
-            report = replay_kafka(
-                consumer,
-                engine,
-                start=start,
-                end=end,
-                partitions=args.partitions,
-                dry_run=args.dry_run,
-                allow_reprocess=args.allow_reprocess,
-                stop=stop,
-                progress=sys.stderr,
-            )
+            if kind == "kafka":
+                report = replay_kafka(
+                    consumer,
+                    engine,
+                    start=start,
+                    end=end,
+                    partitions=args.partitions,
+                    dry_run=args.dry_run,
+                    allow_reprocess=args.allow_reprocess,
+                    stop=stop,
+                    progress=sys.stderr,
+                )
+            else:
+                report = replay_stream(
+                    consumer,
+                    engine,
+                    start=start,
+                    end=end,
+                    stream=args.stream,
+                    dry_run=args.dry_run,
+                    allow_reprocess=args.allow_reprocess,
+                    stop=stop,
+                )
     except ImmediateStop:
         return exitcodes.INTERRUPTED
     print(format_replay_report(report))

@@ -87,6 +87,45 @@ def replay_kafka(
         reporter.join(timeout=2)
 
 
+def replay_stream(
+    consumer: Consumer,
+    engine: Engine,
+    *,
+    start: int | datetime | None,
+    end: int | datetime | None,
+    stream: str | None,
+    dry_run: bool,
+    allow_reprocess: bool,
+    stop: StopToken,
+) -> Any:
+    """Replay a RabbitMQ stream queue through the consumer; return its report.
+
+    A stream keeps no per-message write time this side can compare cheaply, so a
+    replay starting at ``first`` or an offset after a purge is refused unless the
+    start is a time after the horizon, or ``allow_reprocess`` is given.
+    """
+    from mqdedup.consumers.rabbitmq_stream import StreamReplay
+
+    horizon = DedupStore(consumer.table_prefix).retention_horizon(engine, consumer.consumer_name)
+    starts_late = isinstance(start, datetime) and horizon is not None and start >= horizon
+    if horizon is not None and not allow_reprocess and not starts_late:
+        raise ReplayRefusedError(
+            f"the range may start before the dedup retention horizon {horizon.isoformat()} "
+            "(dedup records older than that may have been purged, so those messages could be "
+            "applied twice); give --from a time after the horizon, or pass --allow-reprocess"
+        )
+    replay = StreamReplay(
+        consumer,  # type: ignore[arg-type]
+        engine,
+        start=start,
+        end=end,
+        dry_run=dry_run,
+        stop=stop,
+        stream=stream,
+    )
+    return replay.run()
+
+
 def _progress(replay: Any, done: threading.Event, stream: TextIO | None) -> None:
     if stream is None or not stream.isatty():
         return

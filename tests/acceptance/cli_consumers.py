@@ -7,8 +7,13 @@ test's topic, group and table prefix travel as ``ACCEPT_*`` variables.
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from tests.integration.kafka.consumers import FAST_GROUP, BulkTestOrders
+from sqlalchemy import insert
+
+from mqdedup import Context, Message
+from mqdedup.consumers.rabbitmq import RabbitMQConsumer
+from tests.integration.kafka.consumers import FAST_GROUP, BulkTestOrders, orders_table
 
 _PREFIX = os.environ.get("ACCEPT_PREFIX", "accept_")
 
@@ -29,3 +34,17 @@ class Orders(BulkTestOrders):
 
 class NotAConsumer:
     """A class that is not a mqdedup consumer."""
+
+
+class StreamOrders(RabbitMQConsumer):
+    """Reads the ``ACCEPT_STREAM`` stream queue; one business row per message."""
+
+    __test__ = False
+    queue = os.environ.get("ACCEPT_STREAM", "accept-stream")
+    table_prefix = _PREFIX
+    batch_size = 100
+
+    def handle(self, message: Message, ctx: Context) -> Any:
+        ctx.session.execute(
+            insert(orders_table(_PREFIX)).values(message_id=message.id, body=message.text()[:255])
+        )

@@ -1,0 +1,133 @@
+"""``mqdedup replay`` over a RabbitMQ stream queue, by offset and by time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mqdedup import exitcodes
+from mqdedup.db import create_engine, init_schema
+from mqdedup.schema import schema
+from tests.conftest import require_service
+from tests.integration.kafka.consumers import orders_table
+from tests.integration.kafka.helpers import row_counts
+from tests.services import REPO
+
+pytestmark = pytest.mark.integration
+MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
+CONSUMER = "tests.acceptance.cli_consumers:StreamOrders"
+
+
+@pytest.fixture
+def stream(pg_url: str) -> Iterator[dict[str, Any]]:
+    import pika
+
+    url = os.environ.get("MQDEDUP_RABBITMQ_URL")
+    if not url:
+        require_service("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
+    assert url is not None
+    try:
+        connection = pika.BlockingConnection(pika.URLParameters(url))
+    except pika.exceptions.AMQPError as exc:
+        require_service("RabbitMQ", repr(exc))
+    name = f"stream-{uuid.uuid4().hex[:8]}"
+    channel = connection.channel()
+    channel.queue_declare(name, durable=True, arguments={"x-queue-type": "stream"})
+    channel.confirm_delivery()
+    prefix = f"acs_{uuid.uuid4().hex[:8]}_"
+    engine = create_engine(pg_url)
+    init_schema(engine, prefix)
+    orders_table(prefix).create(engine)
+    env = {
+        **os.environ,
+        "ACCEPT_PREFIX": prefix,
+        "ACCEPT_STREAM": name,
+        "MQDEDUP_DATABASE_URL": pg_url,
+        "PYTHONPATH": str(REPO),
+    }
+
+    def publish(numbers: range, duplicates: int = 0) -> None:
+        ids = [f"s-{n}" for n in numbers] + [f"s-{n}" for n in list(numbers)[:duplicates]]
+        for message_id in ids:
+            channel.basic_publish(
+                "",
+                name,
+                f'{{"id": "{message_id}"}}'.encode(),
+                pika.BasicProperties(message_id=message_id, delivery_mode=2),
+            )
+
+    yield {"engine": engine, "prefix": prefix, "env": env, "publish": publish}
+    channel.queue_delete(name)
+    channel.queue_delete(f"{name}.dlq")
+    connection.close()
+    orders_table(prefix).drop(engine, checkfirst=True)
+    schema(prefix).metadata.drop_all(engine)
+    engine.dispose()
+
+
+def replay(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [MQDEDUP, "replay", CONSUMER, *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def count(output: str, label: str) -> int:
+    line = next(line for line in output.splitlines() if line.strip().startswith(label))
+    return int(line.split()[-1].replace(",", ""))
+
+
+def test_stream_replay_processes_once_then_only_duplicates(stream: dict[str, Any]) -> None:
+    stream["publish"](range(300), duplicates=60)
+    first = replay(stream["env"])
+    assert first.returncode == 0, first.stderr
+    assert count(first.stdout, "new (processed now)") == 300
+    assert count(first.stdout, "duplicates") == 60
+    again = replay(stream["env"], "--from", "0")
+    assert again.returncode == 0, again.stderr
+    assert (count(again.stdout, "new (processed now)"), count(again.stdout, "duplicates")) == (
+        0,
+        360,
+    )
+
+    middle = datetime.now(UTC)
+    stream["publish"](range(300, 350))
+    dry = replay(stream["env"], "--from", middle.isoformat(), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert count(dry.stdout, "new (would be processed)") == 50
+    late = replay(stream["env"], "--from", middle.isoformat())
+    assert count(late.stdout, "new (processed now)") == 50
+    counts = row_counts(stream["engine"], stream["prefix"])
+    assert len(counts) == 350 and set(counts.values()) == {1}
+
+
+def test_stream_replay_after_a_purge_needs_a_later_start(stream: dict[str, Any]) -> None:
+    stream["publish"](range(20))
+    assert replay(stream["env"]).returncode == 0
+    purge = subprocess.run(
+        [MQDEDUP, "dedup", "purge", "--older-than", "0s", "--table-prefix", stream["prefix"]],
+        env=stream["env"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert purge.returncode == 0, purge.stderr
+    refused = replay(stream["env"])
+    assert refused.returncode == exitcodes.CHECK_FAILED
+    assert "retention horizon" in refused.stderr and "Traceback" not in refused.stderr
+    assert len(row_counts(stream["engine"], stream["prefix"])) == 20
