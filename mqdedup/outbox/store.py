@@ -1,7 +1,8 @@
 """The outbox table's statements: claim, mark, retry, purge and status.
 
-Every method runs its own short transaction on the engine (the writer, which runs in
-the caller's transaction, lives in :mod:`mqdedup.outbox.writer`). Rows are claimed *by
+Every method runs its own short transaction: on the engine, or as one autocommit
+statement on a relay connection (:func:`prepare_relay_connection`). The writer, which
+runs in the caller's transaction, lives in :mod:`mqdedup.outbox.writer`. Rows are claimed *by
 state* (``pending``, due, not leased), never by "id greater than the last one seen":
 a row whose transaction commits late is still found.
 """
