@@ -196,7 +196,9 @@ class KafkaTransport:
         client, self._client = self._client, None
         if client is not None:
             if commit and self.group:
-                self._commit(client, self.tracker.to_commit(), timeout)
+                assigned = {partition_key(tp) for tp in client.assignment() or ()}
+                offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
+                self._commit(client, offsets, timeout)
             try:
                 client.close(autocommit=False, timeout_ms=int(timeout * 1000))
             except Exception as error:

@@ -22,7 +22,7 @@ from tests.integration.kafka.consumers import consumer_from_env
 
 def main() -> int:
     configure("INFO")
-    logging.getLogger("kafka").setLevel(logging.WARNING)
+    logging.getLogger("kafka").setLevel(os.environ.get("MQDEDUP_TEST_KAFKA_LOG", "WARNING"))
     engine = create_engine(os.environ["MQDEDUP_TEST_DATABASE_URL"])
     consumer = consumer_from_env()()
     stop = StopToken()
