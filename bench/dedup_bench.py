@@ -39,7 +39,9 @@ class PerMessage(Consumer):
     poll_timeout = 0.0
 
     def handle(self, message: Message, ctx: Context) -> Any:
-        ctx.session.execute(insert(orders), {"message_id": message.id, "order_id": "o", "amount": 1})
+        ctx.session.execute(
+            insert(orders), {"message_id": message.id, "order_id": "o", "amount": 1}
+        )
 
 
 class Bulk(PerMessage):
