@@ -1,0 +1,1 @@
+"""Runnable mqdedup examples (see examples/README.md)."""

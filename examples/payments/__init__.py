@@ -1,0 +1,1 @@
+"""Payments: a RabbitMQ consumer that moves payments through states with StateMachine."""
