@@ -30,6 +30,7 @@ class Orders(BulkTestOrders):
     poll_timeout = 0.2
     kafka_config = FAST_GROUP
     metrics_interval = 5.0
+    connect_timeout = 8.0  # the unreachable-broker test waits this long
 
 
 class NotAConsumer:
