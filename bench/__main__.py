@@ -1,0 +1,240 @@
+"""mqdedup benchmark suite: ``python -m bench [--quick] [--only SUITES]``.
+
+Measures side by side, medians over several runs, on the real services of
+``scripts/services.sh`` (addresses from ``scripts/services.sh env``):
+
+* kafka, rabbitmq: consumer -> PostgreSQL throughput of mqdedup (batch with a bulk
+  handler, batch with a per-message handler, one transaction per message), a
+  hand-written "SELECT then INSERT" consumer and a raw client loop with no database;
+* relay: the outbox relay against a raw publish loop, per broker, and the
+  commit-to-publish latency (p50/p99) with NOTIFY and with polling;
+* claim: claim cost with 0 / 1M / 10M rows in the dedup table, and purge speed;
+* memory: peak RSS of a worker subprocess over 1,000,000 messages (in-memory broker).
+
+Writes ``bench/results/results.md``, ``results.json`` and PNG charts, and in full mode
+(all suites) ``docs/benchmarks.md``. ``--quick`` runs small sizes in under 3 minutes;
+the full mode takes about 15 minutes on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from bench.suite_common import FULL, QUICK, Section, Settings, Sizes, fmt, progress
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITES = ("kafka", "rabbitmq", "relay", "claim", "memory")
+
+
+def run_suites(names: Sequence[str], settings: Settings, sizes: Sizes) -> list[Section]:
+    from bench.suite_consumers import kafka_suite, rabbitmq_suite
+    from bench.suite_dedup import dedup_suite
+    from bench.suite_memory import memory_suite
+    from bench.suite_relay import relay_suite
+
+    plan: dict[str, tuple[Callable[[], Section | tuple[Section, ...]], tuple[str, ...]]] = {
+        "kafka": (lambda: kafka_suite(settings, sizes), ("kafka",)),
+        "rabbitmq": (lambda: rabbitmq_suite(settings, sizes), ("rabbitmq",)),
+        "relay": (lambda: relay_suite(settings, sizes), ("relay", "latency")),
+        "claim": (lambda: dedup_suite(settings, sizes), ("claim", "purge")),
+        "memory": (lambda: memory_suite(settings, sizes), ("memory",)),
+    }
+    sections: list[Section] = []
+    for name in names:
+        measure, keys = plan[name]
+        progress(f"suite {name}: start")
+        started = time.perf_counter()
+        try:
+            result = measure()
+            produced = list(result) if isinstance(result, tuple) else [result]
+        except Exception as error:
+            traceback.print_exc()
+            message = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            produced = [Section(key, key, "", error=message) for key in keys]
+        elapsed = time.perf_counter() - started
+        for section in produced:
+            section.seconds = elapsed
+        sections.extend(produced)
+        progress(f"suite {name}: done in {elapsed:.0f} s")
+    return sections
+
+
+def docs_markdown(sections: Sequence[Section], info: dict[str, str], wall: float) -> str:
+    from bench.suite_report import headline_table
+
+    by_key = {s.key: s for s in sections}
+    machine = (
+        f"{info['nproc']} cores ({info['CPU']}), {info['memory']} RAM, PostgreSQL "
+        f"{info['PostgreSQL']}, Kafka {info['Kafka']}, RabbitMQ {info['RabbitMQ']}, "
+        f"Python {info['Python']}; {info['libraries']}"
+    )
+    lines = [
+        "## Benchmarks",
+        "",
+        "mqdedup next to what you would write by hand, measured in one run of "
+        f"`python -m bench` (medians of {FULL.runs} runs, {wall / 60:.0f} min wall time) on "
+        f"one machine with every service on loopback: {machine}.",
+        "",
+        headline_table(by_key),
+        "![consumer throughput](../bench/results/consumers.png)",
+        "",
+        '"Hand-written" is the consumer a team writes without mqdedup: per message, '
+        "`SELECT` the id, then `INSERT` it and the business row, one transaction per "
+        "message, then ack/commit the offset. The raw loop reads without touching the "
+        "database: the ceiling.",
+        "",
+    ]
+    summary = []
+    relay, latency = by_key.get("relay"), by_key.get("latency")
+    if relay and not relay.error:
+        for broker in ("kafka", "rabbitmq"):
+            raw, out = (
+                relay.row(f"{broker}: raw publish loop"),
+                relay.row(f"{broker}: mqdedup relay"),
+            )
+            if raw and out:
+                summary.append(
+                    f"- Relay to {broker}: {fmt(out.median, out.unit)} rows/s, "
+                    f"{out.median / raw.median:.0%} of a raw publish loop with the same "
+                    f"guarantees ({fmt(raw.median, raw.unit)} msgs/s)."
+                )
+    if latency and not latency.error:
+        cells = {row.variant: fmt(row.median, "ms") for row in latency.rows}
+        for broker in ("kafka", "rabbitmq"):
+            summary.append(
+                f"- Commit-to-publish latency, {broker}: NOTIFY p50 "
+                f"{cells.get(f'{broker}, NOTIFY: p50')} ms / p99 "
+                f"{cells.get(f'{broker}, NOTIFY: p99')} ms; polling (1 s) p50 "
+                f"{cells.get(f'{broker}, polling (1 s): p50')} ms / p99 "
+                f"{cells.get(f'{broker}, polling (1 s): p99')} ms."
+            )
+    claim, purge = by_key.get("claim"), by_key.get("purge")
+    if claim and not claim.error:
+        summary.append(
+            "- Claims/s (batches of 500) with the dedup table already holding "
+            + "; ".join(f"{row.variant}: {fmt(row.median, row.unit)}" for row in claim.rows)
+            + "."
+        )
+    if purge and not purge.error and purge.rows:
+        summary.append(
+            "- Purge: "
+            + "; ".join(f"{row.variant}: {fmt(row.median, row.unit)} rows/s" for row in purge.rows)
+            + "."
+        )
+    memory = by_key.get("memory")
+    if memory and not memory.error:
+        summary.append(
+            f"- Worker memory over {FULL.memory_messages:,} messages (in-memory broker, "
+            f"PostgreSQL): peak RSS {fmt(memory.rows[0].median, 'MiB')} MiB, "
+            f"{memory.extra.get('growth', '')}."
+        )
+    failed = [s.key for s in sections if s.error]
+    if failed:
+        summary.append(f"- Not measured in this run: {', '.join(failed)} (see results.md).")
+    lines += summary
+    lines += [
+        "",
+        "Full tables (every run's value), charts for the relay, latency, claim cost and "
+        "memory: [bench/results/results.md](../bench/results/results.md).",
+        "",
+        "### Running the benchmarks",
+        "",
+        "```bash",
+        "scripts/services.sh start postgres kafka rabbitmq",
+        'eval "$(scripts/services.sh env)"',
+        ".venv/bin/pip install -e '.[all,bench]'",
+        ".venv/bin/python -m bench --quick   # small sizes, < 3 minutes",
+        ".venv/bin/python -m bench           # full run, ~15 minutes on 2 cores",
+        "```",
+        "",
+        "`scripts/bench.sh` does the same (it starts the services first). "
+        "`--only kafka,rabbitmq,relay,claim,memory` runs some suites; `--runs N` changes "
+        "the number of runs. Results go to `bench/results/` (`results.md`, `results.json`, "
+        "`*.png`); a full run of every suite also rewrites this page. Absolute numbers "
+        "depend on the machine; compare the ratios.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description="mqdedup benchmark suite (see bench/__main__.py)"
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes, under 3 minutes")
+    parser.add_argument(
+        "--only", default=",".join(SUITES), help=f"comma-separated suites: {','.join(SUITES)}"
+    )
+    parser.add_argument("--runs", type=int, default=None, help="runs per measurement")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(SUITES))
+    if unknown:
+        parser.error(f"unknown suite(s): {', '.join(unknown)} (choose from {', '.join(SUITES)})")
+    sizes = QUICK if args.quick else FULL
+    if args.runs is not None:
+        if args.runs < 1:
+            parser.error("--runs must be at least 1")
+        sizes = dataclasses.replace(sizes, runs=args.runs)
+    mode = "quick" if args.quick else "full"
+
+    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("kafka", "pika"):
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    settings = Settings.from_env()
+
+    from bench.suite_report import charts, machine, results_markdown, section_markdown
+
+    started = time.perf_counter()
+    info = machine(settings)
+    progress(f"bench ({mode}): suites {', '.join(names)}; {info['nproc']} cores, {info['memory']}")
+    sections = run_suites(names, settings, sizes)
+    wall = time.perf_counter() - started
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    subtitle = f"mqdedup bench ({mode}), {info['nproc']} cores, {info['memory']}"
+    written = charts(sections, args.out, subtitle)
+    (args.out / "results.md").write_text(
+        results_markdown(sections, info, mode, sizes.runs, wall), encoding="utf-8"
+    )
+    (args.out / "results.json").write_text(
+        json.dumps(
+            {
+                "mode": mode,
+                "sizes": dataclasses.asdict(sizes),
+                "machine": info,
+                "wall_seconds": round(wall, 1),
+                "sections": [dataclasses.asdict(section) for section in sections],
+            },
+            indent=1,
+            default=str,
+        ),
+        encoding="utf-8",
+    )
+    complete = not args.quick and names == list(SUITES) and not args.no_docs
+    if complete:
+        (ROOT / "docs" / "benchmarks.md").write_text(
+            docs_markdown(sections, info, wall), encoding="utf-8"
+        )
+    for section in sections:
+        print(section_markdown(section))
+    print(
+        f"wall time {wall / 60:.1f} min; wrote {args.out / 'results.md'}, "
+        + ", ".join(str(path.name) for path in written)
+        + ("; docs/benchmarks.md" if complete else "")
+    )
+    return 1 if any(section.error for section in sections) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Relay throughput against a raw publish loop, and commit-to-publish latency.
+
+Reuses ``bench/relay_bench.py`` (the raw loops, the COPY-loaded outbox, ``Relay.drain``
+and the stamping publisher for latency) and only arranges the runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+from typing import Any
+
+import kafka
+import pika
+from sqlalchemy import text
+
+from bench import relay_bench as rl
+from bench.suite_common import Row, Section, Settings, Sizes, percentile, progress
+from mqdedup.db import create_engine, init_schema
+from mqdedup.outbox.kafka_publisher import KafkaPublisher
+from mqdedup.outbox.publishers import Publisher
+from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
+from mqdedup.schema import schema
+
+BROKERS = ("kafka", "rabbitmq")
+
+
+def relay_suite(settings: Settings, sizes: Sizes) -> tuple[Section, Section]:
+    """(throughput section, latency section)."""
+    rows = sizes.relay_rows
+    throughput = Section(
+        "relay",
+        "Outbox relay throughput vs a raw publish loop",
+        f"{rows:,} pending outbox rows (~100-byte JSON, key, message-id header; loaded with "
+        "COPY, not timed) published by `Relay.drain()` with default settings (batches of "
+        "500, rows marked published) against the equally safe raw loop over the same "
+        "messages from memory: Kafka `acks=all` + idempotence with one flush per 500; "
+        "RabbitMQ persistent, mandatory, asynchronous publisher confirms (window 1000).",
+    )
+    latency = Section(
+        "latency",
+        "Commit-to-publish latency",
+        f"{sizes.latency_rows:,} single-row outbox transactions, one every 2-8 ms, with a "
+        "relay running; time from `commit()` returning to the broker's acknowledgement. "
+        "NOTIFY wakes the relay at once; polling only waits for the 1 s poll interval.",
+    )
+    bootstrap, url = settings.kafka_bootstrap, settings.rabbitmq_url
+    engine = create_engine(settings.database_url)
+    prefix = f"bench_{uuid.uuid4().hex[:8]}_"
+    init_schema(engine, prefix)
+    outbox = schema(prefix).outbox.name
+    admin = kafka.KafkaAdminClient(bootstrap_servers=bootstrap)
+    rabbit = pika.BlockingConnection(pika.URLParameters(url))
+    channel = rabbit.channel()
+    topics: list[str] = []
+    queues: list[str] = []
+
+    def new_target(broker: str) -> str:
+        name = f"bench-suite-relay-{uuid.uuid4().hex[:10]}"
+        if broker == "kafka":
+            admin.create_topics({name: {"num_partitions": 3}})
+            topics.append(name)
+        else:
+            channel.queue_declare(name, durable=True)
+            queues.append(name)
+        return name
+
+    def purge_queues() -> None:
+        for name in queues:
+            channel.queue_purge(name)
+
+    raw: dict[str, list[float]] = {b: [] for b in BROKERS}
+    relayed: dict[str, list[float]] = {b: [] for b in BROKERS}
+    messages = rl.make_messages(rows)
+    try:
+        for run in range(1, sizes.runs + 1):
+            for broker in BROKERS:
+                target = new_target(broker)
+                started = time.perf_counter()
+                if broker == "kafka":
+                    raw[broker].append(rl.raw_kafka(bootstrap, target, messages))
+                    publisher: Publisher = KafkaPublisher(bootstrap)
+                else:
+                    raw[broker].append(rl.raw_rabbitmq(url, target, messages))
+                    purge_queues()
+                    publisher = RabbitMQPublisher(url, window=rl.WINDOW)
+                fresh = rl.make_messages(rows)
+                relayed[broker].append(
+                    rl.relay_throughput(engine, prefix, broker, target, publisher, fresh)
+                )
+                if broker == "rabbitmq":
+                    purge_queues()
+                with engine.begin() as connection:
+                    connection.execute(text(f"TRUNCATE {outbox}"))
+                progress(
+                    f"relay run {run} {broker}: raw {raw[broker][-1]:,.0f} msgs/s, relay "
+                    f"{relayed[broker][-1]:,.0f} rows/s ({time.perf_counter() - started:.1f} s)"
+                )
+        for broker in BROKERS:
+            throughput.rows.append(Row(f"{broker}: raw publish loop", raw[broker], "msgs/s"))
+            throughput.rows.append(Row(f"{broker}: mqdedup relay", relayed[broker], "rows/s"))
+
+        for broker in BROKERS:
+            target = new_target(broker)
+            destination: dict[str, Any] = (
+                {"topic": target} if broker == "kafka" else {"exchange": "", "routing_key": target}
+            )
+            for mode, listen in (("NOTIFY", True), ("polling (1 s)", False)):
+                p50s: list[float] = []
+                p99s: list[float] = []
+                for _ in range(sizes.runs):
+                    publisher = (
+                        KafkaPublisher(bootstrap) if broker == "kafka" else (RabbitMQPublisher(url))
+                    )
+                    p50, p99 = rl.latency(
+                        engine, prefix, broker, destination, publisher, sizes.latency_rows, listen
+                    )
+                    p50s.append(p50)
+                    p99s.append(p99)
+                    progress(f"latency {broker} {mode}: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+                latency.rows.append(Row(f"{broker}, {mode}: p50", p50s, "ms"))
+                latency.rows.append(Row(f"{broker}, {mode}: p99", p99s, "ms"))
+            if broker == "rabbitmq":
+                purge_queues()
+    finally:
+        schema(prefix).metadata.drop_all(engine)
+        if topics:
+            admin.delete_topics(topics)
+        for name in queues:
+            channel.queue_delete(name)
+        rabbit.close()
+        admin.close()
+        engine.dispose()
+    for broker in BROKERS:
+        ratio = statistics.median(relayed[broker]) / statistics.median(raw[broker])
+        throughput.extra[f"{broker} relay / raw"] = f"{ratio:.0%}"
+    _ = percentile  # (p99s come from relay_bench's own percentile)
+    return throughput, latency
