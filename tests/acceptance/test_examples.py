@@ -7,10 +7,13 @@ environment variables the examples read, so parallel test runs do not collide.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import signal
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +26,7 @@ from examples.payments.produce import expected
 from mqdedup.db import create_engine
 from mqdedup.schema import schema
 from tests.conftest import require_service
-from tests.services import REPO, wait_for
+from tests.services import REPO, free_port, wait_for
 
 pytestmark = [pytest.mark.integration]
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
@@ -118,6 +121,29 @@ def stop(process: subprocess.Popen[bytes], log: Path) -> None:
     assert code == 0, f"{process.args!r} exited {code}:\n{log.read_text()[-3000:]}"
 
 
+def settled_messages(port: int) -> int:
+    """Deliveries a worker supervisor's children have finished (from ``/metrics``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    finished = 0
+    for name in ("processed", "duplicates", "dead_lettered"):
+        pattern = rf"^mqdedup_messages_{name}_total{{[^}}]*}} (\d+)"
+        finished += sum(int(value) for value in re.findall(pattern, metrics, re.M))
+    return finished
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz/ready", timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+def _finished(port: int, sent: int) -> bool:
+    return _ready(port) and settled_messages(port) >= sent
+
+
 def scalar(engine: Engine, sql: str) -> Any:
     with engine.connect() as connection:
         return connection.execute(text(sql)).scalar_one()
@@ -178,12 +204,20 @@ def test_order_service_and_payments_examples_run_end_to_end(
         env=env,
     )
     assert f"{ORDERS} orders, {int(ORDERS * 0.3)} duplicates" in produced
-    run("-m", "examples.payments.produce", "--payments", str(PAYMENTS), env=env)
+    sent_orders = int(produced.split()[1])
+    produced = run("-m", "examples.payments.produce", "--payments", str(PAYMENTS), env=env)
+    sent_payments = int(produced.split()[1])
+    ports = {"orders": free_port(), "payments": free_port()}
 
     logs = {name: tmp_path / f"{name}.log" for name in ("orders", "relay", "payments")}
     processes = {
         "orders": start(
-            "worker", "examples.order_service.consumer:OrderConsumer", env=env, log=logs["orders"]
+            "worker",
+            "examples.order_service.consumer:OrderConsumer",
+            "--health-port",
+            str(ports["orders"]),
+            env=env,
+            log=logs["orders"],
         ),
         "relay": start("relay", env=env, log=logs["relay"]),
         "payments": start(
@@ -191,12 +225,22 @@ def test_order_service_and_payments_examples_run_end_to_end(
             "examples.payments.consumer:PaymentConsumer",
             "--processes",
             "2",
+            "--health-port",
+            str(ports["payments"]),
             env=env,
             log=logs["payments"],
         ),
     }
     outbox = schema(env["MQDEDUP_TABLE_PREFIX"]).outbox.name
     try:
+        # Every message sent, duplicates included, has been handled before we look.
+        for name, sent in (("orders", sent_orders), ("payments", sent_payments)):
+            wait_for(
+                functools.partial(_finished, ports[name], sent),
+                timeout=45,
+                what=f"the {name} worker to finish all {sent} messages",
+                interval=0.5,
+            )
         wait_for(
             lambda: (
                 scalar(engine, f"SELECT count(*) FROM {prefix}orders") >= ORDERS
@@ -269,3 +313,23 @@ def test_order_service_and_payments_examples_run_end_to_end(
     assert "already in target state" in report
     assert dead_letter_queue_depth(env) == 0
     engine.dispose()
+
+
+def test_guide_quick_start_runs_as_written(tmp_path: Path) -> None:
+    """The first Python block of docs/guide.md runs unchanged and prints what it says."""
+    guide = (REPO / "docs" / "guide.md").read_text()
+    block = guide.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "quickstart.py"
+    script.write_text(block)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    printed = "delivered 119, processed 100, duplicates 19, order rows 100"
+    assert result.stdout.strip() == printed
+    assert f"`{printed}`" in guide
