@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from mqdedup import exitcodes
+from mqdedup.commands.operations import OutboxGauges
 from mqdedup.commands.replay import ReplayRefusedError
 from mqdedup.config import CONFIG_ENV, env_help, load_file, resolve
 from mqdedup.consumers.base import Consumer
@@ -524,7 +525,10 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         for index in range(settings["relay_processes"])
     ]
     supervisor = Supervisor(
-        specs, shutdown_timeout=settings["shutdown_timeout"], health_port=settings["health_port"]
+        specs,
+        shutdown_timeout=settings["shutdown_timeout"],
+        health_port=settings["health_port"],
+        shared_metrics=OutboxGauges(settings["database_url"], settings["table_prefix"]),
     )
     return supervisor.run()
 
@@ -567,7 +571,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         for index in range(settings["processes"])
     ]
     supervisor = Supervisor(
-        specs, shutdown_timeout=settings["shutdown_timeout"], health_port=settings["health_port"]
+        specs,
+        shutdown_timeout=settings["shutdown_timeout"],
+        health_port=settings["health_port"],
+        shared_metrics=OutboxGauges(settings["database_url"], settings["table_prefix"]),
     )
     return supervisor.run()
 

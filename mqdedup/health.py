@@ -58,9 +58,17 @@ def _labels(labels: Mapping[str, str]) -> str:
     return "{" + inner + "}" if inner else ""
 
 
-def render_prometheus(snapshots: Mapping[tuple[str, str], Mapping[str, Any]]) -> str:
-    """Prometheus text for ``{(name, process): metrics snapshot}``."""
+def render_prometheus(
+    snapshots: Mapping[tuple[str, str], Mapping[str, Any]],
+    shared: Mapping[str, float] | None = None,
+) -> str:
+    """Prometheus text for ``{(name, process): metrics snapshot}`` plus ``shared`` gauges
+    that belong to no process (e.g. the outbox backlog, read from the database)."""
     lines: list[str] = []
+    for metric, help_text, key in GAUGES:
+        if shared and key in shared:
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
+            lines.append(f"{metric} {shared[key]}")
     for metric, kind, help_text, key in COUNTERS:
         rows = [(ident, snap[key]) for ident, snap in snapshots.items() if key in snap]
         if not rows:
@@ -69,7 +77,7 @@ def render_prometheus(snapshots: Mapping[tuple[str, str], Mapping[str, Any]]) ->
         lines += [f"{metric}{_labels({'consumer': n, 'process': p})} {v}" for (n, p), v in rows]
     for metric, help_text, key in GAUGES:
         rows = [(ident, snap[key]) for ident, snap in snapshots.items() if key in snap]
-        if not rows:
+        if not rows or (shared and key in shared):
             continue
         lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
         lines += [f"{metric}{_labels({'consumer': n, 'process': p})} {v}" for (n, p), v in rows]
@@ -103,6 +111,7 @@ class HealthServer:
         port: int,
         status: Callable[[], tuple[bool, bool, dict[str, Any]]],
         snapshots: Callable[[], Mapping[tuple[str, str], Mapping[str, Any]]],
+        shared: Callable[[], Mapping[str, float]] | None = None,
         host: str = "0.0.0.0",  # noqa: S104 - health checks come from outside the pod
     ) -> None:
         owner = self
@@ -116,6 +125,7 @@ class HealthServer:
 
         self._status = status
         self._snapshots = snapshots
+        self._shared = shared
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.port = int(self.server.server_address[1])
         self._thread = threading.Thread(
@@ -136,7 +146,8 @@ class HealthServer:
     def _serve(self, request: BaseHTTPRequestHandler) -> None:
         path = request.path.split("?", 1)[0]
         if path == "/metrics":
-            body = render_prometheus(self._snapshots()).encode()
+            shared = self._shared() if self._shared is not None else None
+            body = render_prometheus(self._snapshots(), shared).encode()
             self._reply(request, 200, body, "text/plain; version=0.0.4; charset=utf-8")
             return
         if path in ("/healthz", "/healthz/live", "/healthz/ready"):

@@ -87,11 +87,13 @@ class Supervisor:
         *,
         shutdown_timeout: float = 30.0,
         health_port: int | None = None,
+        shared_metrics: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         self._context = multiprocessing.get_context("spawn")
         self.children = [_Child(spec) for spec in specs]
         self.shutdown_timeout = shutdown_timeout
         self.health_port = health_port
+        self.shared_metrics = shared_metrics
         self._draining_since: float | None = None
         self._kill_now = False
         self._fatal_code: int | None = None
@@ -160,7 +162,13 @@ class Supervisor:
                 return self._fatal_code
             if self._draining_since is not None:
                 if not any(self._alive(c) for c in self.children):
-                    return exitcodes.SHUTDOWN_TIMEOUT if deadline_passed else exitcodes.OK
+                    for child in self.children:
+                        if child.process is not None:
+                            self._reap(child)
+                    if deadline_passed:
+                        return exitcodes.SHUTDOWN_TIMEOUT
+                    failed = [c.last_exit for c in self.children if c.last_exit]
+                    return int(failed[0]) if failed else exitcodes.OK
                 if now - self._draining_since > self.shutdown_timeout and not deadline_passed:
                     log.error("children did not drain in time; killing them")
                     deadline_passed = True
@@ -243,6 +251,7 @@ class Supervisor:
         child.process, child.connection = process, parent_end
         child.started_at = time.monotonic()
         child.restart_at = None
+        child.last_exit = None
         log.info("child started", extra={"child": child.spec.label, "pid": process.pid})
 
     @staticmethod
@@ -282,7 +291,9 @@ class Supervisor:
             return
         from mqdedup.health import HealthServer
 
-        self.health = HealthServer(self.health_port, self.status, self.snapshots).start()
+        self.health = HealthServer(
+            self.health_port, self.status, self.snapshots, self.shared_metrics
+        ).start()
 
 
 # -- in the child ---------------------------------------------------------------------

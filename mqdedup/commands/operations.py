@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -10,6 +13,8 @@ from sqlalchemy import Engine, func, select, text
 from mqdedup.commands.tables import human_age, render_table
 from mqdedup.dedup.store import utcnow
 from mqdedup.schema import schema
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -84,3 +89,39 @@ def format_outbox_status(engine: Engine, prefix: str) -> str:
         f"  oldest pending {human_age(status.oldest_pending_age)}"
     )
     return table + summary
+
+
+class OutboxGauges:
+    """The outbox backlog for ``/metrics``, read at most every ``max_age`` seconds."""
+
+    def __init__(self, database_url: str, prefix: str, max_age: float = 5.0) -> None:
+        self.database_url = database_url
+        self.prefix = prefix
+        self.max_age = max_age
+        self._engine: Engine | None = None
+        self._value: dict[str, float] = {}
+        self._read_at = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> dict[str, float]:
+        """``{"backlog": pending rows, "oldest_pending_seconds": age}`` ({} if unreadable)."""
+        from mqdedup.db import create_engine
+        from mqdedup.outbox.store import OutboxStore
+
+        with self._lock:
+            if time.monotonic() - self._read_at < self.max_age:
+                return self._value
+            self._read_at = time.monotonic()
+            try:
+                if self._engine is None:
+                    self._engine = create_engine(self.database_url, pool_size=1)
+                status = OutboxStore(self.prefix).status(self._engine)
+            except Exception:  # a scrape must not fail because the database is away
+                log.warning("outbox backlog unavailable", exc_info=True)
+                self._value = {}
+                return self._value
+            self._value = {
+                "backlog": float(status.pending),
+                "oldest_pending_seconds": float(status.oldest_pending_age or 0.0),
+            }
+            return self._value

@@ -56,6 +56,7 @@ def setup(kafka: KafkaHelper, pg_url: str) -> Iterator[dict[str, Any]]:
         "ACCEPT_TOPIC": topic,
         "ACCEPT_GROUP": f"group-{topic}",
         "MQDEDUP_DATABASE_URL": pg_url,
+        "MQDEDUP_TABLE_PREFIX": prefix,
         "PYTHONPATH": str(REPO),
     }
     yield {"prefix": prefix, "engine": engine, "topic": topic, "env": env}
@@ -88,6 +89,11 @@ def healthz(port: int) -> dict[str, Any]:
             return dict(json.load(reply))
     except OSError:
         return {}
+
+
+def metrics_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return str(reply.read().decode())
 
 
 def test_worker_processes_restart_after_kill_and_drain_on_sigterm(
@@ -129,6 +135,20 @@ def test_worker_processes_restart_after_kill_and_drain_on_sigterm(
         assert children[0] not in healthz(port)["pids"]
         produce(kafka, setup["topic"], unique=1000, duplicates=300, start=3000)
         wait_for(lambda: len(row_counts(engine, setup["prefix"])) == 4000, 180, "every message")
+
+        def processed_counters() -> list[float]:
+            return [
+                float(line.rsplit(" ", 1)[1])
+                for line in metrics_text(port).splitlines()
+                if line.startswith("mqdedup_messages_processed_total{")
+            ]
+
+        # Children report every second: wait for the counters to catch up.
+        wait_for(lambda: sum(processed_counters()) > 0, 30, "processed counters on /metrics")
+        assert len(processed_counters()) == 3
+        metrics = metrics_text(port)
+        assert "mqdedup_outbox_backlog 0.0" in metrics
+        assert 'mqdedup_consumer_lag{consumer="' in metrics
         supervisor.send_signal(signal.SIGTERM)
         _, err = supervisor.communicate(timeout=90)
     finally:
