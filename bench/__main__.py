@@ -34,6 +34,40 @@ ROOT = Path(__file__).resolve().parent.parent
 SUITES = ("kafka", "rabbitmq", "relay", "claim", "memory")
 
 
+NEEDS = {
+    "kafka": ("postgres", "kafka"),
+    "rabbitmq": ("postgres", "rabbitmq"),
+    "relay": ("postgres", "kafka", "rabbitmq"),
+    "claim": ("postgres",),
+    "memory": ("postgres",),
+}
+
+
+def unreachable(names: Sequence[str], settings: Settings) -> list[str]:
+    """The services the chosen suites need that do not accept a TCP connection."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from sqlalchemy import make_url
+
+    database = make_url(settings.database_url)
+    rabbit = urlsplit(settings.rabbitmq_url)
+    kafka_host, _, kafka_port = settings.kafka_bootstrap.split(",")[0].rpartition(":")
+    addresses = {
+        "postgres": (database.host or "127.0.0.1", database.port or 5432),
+        "kafka": (kafka_host or "127.0.0.1", int(kafka_port or 9092)),
+        "rabbitmq": (rabbit.hostname or "127.0.0.1", rabbit.port or 5672),
+    }
+    missing = []
+    for service in sorted({service for name in names for service in NEEDS[name]}):
+        host, port = addresses[service]
+        try:
+            socket.create_connection((host, port), timeout=3).close()
+        except OSError:
+            missing.append(f"{service} at {host}:{port}")
+    return missing
+
+
 def run_suites(names: Sequence[str], settings: Settings, sizes: Sizes) -> list[Section]:
     from bench.suite_consumers import kafka_suite, rabbitmq_suite
     from bench.suite_dedup import dedup_suite
@@ -67,7 +101,9 @@ def run_suites(names: Sequence[str], settings: Settings, sizes: Sizes) -> list[S
     return sections
 
 
-def docs_markdown(sections: Sequence[Section], info: dict[str, str], wall: float) -> str:
+def docs_markdown(
+    sections: Sequence[Section], info: dict[str, str], wall: float, sizes: Sizes
+) -> str:
     from bench.suite_report import headline_table
 
     by_key = {s.key: s for s in sections}
@@ -80,7 +116,7 @@ def docs_markdown(sections: Sequence[Section], info: dict[str, str], wall: float
         "## Benchmarks",
         "",
         "mqdedup next to what you would write by hand, measured in one run of "
-        f"`python -m bench` (medians of {FULL.runs} runs, {wall / 60:.0f} min wall time) on "
+        f"`python -m bench` (medians of {sizes.runs} runs, {wall / 60:.0f} min wall time) on "
         f"one machine with every service on loopback: {machine}.",
         "",
         headline_table(by_key),
@@ -132,7 +168,7 @@ def docs_markdown(sections: Sequence[Section], info: dict[str, str], wall: float
     memory = by_key.get("memory")
     if memory and not memory.error:
         summary.append(
-            f"- Worker memory over {FULL.memory_messages:,} messages (in-memory broker, "
+            f"- Worker memory over {sizes.memory_messages:,} messages (in-memory broker, "
             f"PostgreSQL): peak RSS {fmt(memory.rows[0].median, 'MiB')} MiB, "
             f"{memory.extra.get('growth', '')}."
         )
@@ -192,6 +228,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("kafka", "pika"):
         logging.getLogger(noisy).setLevel(logging.CRITICAL)
     settings = Settings.from_env()
+    missing = unreachable(names, settings)
+    if missing:
+        print(
+            f"bench: not reachable: {', '.join(missing)} (start them with "
+            "scripts/services.sh start, or set the MQDEDUP_* URLs)",
+            file=sys.stderr,
+        )
+        return 2
 
     from bench.suite_report import charts, machine, results_markdown, section_markdown
 
@@ -224,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     complete = not args.quick and names == list(SUITES) and not args.no_docs
     if complete:
         (ROOT / "docs" / "benchmarks.md").write_text(
-            docs_markdown(sections, info, wall), encoding="utf-8"
+            docs_markdown(sections, info, wall, sizes), encoding="utf-8"
         )
     for section in sections:
         print(section_markdown(section))

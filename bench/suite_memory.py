@@ -26,12 +26,19 @@ from bench.suite_common import Row, Section, Settings, Sizes, progress
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def vm_rss_kib() -> int:
+def vm_kib(field: str = "VmRSS") -> int:
+    """A ``/proc/self/status`` memory field in KiB (VmRSS now, VmHWM the peak so far)."""
     with open("/proc/self/status", encoding="ascii") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
     return 0
+
+
+def sample(processed: int, seconds: float) -> str:
+    return json.dumps(
+        {"processed": processed, "rss_kib": vm_kib(), "hwm_kib": vm_kib("VmHWM"), "s": seconds}
+    )
 
 
 def worker(database_url: str, messages: int, every: int) -> int:
@@ -92,12 +99,9 @@ def worker(database_url: str, messages: int, every: int) -> int:
             if state["done"] >= state["next"]:
                 state["next"] += every
                 elapsed = time.perf_counter() - state["started"]
-                print(
-                    json.dumps({"processed": state["done"], "rss_kib": vm_rss_kib(), "s": elapsed}),
-                    flush=True,
-                )
+                print(sample(int(state["done"]), elapsed), flush=True)
 
-    print(json.dumps({"processed": 0, "rss_kib": vm_rss_kib(), "s": 0.0}), flush=True)
+    print(sample(0, 0.0), flush=True)
     broker = InMemoryBroker()
     try:
         state["started"] = time.perf_counter()
@@ -127,7 +131,8 @@ def memory_suite(settings: Settings, sizes: Sizes) -> Section:
         f"One worker subprocess (mqdedup bulk consumer, batches of 500, claim + one INSERT "
         f"per batch on PostgreSQL) processing {n:,} messages from the in-memory broker "
         "(fed as the queue runs low, so the broker holds at most a few thousand messages). "
-        "Peak RSS = `ru_maxrss` of the subprocess; RSS sampled from /proc during the run.",
+        "RSS and its peak (VmRSS, VmHWM) sampled from /proc/self/status during the run; "
+        "`resource.getrusage(RUSAGE_SELF).ru_maxrss` read at exit (after teardown).",
     )
     every = max(1000, n // 50)
     command = [
@@ -151,10 +156,13 @@ def memory_suite(settings: Settings, sizes: Sizes) -> Section:
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     samples = [(line["processed"], line["rss_kib"] / 1024) for line in lines if "rss_kib" in line]
     final = next(line for line in lines if line.get("final"))
-    peak = final["ru_maxrss_kib"] / 1024
+    peak = max(line.get("hwm_kib", 0) for line in lines) / 1024
+    maxrss = final["ru_maxrss_kib"] / 1024
     warm = next((rss for processed, rss in samples if processed >= n // 10), samples[0][1])
     last = samples[-1][1]
-    section.rows.append(Row("peak RSS (ru_maxrss)", [peak], "MiB"))
+    section.rows.append(Row("peak RSS while processing (VmHWM)", [peak], "MiB"))
+    section.rows.append(Row("peak RSS of the process (ru_maxrss, at exit)", [maxrss], "MiB"))
+    section.rows.append(Row("RSS before the first message", [samples[0][1]], "MiB"))
     section.rows.append(Row(f"RSS after {n // 10:,} messages (warm)", [warm], "MiB"))
     section.rows.append(Row(f"RSS after {samples[-1][0]:,} messages", [last], "MiB"))
     section.rows.append(Row("throughput", [final["processed"] / final["s"]], "msgs/s"))

@@ -49,6 +49,17 @@ def machine(settings: Settings) -> dict[str, str]:
         engine = create_engine(settings.database_url)
         with engine.connect() as connection:
             info["PostgreSQL"] = str(connection.execute(text("SHOW server_version")).scalar())
+            settings_shown = (
+                "shared_buffers",
+                "synchronous_commit",
+                "fsync",
+                "max_wal_size",
+                "work_mem",
+            )
+            info["PostgreSQL settings"] = ", ".join(
+                f"{name}={connection.execute(text(f'SHOW {name}')).scalar()}"
+                for name in settings_shown
+            )
         engine.dispose()
     except Exception as error:
         info["PostgreSQL"] = f"unknown ({type(error).__name__})"
@@ -112,7 +123,8 @@ def section_markdown(section: Section) -> str:
 def headline_table(sections: dict[str, Section]) -> str:
     """Kafka and RabbitMQ consumer variants side by side (the README table)."""
     kafka, rabbit = sections.get("kafka"), sections.get("rabbitmq")
-    names = [row.variant for row in (kafka or rabbit).rows] if (kafka or rabbit) else []
+    first = kafka or rabbit
+    names = [row.variant for row in first.rows] if first else []
     if not names:
         return ""
     lines = [
@@ -297,6 +309,9 @@ def charts(sections: Sequence[Section], out: Path, subtitle: str) -> list[Path]:
         peak = memory.rows[0].median
         axis.axhline(peak, color="gray", linestyle="--", linewidth=0.8)
         axis.text(0, peak, f" peak {peak:.0f} MiB", va="bottom", fontsize=8, color="gray")
-        axis.set_title(memory.title, fontsize=10)
+        axis.set_title(
+            f"{memory.title}: {samples[-1][0]:,} messages, in-memory broker → PostgreSQL",
+            fontsize=10,
+        )
         save(figure, "memory.png")
     return written
