@@ -167,7 +167,13 @@ class Supervisor:
                             self._reap(child)
                     if deadline_passed:
                         return exitcodes.SHUTDOWN_TIMEOUT
-                    failed = [c.last_exit for c in self.children if c.last_exit]
+                    # -SIGTERM: a child still starting up when the drain began (it had no
+                    # handler yet) simply stopped; that is a clean stop too.
+                    failed = [
+                        c.last_exit
+                        for c in self.children
+                        if c.last_exit not in (None, 0, -signal.SIGTERM)
+                    ]
                     return int(failed[0]) if failed else exitcodes.OK
                 if now - self._draining_since > self.shutdown_timeout and not deadline_passed:
                     log.error("children did not drain in time; killing them")
