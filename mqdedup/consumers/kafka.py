@@ -351,6 +351,12 @@ class KafkaConsumer(Consumer):
             ) from error
         admin.close()
 
+    def lag(self) -> dict[str, int]:
+        """``topic/partition -> messages not yet committed`` for this consumer's group."""
+        from mqdedup.consumers.kafka_lag import group_lag
+
+        return group_lag(self.kafka_settings())
+
     def replay(
         self,
         database: Engine | sessionmaker[Session],

@@ -193,6 +193,29 @@ class RabbitMQConsumer(Consumer):
         self.validate()
         check_broker(self.broker_url)
 
+    def lag(self) -> dict[str, int]:
+        """Messages waiting in the queue and in its dead-letter queue (passive declares)."""
+        import pika
+
+        from mqdedup.consumers.rabbitmq_topology import connection_parameters
+
+        topology = self.topology()
+        connection = pika.BlockingConnection(
+            connection_parameters(self.broker_url, f"mqdedup-status-{self.consumer_name}")
+        )
+        try:
+            counts: dict[str, int] = {}
+            for queue in (topology.queue, topology.dead_letter_queue):
+                channel = connection.channel()
+                try:
+                    declared = channel.queue_declare(queue, passive=True)
+                    counts[queue] = int(declared.method.message_count)
+                except pika.exceptions.ChannelClosedByBroker:
+                    counts[queue] = 0  # not declared yet
+            return counts
+        finally:
+            connection.close()
+
     # -- dead letters ------------------------------------------------------------------------
 
     def requeue_dead_letters(

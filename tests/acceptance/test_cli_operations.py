@@ -229,6 +229,11 @@ def test_replay_before_the_retention_horizon_is_refused(
 ) -> None:
     env = setup["env"]
     _process_all(kafka, setup, 200)
+    status = cli("status", CONSUMER, env=env)
+    assert status.returncode == 0, status.stderr
+    lag_lines = [line for line in status.stdout.splitlines() if f"{setup['topic']}/" in line]
+    assert len(lag_lines) == 6 and all(line.split()[-1] == "0" for line in lag_lines)
+    assert "200 records" in status.stdout and "pending 0" in status.stdout
     purge = cli("dedup", "purge", "--older-than", "0s", "--table-prefix", setup["prefix"], env=env)
     assert purge.returncode == 0, purge.stderr
     refused = cli("replay", CONSUMER, "--from", "beginning", env=env)
