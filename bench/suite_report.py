@@ -208,7 +208,11 @@ def charts(sections: Sequence[Section], out: Path, subtitle: str) -> list[Path]:
     consumer_sections = [by_key[k] for k in ("kafka", "rabbitmq") if k in by_key]
     if consumer_sections:
         figure, axes = plt.subplots(
-            1, len(consumer_sections), figsize=(6.5 * len(consumer_sections), 4.2), squeeze=False
+            1,
+            len(consumer_sections),
+            figsize=(4.5 + 4.5 * len(consumer_sections), 4.4),
+            squeeze=False,
+            sharey=True,
         )
         colors = ["#9e9e9e", "#1b7837", "#5aae61", "#f1a340", "#d6604d"]
         for axis, section in zip(axes[0], consumer_sections, strict=True):
@@ -222,7 +226,10 @@ def charts(sections: Sequence[Section], out: Path, subtitle: str) -> list[Path]:
             axis.set_title(section.title, fontsize=10)
             axis.set_xlabel("messages/s (median, higher is better)")
             axis.set_xlim(0, max(r.median for r in rows) * 1.25)
-            axis.tick_params(axis="y", labelsize=8)
+            axis.tick_params(axis="y", labelsize=9)
+            axis.xaxis.set_major_formatter(
+                matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / 1000:,.0f}k" if v else "0")
+            )
         save(figure, "consumers.png")
 
     relay, latency = by_key.get("relay"), by_key.get("latency")
