@@ -33,9 +33,9 @@ class Sizes:
 
 FULL = Sizes(
     runs=3,
-    consumer_messages=50_000,
-    consumer_slow_messages=4_000,
-    relay_rows=50_000,
+    consumer_messages=30_000,
+    consumer_slow_messages=3_000,
+    relay_rows=30_000,
     latency_rows=300,
     claim_table_sizes=(0, 1_000_000, 10_000_000),
     claim_messages=20_000,
