@@ -3,8 +3,9 @@
 Messages come from the in-memory broker so that only database work is measured. Modes:
 
 * batch of 500, bulk handler (one INSERT per batch), with and without the claim;
-* batch of 500, per-message handler in savepoints (the default), with and without claim;
-* batch of 500, per-message handler, ``failure_isolation = "rerun"`` (no savepoints);
+* batch of 500, per-message handler (``failure_isolation = "auto"``, the default: no
+  savepoints unless a handler fails), with and without the claim;
+* batch of 500, per-message handler, ``failure_isolation = "savepoint"``;
 * one transaction per message (batch_size = 1), per-message handler.
 
 Usage: .venv/bin/python bench/dedup_bench.py [--messages 20000] [--runs 3] [--database URL]
@@ -58,10 +59,10 @@ def variant(base: type[Consumer], **attributes: Any) -> type[Consumer]:
 MODES: dict[str, type[Consumer]] = {
     "batch 500, bulk handler, dedup": Bulk,
     "batch 500, bulk handler, no dedup": variant(Bulk, deduplicate=False),
-    "batch 500, per-message handler (savepoints), dedup": PerMessage,
-    "batch 500, per-message handler (savepoints), no dedup": variant(PerMessage, deduplicate=False),
-    "batch 500, per-message handler (rerun isolation), dedup": variant(
-        PerMessage, failure_isolation="rerun"
+    "batch 500, per-message handler, dedup": PerMessage,
+    "batch 500, per-message handler, no dedup": variant(PerMessage, deduplicate=False),
+    "batch 500, per-message handler in savepoints, dedup": variant(
+        PerMessage, failure_isolation="savepoint"
     ),
     "per-message transactions (batch 1), dedup": variant(PerMessage, batch_size=1),
 }
@@ -113,7 +114,7 @@ def main() -> None:
         runs = ", ".join(f"{v:,.0f}" for v in results[mode])
         print(f"| {mode} | {value:,.0f} | {runs} |")
     single = medians["per-message transactions (batch 1), dedup"]
-    for kind in ("bulk handler", "per-message handler (savepoints)"):
+    for kind in ("bulk handler", "per-message handler"):
         with_dedup = medians[f"batch 500, {kind}, dedup"]
         without = medians[f"batch 500, {kind}, no dedup"]
         cost = (1 - with_dedup / without) * 100
@@ -121,8 +122,8 @@ def main() -> None:
             f"\n{kind}: dedup costs {cost:.1f}% (goal <= 15%); "
             f"batch is {with_dedup / single:.1f}x per-message transactions (goal >= 5x)"
         )
-    rerun = medians["batch 500, per-message handler (rerun isolation), dedup"]
-    print(f"per-message handler, rerun isolation: {rerun / single:.1f}x per-message transactions")
+    savepoints = medians["batch 500, per-message handler in savepoints, dedup"]
+    print(f"per-message handler in savepoints: {savepoints / single:.1f}x per-message transactions")
     engine.dispose()
 
 
