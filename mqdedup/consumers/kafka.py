@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session, sessionmaker
 
-    from mqdedup.consumers.kafka_replay import ReplayReport
     from mqdedup.consumers.kafka_transport import KafkaTransport
     from mqdedup.consumers.metrics import Metrics
+    from mqdedup.consumers.replay import ReplayReport
     from mqdedup.consumers.stopping import StopToken
 
 BOOTSTRAP_ENV = "MQDEDUP_KAFKA_BOOTSTRAP"

@@ -13,53 +13,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.kafka_offsets import PartitionKey
 from mqdedup.consumers.kafka_transport import KafkaToken, KafkaTransport
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.processor import BatchReport, Processor
+from mqdedup.consumers.processor import Processor
+from mqdedup.consumers.replay import ReplayReport, ReplayTally
 from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.transport import Delivery
 from mqdedup.db import session_factory
-from mqdedup.dedup.store import DedupStore
-from mqdedup.errors import BrokerUnavailableError, ConfigurationError, MessageError
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 
 if TYPE_CHECKING:
     from mqdedup.consumers.kafka import KafkaConsumer
 
 log = logging.getLogger(__name__)
-
-MISSING_ID_REASON = "missing message id"
-
-
-@dataclass
-class ReplayReport:
-    """What a replay did (or, in a dry run, would do)."""
-
-    dry_run: bool = False
-    #: Messages whose effects were applied now (dry run: would be applied).
-    new: int = 0
-    #: Messages already processed before (or repeated within the range).
-    duplicates: int = 0
-    #: Messages without a message id (dead-lettered unless it is a dry run).
-    without_id: int = 0
-    #: Other messages dead-lettered (their handler kept failing).
-    dead_lettered: int = 0
-    #: Messages that could not be settled (their dead-letter publish failed).
-    unsettled: int = 0
-    #: ``topic/partition`` -> ``(start offset, end offset)`` actually replayed.
-    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-    @property
-    def total(self) -> int:
-        """Messages read from the range."""
-        return self.new + self.duplicates + self.without_id + self.dead_lettered + self.unsettled
 
 
 class KafkaReplay:
@@ -95,7 +68,7 @@ class KafkaReplay:
         self.idle_timeout = idle_timeout
         self.metrics = Metrics()
         self.report = ReplayReport(dry_run=dry_run)
-        self._seen: set[str] = set()
+        self.tally = ReplayTally(consumer, self.sessions, self.report)
 
     def run(self) -> ReplayReport:
         """Replay the range and return the counts."""
@@ -199,9 +172,9 @@ class KafkaReplay:
             if in_range:
                 last_progress = time.monotonic()
                 if processor is None:
-                    self._count_dry(in_range)
+                    self.tally.dry(in_range)
                 else:
-                    self._count(processor.process(in_range))
+                    self.tally.processed(processor.process(in_range))
             for key in list(active):
                 if transport.position(key) >= active[key]:
                     del active[key]
@@ -210,44 +183,6 @@ class KafkaReplay:
                     f"replay made no progress for {self.idle_timeout:.0f} s "
                     f"(partitions left: {sorted(active)})"
                 )
-
-    def _count(self, report: BatchReport) -> None:
-        self.report.new += len(report.processed)
-        self.report.duplicates += len(report.duplicates)
-        self.report.unsettled += len(report.unsettled)
-        for _delivery, record in report.dead_lettered:
-            if record.reason.startswith(MISSING_ID_REASON):
-                self.report.without_id += 1
-            else:
-                self.report.dead_lettered += 1
-
-    def _count_dry(self, deliveries: list[Delivery]) -> None:
-        ids: list[str] = []
-        for delivery in deliveries:
-            try:
-                ids.append(self.consumer.message_id(delivery.message))
-            except MessageError:
-                self.report.without_id += 1
-        claimed = self._claimed(sorted(set(ids) - self._seen))
-        for message_id in ids:
-            if message_id in self._seen or message_id in claimed:
-                self.report.duplicates += 1
-            else:
-                self.report.new += 1
-            self._seen.add(message_id)
-
-    def _claimed(self, ids: list[str]) -> set[str]:
-        if not ids:
-            return set()
-        table = DedupStore(self.consumer.table_prefix).schema.processed
-        with self.sessions() as session:
-            rows = session.execute(
-                select(table.c.message_id).where(
-                    table.c.consumer_name == self.settings.consumer_name,
-                    table.c.message_id.in_(ids),
-                )
-            )
-            return {row[0] for row in rows}
 
 
 def _key(delivery: Delivery) -> PartitionKey:

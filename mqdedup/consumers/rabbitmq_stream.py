@@ -14,45 +14,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import pika
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup.consumers.processor import BatchReport, Processor
+from mqdedup.consumers.processor import Processor
 from mqdedup.consumers.rabbitmq import RabbitMQConsumer
 from mqdedup.consumers.rabbitmq_codec import dead_letter_properties, to_message
 from mqdedup.consumers.rabbitmq_topology import connection_parameters, declare_dead_letter_topology
+from mqdedup.consumers.replay import ReplayReport, ReplayTally
 from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.db import session_factory
-from mqdedup.dedup.store import DedupStore
-from mqdedup.errors import BrokerUnavailableError, ConfigurationError, MessageError
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 
 log = logging.getLogger(__name__)
 STREAM_OFFSET_HEADER = "x-stream-offset"
-
-
-@dataclass
-class StreamReplayReport:
-    """What a stream replay did (or, in a dry run, would do)."""
-
-    dry_run: bool = False
-    new: int = 0
-    duplicates: int = 0
-    without_id: int = 0
-    dead_lettered: int = 0
-    unsettled: int = 0
-    #: ``stream -> (first offset read, last offset read + 1)``.
-    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-    @property
-    def total(self) -> int:
-        """Messages read from the range."""
-        return self.new + self.duplicates + self.without_id + self.dead_lettered + self.unsettled
 
 
 @dataclass(frozen=True)
@@ -122,11 +103,11 @@ class StreamReplay:
         self.dry_run = dry_run
         self.stop = stop or StopToken()
         self.idle_timeout = idle_timeout
-        self.report = StreamReplayReport(dry_run=dry_run)
-        self._seen: set[str] = set()
+        self.report = ReplayReport(dry_run=dry_run)
+        self.tally = ReplayTally(consumer, self.sessions, self.report)
         self._channel: Any = None
 
-    def run(self) -> StreamReplayReport:
+    def run(self) -> ReplayReport:
         """Read the range and return the counts."""
         parameters = connection_parameters(
             self.consumer.broker_url, f"mqdedup-stream-replay-{self.consumer.consumer_name}"
@@ -216,46 +197,8 @@ class StreamReplay:
         if not batch:
             return
         if processor is None:
-            self._count_dry(batch)
+            self.tally.dry(batch)
             # Nothing is processed, but a stream needs acks to keep granting credit.
             self._channel.basic_ack(max(d.token.tag for d in batch), multiple=True)
             return
-        self._count(processor.process(batch))
-
-    def _count(self, report: BatchReport) -> None:
-        self.report.new += len(report.processed)
-        self.report.duplicates += len(report.duplicates)
-        self.report.unsettled += len(report.unsettled)
-        for _delivery, record in report.dead_lettered:
-            if record.reason.startswith("missing message id"):
-                self.report.without_id += 1
-            else:
-                self.report.dead_lettered += 1
-
-    def _count_dry(self, batch: list[Delivery]) -> None:
-        ids: list[str] = []
-        for delivery in batch:
-            try:
-                ids.append(self.consumer.message_id(delivery.message))
-            except MessageError:
-                self.report.without_id += 1
-        claimed = self._claimed(sorted(set(ids) - self._seen))
-        for message_id in ids:
-            if message_id in self._seen or message_id in claimed:
-                self.report.duplicates += 1
-            else:
-                self.report.new += 1
-            self._seen.add(message_id)
-
-    def _claimed(self, ids: list[str]) -> set[str]:
-        if not ids:
-            return set()
-        table = DedupStore(self.consumer.table_prefix).schema.processed
-        with self.sessions() as session:
-            rows = session.execute(
-                select(table.c.message_id).where(
-                    table.c.consumer_name == self.consumer.consumer_name,
-                    table.c.message_id.in_(ids),
-                )
-            )
-            return {row[0] for row in rows}
+        self.tally.processed(processor.process(batch))
