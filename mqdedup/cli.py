@@ -486,7 +486,7 @@ def _broker_kind(consumer: Consumer) -> str | None:
 def _cmd_relay(args: argparse.Namespace) -> int:
     from mqdedup.commands.reachability import check_kafka_reachable, check_rabbitmq_reachable
     from mqdedup.outbox.relay import create_publishers
-    from mqdedup.supervisor import ChildSpec, Supervisor
+    from mqdedup.supervisor import ChildSpec
 
     settings = _settings(
         args,
@@ -524,6 +524,13 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         )
         for index in range(settings["relay_processes"])
     ]
+    return _supervise(specs, settings)
+
+
+def _supervise(specs: list[Any], settings: dict[str, Any]) -> int:
+    """Run ``specs`` under a supervisor with the health endpoint; return its exit code."""
+    from mqdedup.supervisor import Supervisor
+
     supervisor = Supervisor(
         specs,
         shutdown_timeout=settings["shutdown_timeout"],
@@ -536,7 +543,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
 def _cmd_worker(args: argparse.Namespace) -> int:
     from mqdedup.loading import load_consumer_class
     from mqdedup.runners import _export_environment
-    from mqdedup.supervisor import ChildSpec, Supervisor
+    from mqdedup.supervisor import ChildSpec
 
     settings = _settings(
         args,
@@ -570,13 +577,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         for reference, consumer in zip(args.consumers, consumers, strict=True)
         for index in range(settings["processes"])
     ]
-    supervisor = Supervisor(
-        specs,
-        shutdown_timeout=settings["shutdown_timeout"],
-        health_port=settings["health_port"],
-        shared_metrics=OutboxGauges(settings["database_url"], settings["table_prefix"]),
-    )
-    return supervisor.run()
+    return _supervise(specs, settings)
 
 
 if __name__ == "__main__":  # pragma: no cover
