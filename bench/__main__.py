@@ -13,7 +13,7 @@ Measures side by side, medians over several runs, on the real services of
 
 Writes ``bench/results/results.md``, ``results.json`` and PNG charts, and in full mode
 (all suites) ``docs/benchmarks.md``. ``--quick`` runs small sizes in under 3 minutes;
-the full mode takes about 15 minutes on a 2-core machine.
+the full mode took 8 minutes on a 2-core machine (limit: 20).
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def docs_markdown(
     by_key = {s.key: s for s in sections}
     machine = (
         f"{info['nproc']} cores ({info['CPU']}), {info['memory']} RAM, PostgreSQL "
-        f"{info['PostgreSQL']}, Kafka {info['Kafka']}, RabbitMQ {info['RabbitMQ']}, "
+        f"{info['PostgreSQL']} ({info.get('PostgreSQL settings', 'settings unknown')}), "
+        f"Kafka {info['Kafka']}, RabbitMQ {info['RabbitMQ']}, "
         f"Python {info['Python']}; {info['libraries']}"
     )
     lines = [
@@ -188,7 +189,7 @@ def docs_markdown(
         'eval "$(scripts/services.sh env)"',
         ".venv/bin/pip install -e '.[all,bench]'",
         ".venv/bin/python -m bench --quick   # small sizes, < 3 minutes",
-        ".venv/bin/python -m bench           # full run, ~15 minutes on 2 cores",
+        f".venv/bin/python -m bench           # full run, {wall / 60:.0f} minutes here",
         "```",
         "",
         "`scripts/bench.sh` does the same (it starts the services first). "
