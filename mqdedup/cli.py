@@ -67,6 +67,21 @@ def _database_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _daemon_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="seconds to drain after a stop signal" + env_help("shutdown_timeout"),
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="serve /healthz and /metrics" + env_help("health_port"),
+    )
+
+
 def _broker_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kafka-bootstrap",
@@ -176,18 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument(
         "--batch-size", type=int, default=None, help="rows per claim" + env_help("relay_batch_size")
     )
-    relay.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=None,
-        help="seconds to drain after a stop signal" + env_help("shutdown_timeout"),
-    )
-    relay.add_argument(
-        "--health-port",
-        type=int,
-        default=None,
-        help="serve /healthz and /metrics" + env_help("health_port"),
-    )
+    _daemon_options(relay)
     relay.set_defaults(run=_cmd_relay)
 
     replay = commands.add_parser(
@@ -251,18 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--processes", type=int, default=None, help="processes per consumer" + env_help("processes")
     )
-    worker.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=None,
-        help="seconds to drain after a stop signal" + env_help("shutdown_timeout"),
-    )
-    worker.add_argument(
-        "--health-port",
-        type=int,
-        default=None,
-        help="serve /healthz and /metrics" + env_help("health_port"),
-    )
+    _daemon_options(worker)
     worker.set_defaults(run=_cmd_worker)
     return parser
 
