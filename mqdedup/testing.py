@@ -20,8 +20,14 @@ Example::
         harness.run()
         assert_effectively_once(count_orders_by_message_id(mqdedup_engine), harness.ids)
 
-The same consumer class runs on real brokers through its ``KafkaConsumer`` /
-``RabbitMQConsumer`` base; see docs/testing.md for those fixtures.
+The same consumer class runs on real brokers, in real worker processes that are killed
+with ``kill -9``, through ``mqdedup_kafka_harness`` / ``mqdedup_rabbitmq_harness``
+(:mod:`mqdedup.testing_brokers`); see docs/testing.md.
+
+Effects downstream (the messages your handler sends on) are checked with
+:func:`downstream_effects`: a deduplicating next consumer applies each distinct message
+id once, so the effect of one incoming message is the number of *distinct* ids sent
+for it.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from sqlalchemy import Engine
@@ -44,6 +51,17 @@ from mqdedup.db import create_engine, init_schema
 from mqdedup.errors import SimulatedCrash
 from mqdedup.message import Message
 from mqdedup.schema import schema
+
+if TYPE_CHECKING:
+    from mqdedup.testing_brokers import KafkaHarness, RabbitMQHarness
+
+__all__ = [
+    "ConsumerHarness",
+    "DownstreamMessage",
+    "EffectivelyOnceError",
+    "assert_effectively_once",
+    "downstream_effects",
+]
 
 
 class EffectivelyOnceError(AssertionError):
@@ -75,6 +93,66 @@ def assert_effectively_once(
         raise EffectivelyOnceError("; ".join(problems))
 
 
+@dataclass(frozen=True)
+class DownstreamMessage:
+    """A message your consumer sent on, as the next consumer would see it.
+
+    ``message_id``: its ``message-id`` header / AMQP ``message_id`` (the next consumer's
+    dedup key); ``cause``: its ``causation-id`` header, the incoming message it results
+    from (the outbox sets it; set it yourself when you publish otherwise).
+    """
+
+    message_id: str | None
+    cause: str | None
+    body: bytes
+
+    @classmethod
+    def from_headers(
+        cls, body: bytes, headers: Mapping[str, bytes | str | None]
+    ) -> DownstreamMessage:
+        """Build one from a body and headers (``message-id``, ``causation-id``)."""
+
+        def text(name: str) -> str | None:
+            value = headers.get(name)
+            return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+        return cls(message_id=text("message-id"), cause=text("causation-id"), body=body)
+
+    @classmethod
+    def from_message(cls, message: Message) -> DownstreamMessage:
+        """Build one from a :class:`~mqdedup.message.Message` (in-memory broker)."""
+        return cls.from_headers(message.body, message.headers)
+
+
+def downstream_effects(
+    messages: Iterable[DownstreamMessage],
+    cause: Callable[[DownstreamMessage], str | None] | None = None,
+) -> dict[str, int]:
+    """Effects downstream per incoming message id, for :func:`assert_effectively_once`.
+
+    Brokers deliver at least once, so the next consumer must deduplicate anyway: a
+    message sent twice *with the same message id* is one effect. The effect count of an
+    incoming message is therefore the number of **distinct** message ids sent for it;
+    a message without an id cannot be deduplicated and counts on its own. ``cause``
+    picks the incoming message id (default: the ``causation-id`` header).
+    """
+    pick = cause or (lambda message: message.cause)
+    ids: dict[str, set[str]] = {}
+    anonymous: dict[str, int] = {}
+    for message in messages:
+        origin = pick(message)
+        if origin is None:
+            origin = "<no causation id>"
+        if message.message_id is None:
+            anonymous[origin] = anonymous.get(origin, 0) + 1
+        else:
+            ids.setdefault(origin, set()).add(message.message_id)
+    return {
+        origin: len(ids.get(origin, ())) + anonymous.get(origin, 0)
+        for origin in set(ids) | set(anonymous)
+    }
+
+
 class ConsumerHarness:
     """Runs one consumer class over an in-memory queue, with injected faults."""
 
@@ -84,11 +162,14 @@ class ConsumerHarness:
         engine: Engine,
         queue: str = "harness",
         seed: int = 0,
+        broker: InMemoryBroker | None = None,
     ) -> None:
         self.consumer_factory = consumer_factory
         self.engine = engine
         self.queue = queue
-        self.broker = InMemoryBroker(seed=seed)
+        #: The in-memory broker (pass your own to hand it to your consumer, e.g. for a
+        #: handler that publishes directly).
+        self.broker = broker if broker is not None else InMemoryBroker(seed=seed)
         self.ids: list[str] = []
         self.metrics = Metrics()
         self.crashes = 0
@@ -143,6 +224,35 @@ class ConsumerHarness:
             worker.run(until_idle=True)
         except SimulatedCrash:
             self.crashes += 1  # the transport was closed: unsettled deliveries are back
+
+    def run_relay(self, timeout: float = 60.0) -> int:
+        """Publish the committed outbox rows with the real relay into the in-memory
+        broker (a queue per topic / routing key); returns the rows published."""
+        from mqdedup.outbox import Relay, RelayConfig
+        from mqdedup.outbox.memory import MemoryPublisher
+
+        publisher = MemoryPublisher(self.broker)
+        relay = Relay(
+            self.engine,
+            {"kafka": publisher, "rabbitmq": publisher},
+            prefix=self.consumer_factory().table_prefix,
+            config=RelayConfig(poll_interval=0.05, listen=False),
+        )
+        try:
+            relay.drain(timeout)
+        finally:
+            relay.close()
+        return len(publisher.published)
+
+    def downstream(self, queue: str) -> list[DownstreamMessage]:
+        """Take every message waiting in in-memory ``queue`` (e.g. your output topic)."""
+        transport = self.broker.transport(queue)
+        taken: list[DownstreamMessage] = []
+        while deliveries := transport.fetch(1000, 0.0):
+            taken.extend(DownstreamMessage.from_message(d.message) for d in deliveries)
+            transport.settle(deliveries)
+        transport.close()
+        return taken
 
     @property
     def dead_letters(self) -> list[Any]:
@@ -219,3 +329,88 @@ def mqdedup_harness(mqdedup_engine: Engine) -> Callable[..., ConsumerHarness]:
         return ConsumerHarness(consumer, mqdedup_engine, **options)
 
     return make
+
+
+@pytest.fixture
+def mqdedup_database_url(tmp_path: Path) -> str:
+    """The database of the real-broker harnesses, shared with their worker processes.
+
+    ``MQDEDUP_TESTING_DATABASE_URL`` (PostgreSQL recommended), else a temporary SQLite
+    file. Each harness uses its own table prefix there, so tests may run in parallel.
+    """
+    return os.environ.get(TESTING_DATABASE_ENV) or f"sqlite:///{tmp_path / 'harness.db'}"
+
+
+def _require(service: str, reason: str) -> None:
+    """Skip locally; fail when ``CI`` is set (a missing service must not pass there)."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{service} is required in CI but unavailable: {reason}")
+    pytest.skip(f"{service} unavailable: {reason}")
+
+
+@pytest.fixture
+def mqdedup_kafka_harness(
+    mqdedup_database_url: str, tmp_path: Path
+) -> Iterator[Callable[..., KafkaHarness]]:
+    """``mqdedup_kafka_harness(MyKafkaConsumer)`` → a
+    :class:`~mqdedup.testing_brokers.KafkaHarness`.
+
+    The broker is ``bootstrap=`` or ``$MQDEDUP_KAFKA_BOOTSTRAP`` (skipped when unset,
+    failed under ``CI``). Other keyword arguments: ``partitions``, ``attributes``
+    (class attributes for the workers, e.g. ``{"batch_size": 10}``), ``database_url``,
+    ``timeout``. Everything the harness created is removed at the end of the test.
+    """
+    made: list[KafkaHarness] = []
+
+    def make(
+        consumer_class: type[Consumer], *, bootstrap: str | None = None, **options: Any
+    ) -> KafkaHarness:
+        from mqdedup.testing_brokers import KafkaHarness
+
+        address = bootstrap or os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
+        if not address:
+            _require("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
+        assert address is not None
+        options.setdefault("database_url", mqdedup_database_url)
+        folder = tmp_path / f"kafka-harness-{len(made) + 1}"
+        folder.mkdir()
+        harness = KafkaHarness(consumer_class, folder=folder, bootstrap=address, **options)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()
+
+
+@pytest.fixture
+def mqdedup_rabbitmq_harness(
+    mqdedup_database_url: str, tmp_path: Path
+) -> Iterator[Callable[..., RabbitMQHarness]]:
+    """``mqdedup_rabbitmq_harness(MyRabbitMQConsumer)`` → a
+    :class:`~mqdedup.testing_brokers.RabbitMQHarness`.
+
+    The broker is ``url=`` or ``$MQDEDUP_RABBITMQ_URL`` (skipped when unset, failed
+    under ``CI``). Other keyword arguments: ``attributes``, ``database_url``, ``timeout``.
+    """
+    made: list[RabbitMQHarness] = []
+
+    def make(
+        consumer_class: type[Consumer], *, url: str | None = None, **options: Any
+    ) -> RabbitMQHarness:
+        from mqdedup.testing_brokers import RabbitMQHarness
+
+        address = url or os.environ.get("MQDEDUP_RABBITMQ_URL")
+        if not address:
+            _require("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
+        assert address is not None
+        options.setdefault("database_url", mqdedup_database_url)
+        folder = tmp_path / f"rabbitmq-harness-{len(made) + 1}"
+        folder.mkdir()
+        harness = RabbitMQHarness(consumer_class, folder=folder, url=address, **options)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()
