@@ -57,6 +57,11 @@ MYSQL_TABLE_OPTIONS: dict[str, Any] = {
 }
 
 
+# Dialect names for ``Index.ddl_if`` (it takes a tuple; its annotation says ``str``).
+_PARTIAL_INDEX_DIALECTS: Any = ("postgresql", "sqlite")
+_MYSQL_DIALECTS: Any = ("mysql", "mariadb")
+
+
 class KeyString(TypeDecorator[str]):
     """A VARCHAR key column compared exactly, byte for byte, on every database.
 
@@ -186,6 +191,10 @@ def _outbox_table(prefix: str, metadata: MetaData) -> Table:
     after its attempts (``failed``, kept until retried). ``locked_by``/``locked_until``
     are the relay's lease on a claimed row (no index covers them, so taking a lease is a
     HOT update); ``shard_hash`` places the row's key in a shard owned by one relay.
+
+    MySQL/MariaDB have no partial indexes: there the claim walks ``(state, id)`` and the
+    per-key hold-back looks up ``(message_key, state, id)``, so neither reads the
+    published history (the partial indexes are created on PostgreSQL and SQLite only).
     """
     pending = text("state = 'pending'")
     retrying = text("state = 'pending' AND attempts > 0")
@@ -194,7 +203,7 @@ def _outbox_table(prefix: str, metadata: MetaData) -> Table:
         f"{prefix}outbox",
         metadata,
         Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
-        Column("message_id", String(255), nullable=False),
+        Column("message_id", KeyString(255), nullable=False),
         Column("broker", String(64), nullable=False),
         Column("destination", String(255), nullable=False),
         Column("routing_key", String(255), nullable=True),
@@ -220,7 +229,9 @@ def _outbox_table(prefix: str, metadata: MetaData) -> Table:
         Column("locked_until", PreciseDateTime, nullable=True),
         Column("published_at", PreciseDateTime, nullable=True),
         UniqueConstraint("message_id", name=f"{prefix}outbox_message_id_key"),
-        Index(f"{prefix}outbox_pending_idx", "id", postgresql_where=pending, sqlite_where=pending),
+        Index(
+            f"{prefix}outbox_pending_idx", "id", postgresql_where=pending, sqlite_where=pending
+        ).ddl_if(dialect=_PARTIAL_INDEX_DIALECTS),
         # Rows waiting for a retry hold back later rows of their key (small: failures only).
         Index(
             f"{prefix}outbox_retrying_idx",
@@ -228,6 +239,12 @@ def _outbox_table(prefix: str, metadata: MetaData) -> Table:
             "id",
             postgresql_where=retrying,
             sqlite_where=retrying,
+        ).ddl_if(dialect=_PARTIAL_INDEX_DIALECTS),
+        # MySQL/MariaDB: the claim's range (pending rows in id order) and the hold-back's
+        # lookup (a key's pending rows), in place of the partial indexes above.
+        Index(f"{prefix}outbox_claim_idx", "state", "id").ddl_if(dialect=_MYSQL_DIALECTS),
+        Index(f"{prefix}outbox_key_state_idx", "message_key", "state", "id").ddl_if(
+            dialect=_MYSQL_DIALECTS
         ),
         Index(
             f"{prefix}outbox_published_idx",

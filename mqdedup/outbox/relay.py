@@ -21,8 +21,10 @@ On PostgreSQL several relays can run at once: rows are sharded by key hash and e
 shard is owned by one relay through an advisory lock
 (:mod:`mqdedup.outbox.coordination`), so a key's rows are published by one relay in id
 order. Commits wake the relay through ``LISTEN``/``NOTIFY``; ``poll_interval`` is the
-fallback. SQLite has neither row locks nor advisory locks: run a single relay there,
-which polls.
+fallback. MySQL/MariaDB work the same way with named locks (``GET_LOCK``,
+:mod:`mqdedup.outbox.mysql_coordination`) in place of advisory locks; they have no
+``LISTEN``, so the relay polls every ``poll_interval``. SQLite has neither row locks nor
+advisory locks: run a single relay there, which polls.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ from sqlalchemy import Connection, Engine
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential, wait_random
 
 from mqdedup.consumers.stopping import StopToken, graceful_signals
-from mqdedup.dialects import is_transient
+from mqdedup.dialects import MYSQL_DIALECTS, is_transient
 from mqdedup.errors import ConfigurationError
 from mqdedup.outbox.coordination import ControlConnection
+from mqdedup.outbox.mysql_coordination import MySQLControlConnection
 from mqdedup.outbox.publishers import (
     PUBLISHED,
     OutboxRecord,
@@ -88,9 +91,10 @@ class RelayConfig:
     * ``delete_published``: delete rows once published instead of marking them.
     * ``retention``: published rows older than this are purged every ``purge_interval``
       seconds, ``purge_chunk_size`` rows per transaction (``None``: never).
-    * ``shards``: PostgreSQL only; every relay of one table must use the same number.
+    * ``shards``: PostgreSQL and MySQL/MariaDB; every relay of one table must use the
+      same number.
     * ``rebalance_interval``: seconds between shard rebalancing checks.
-    * ``listen``: use ``LISTEN``/``NOTIFY`` on PostgreSQL.
+    * ``listen``: use ``LISTEN``/``NOTIFY`` on PostgreSQL (MySQL/MariaDB always poll).
     """
 
     batch_size: int = 500
@@ -193,9 +197,9 @@ class Relay:
         if not publishers:
             raise ConfigurationError("a relay needs at least one publisher (kafka or rabbitmq)")
         dialect = engine.dialect.name
-        if dialect not in ("postgresql", "sqlite"):
+        if dialect not in ("postgresql", "sqlite", *MYSQL_DIALECTS):
             raise ConfigurationError(
-                f"the outbox relay supports PostgreSQL and SQLite, not {dialect!r}"
+                f"the outbox relay supports PostgreSQL, MySQL/MariaDB and SQLite, not {dialect!r}"
             )
         self.engine = engine
         self.publishers = dict(publishers)
@@ -205,8 +209,15 @@ class Relay:
         self.metrics = RelayMetrics()
         self.stop = StopToken()
         self._brokers: dict[str, _BrokerState] = {name: _BrokerState() for name in publishers}
-        self._control: ControlConnection | None = None
-        if dialect == "postgresql":
+        self._control: ControlConnection | MySQLControlConnection | None = None
+        if dialect in MYSQL_DIALECTS:
+            self._control = MySQLControlConnection(
+                engine,
+                table_name=self.store.table.name,
+                shards=self.config.shards,
+                fingerprint=",".join(sorted(publishers)),
+            )
+        elif dialect == "postgresql":
             self._control = ControlConnection(
                 engine,
                 table_name=self.store.table.name,
@@ -343,7 +354,9 @@ class Relay:
 
         On PostgreSQL each helper has its own connection, detached from the pool, in
         autocommit with the relay's session settings: a claim or a mark is one round
-        trip. A connection that failed is dropped; the retry opens a new one.
+        trip. On MySQL/MariaDB likewise, at ``READ COMMITTED``, each statement group in
+        its own transaction. A connection that failed is dropped; the retry opens a new
+        one.
         """
         if self._control is None:
             return statement(self.engine, *arguments, **options)
@@ -580,18 +593,19 @@ class Relay:
         pauses = [s.paused_until for s in self._brokers.values() if s.paused_until]
         if pauses:
             timeout = min(timeout, max(0.0, min(pauses) - time.monotonic()))
-        if self._control is not None and self._control.connected and self._control.owned:
+        control = self._control
+        if control is not None and control.listen and control.connected and control.owned:
             deadline = time.monotonic() + timeout
             # Short slices: heartbeats and stop requests are served while listening.
             while (remaining := deadline - time.monotonic()) > 0 and not self.stop.requested:
                 try:
-                    if self._control.wait(min(remaining, 0.5)):
+                    if control.wait(min(remaining, 0.5)):
                         break
                 except Exception as error:
                     if not is_transient(error):
                         raise
                     log.warning("relay control connection lost", extra={"error": str(error)})
-                    self._control.close()
+                    control.close()
                     break
                 self._keepalive()
         else:

@@ -42,6 +42,7 @@ from sqlalchemy import (
 from sqlalchemy.sql.elements import ColumnElement
 
 from mqdedup.dedup.store import utcnow
+from mqdedup.dialects import MYSQL_DIALECTS
 from mqdedup.outbox.notify import channel_name
 from mqdedup.outbox.publishers import OutboxRecord
 from mqdedup.outbox.writer import FAILED, PENDING, PUBLISHED
@@ -68,11 +69,17 @@ _MARK_SETTINGS = text("SET LOCAL synchronous_commit = off")
 
 
 def prepare_relay_connection(connection: Connection) -> Connection:
-    """Make ``connection`` a relay connection: autocommit (each statement is its own
-    short transaction, one round trip) with the relay's session settings (PostgreSQL).
+    """Make ``connection`` a relay connection.
+
+    PostgreSQL: autocommit (each statement is its own short transaction, one round trip)
+    with the relay's session settings. MySQL/MariaDB: ``READ COMMITTED`` for the session
+    (the claim's locking read then locks only the rows it returns, and no gaps that
+    would hold up writers); each store method runs its own transaction on it.
 
     Detach the connection from the pool afterwards (the settings stay on it).
     """
+    if connection.dialect.name in MYSQL_DIALECTS:
+        return connection.execution_options(isolation_level="READ COMMITTED")
     connection = connection.execution_options(isolation_level="AUTOCOMMIT")
     for setting in RELAY_SESSION_SETTINGS:
         connection.exec_driver_sql(setting)
@@ -81,14 +88,31 @@ def prepare_relay_connection(connection: Connection) -> Connection:
 
 @contextmanager
 def _transaction(bind: Bind, settings: Any) -> Iterator[Connection]:
-    """A short transaction on an engine, or the statement's own on a relay connection."""
+    """A short transaction on an engine or a relay connection.
+
+    On a PostgreSQL relay connection (autocommit) each statement is its own transaction.
+    On MySQL/MariaDB the transaction runs at ``READ COMMITTED`` (see
+    :func:`prepare_relay_connection`; on an engine it is set for this transaction).
+    """
     if isinstance(bind, Connection):
-        yield bind
+        if bind.dialect.name not in MYSQL_DIALECTS:
+            yield bind
+            return
+        with bind.begin():
+            yield bind
         return
     with bind.begin() as connection:
-        if bind.dialect.name == "postgresql":
+        dialect = bind.dialect.name
+        if dialect == "postgresql":
             connection.execute(settings)
+        elif dialect in MYSQL_DIALECTS:
+            # Before the transaction's first statement: applies to this transaction only.
+            connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
         yield connection
+
+
+class _ShardsLostError(Exception):
+    """The relay's control connection no longer holds a shard it claims from."""
 
 
 def _record_id(record: OutboxRecord) -> int:
@@ -97,17 +121,20 @@ def _record_id(record: OutboxRecord) -> int:
 
 @dataclass(frozen=True)
 class ShardFilter:
-    """Restricts a claim to the shards ``owned`` through advisory locks by a backend.
+    """Restricts a claim to the shards ``owned`` through locks held by one connection.
 
-    The claim re-checks the owner's locks in ``pg_locks`` in the same statement, so a
-    relay whose lock connection died (and whose shards another relay may have taken)
-    claims nothing.
+    PostgreSQL: advisory locks of ``lock_class`` held by the backend ``backend_pid``; the
+    claim re-checks them in ``pg_locks`` in the same statement. MySQL/MariaDB: the named
+    locks ``lock_names`` held by the connection id ``backend_pid``; the claim re-checks
+    them with ``IS_USED_LOCK`` in its transaction. Either way a relay whose lock
+    connection died (and whose shards another relay may have taken) claims nothing.
     """
 
     shards: int
     owned: frozenset[int]
     lock_class: int
     backend_pid: int
+    lock_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -163,12 +190,13 @@ class OutboxStore:
     ) -> list[OutboxRecord]:
         """Lease up to ``limit`` due pending rows for ``brokers``, oldest id first.
 
-        One statement, its own short transaction: ``WITH chosen AS (SELECT id … ORDER BY
-        id LIMIT n FOR UPDATE SKIP LOCKED) UPDATE … SET locked_by, locked_until FROM chosen
-        RETURNING …``. A row is skipped while an earlier row with the same key waits for
-        its retry, so a key's rows leave in order. ``bind`` is an engine or a connection
-        prepared with :func:`prepare_relay_connection` (autocommit, planner settings).
-        Returns the records sorted by id.
+        PostgreSQL: one statement, its own short transaction: ``WITH chosen AS (SELECT id
+        … ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED) UPDATE … SET locked_by, locked_until
+        FROM chosen RETURNING …``. MySQL/MariaDB: the same selection in one short
+        transaction of a few statements (see :meth:`_claim_mysql`). A row is skipped while
+        an earlier row with the same key waits for its retry, so a key's rows leave in
+        order. ``bind`` is an engine or a connection prepared with
+        :func:`prepare_relay_connection`. Returns the records sorted by id.
         """
         now = utcnow()
         params: dict[str, Any] = {
@@ -187,38 +215,86 @@ class OutboxStore:
                 lock_class=shard_filter.lock_class,
                 owner_pid=shard_filter.backend_pid,
             )
+        if bind.dialect.name in MYSQL_DIALECTS:
+            return self._claim_mysql(bind, params, shard_filter)
         statement = self._claim_statement(shard_filter is not None)
         with _transaction(bind, _CLAIM_SETTINGS) as connection:
             rows = connection.execute(statement, params).all()
-        loads = json.loads
-        records = [
-            OutboxRecord(
-                row[0],
-                row[1],
-                row[2],
-                row[3],
-                row[4],
-                row[5],
-                loads(row[6]),
-                None if row[7] is None else loads(row[7]),
-                row[8],
-                row[9],
-                row[10],
-            )
-            for row in rows
-        ]
-        records.sort(key=_record_id)
-        return records
+        return _records(rows)
+
+    def _claim_mysql(
+        self, bind: Bind, params: dict[str, Any], shard_filter: ShardFilter | None
+    ) -> list[OutboxRecord]:
+        """The claim on MySQL/MariaDB, which have no ``UPDATE … RETURNING``.
+
+        One short ``READ COMMITTED`` transaction: ``SELECT id … ORDER BY id LIMIT n FOR
+        UPDATE SKIP LOCKED`` (same conditions as on PostgreSQL), ``UPDATE`` the lease of
+        those ids, check that the relay still holds its shards' named locks, read the
+        rows, commit. A failed check rolls back: nothing is leased.
+        """
+        table = self.table
+        try:
+            with _transaction(bind, _CLAIM_SETTINGS) as connection:
+                ids = list(
+                    connection.execute(self._claim_ids_mysql(shard_filter is not None), params)
+                    .scalars()
+                    .all()
+                )
+                if not ids:
+                    return []
+                connection.execute(
+                    update(table)
+                    .where(table.c.id.in_(ids))
+                    .values(locked_by=params["relay_id"], locked_until=params["until"])
+                )
+                if shard_filter is not None and not _locks_held(connection, shard_filter):
+                    raise _ShardsLostError
+                rows = connection.execute(self._claimed_rows().where(table.c.id.in_(ids))).all()
+        except _ShardsLostError:  # the transaction was rolled back: nothing leased
+            log.warning("relay lost its shard locks; claiming nothing", extra={"table": table.name})
+            return []
+        return _records(rows)
 
     @functools.cache  # noqa: B019 - two statements per store, built once
-    def _claim_statement(self, sharded: bool) -> Any:
-        """The claim statement (see :meth:`claim`), with bind parameters for the values."""
+    def _claim_ids_mysql(self, sharded: bool) -> Any:
+        """``SELECT id … FOR UPDATE SKIP LOCKED``: the claimable rows, oldest first."""
+        candidate, conditions = self._claimable(sharded, pg_locks=False)
+        return (
+            select(candidate.c.id)
+            .where(*conditions)
+            .order_by(candidate.c.id)
+            .limit(bindparam("limit", type_=Integer))
+            .with_for_update(skip_locked=True)
+        )
+
+    def _claimed_rows(self) -> Any:
+        table = self.table
+        return select(
+            table.c.id,
+            table.c.message_id,
+            table.c.broker,
+            table.c.destination,
+            table.c.routing_key,
+            table.c.message_key,
+            # JSON as text, decoded by _records.
+            cast(table.c.headers, Text),
+            cast(table.c.properties, Text),
+            table.c.payload,
+            table.c.attempts,
+            table.c.created_at,
+        )
+
+    def _claimable(
+        self, sharded: bool, *, pg_locks: bool = True
+    ) -> tuple[Any, list[ColumnElement[bool]]]:
+        """The ``candidate`` alias and the conditions that make one of its rows claimable."""
         table = self.table
         now = bindparam("now", type_=table.c.available_at.type)
         candidate = table.alias("candidate")
         earlier = table.alias("earlier")
         # An earlier row of the same key waiting for its retry holds this one back
-        # (matches the small partial index <prefix>outbox_retrying_idx).
+        # (matches the small partial index <prefix>outbox_retrying_idx; on MySQL/MariaDB
+        # <prefix>outbox_key_state_idx).
         blocked = exists().where(
             earlier.c.message_key == candidate.c.message_key,
             earlier.c.id < candidate.c.id,
@@ -234,7 +310,14 @@ class OutboxStore:
             ~blocked,
         ]
         if sharded:
-            conditions.extend(_owned_shards(candidate.c.shard_hash))
+            conditions.extend(_owned_shards(candidate.c.shard_hash, pg_locks=pg_locks))
+        return candidate, conditions
+
+    @functools.cache  # noqa: B019 - two statements per store, built once
+    def _claim_statement(self, sharded: bool) -> Any:
+        """The claim statement (see :meth:`claim`), with bind parameters for the values."""
+        table = self.table
+        candidate, conditions = self._claimable(sharded)
         chosen = (
             select(candidate.c.id)
             .where(*conditions)
@@ -429,10 +512,19 @@ class OutboxStore:
             .limit(chunk_size)
         )
         statement = delete(table).where(table.c.id.in_(oldest))
+        mysql = engine.dialect.name in MYSQL_DIALECTS
         total = 0
         while True:
             with engine.begin() as connection:
-                deleted = connection.execute(statement).rowcount
+                if mysql:  # no LIMIT in an IN subquery there: read the chunk's ids first
+                    ids = list(connection.execute(oldest).scalars())
+                    deleted = (
+                        connection.execute(delete(table).where(table.c.id.in_(ids))).rowcount
+                        if ids
+                        else 0
+                    )
+                else:
+                    deleted = connection.execute(statement).rowcount
             total += deleted
             if deleted < chunk_size:
                 break
@@ -483,12 +575,52 @@ class OutboxStore:
         connection.execute(text("SELECT pg_notify(:channel, '')"), {"channel": self.channel})
 
 
-def _owned_shards(shard_hash: Any) -> list[ColumnElement[bool]]:
-    """The row's shard is one the relay owns, and the relay still holds all of them.
+def _records(rows: Sequence[Any]) -> list[OutboxRecord]:
+    """Claimed rows (columns as in the claim's ``RETURNING``) as records sorted by id."""
+    loads = json.loads
+    records = [
+        OutboxRecord(
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            row[5],
+            loads(row[6]),
+            None if row[7] is None else loads(row[7]),
+            row[8],
+            row[9],
+            _aware(row[10]),
+        )
+        for row in rows
+    ]
+    records.sort(key=_record_id)
+    return records
+
+
+def _aware(moment: datetime) -> datetime:
+    """A timestamp read back from the database, in UTC (MySQL and SQLite return naive)."""
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
+
+
+def _locks_held(connection: Connection, shard_filter: ShardFilter) -> bool:
+    """MySQL/MariaDB: the relay's control connection still holds every claimed shard."""
+    names = shard_filter.lock_names
+    if not names:
+        return False
+    checks = " AND ".join(f"IS_USED_LOCK(:n{i}) <=> :owner" for i in range(len(names)))
+    params: dict[str, Any] = {f"n{i}": name for i, name in enumerate(names)}
+    params["owner"] = shard_filter.backend_pid
+    return bool(connection.execute(text(f"SELECT {checks}"), params).scalar())
+
+
+def _owned_shards(shard_hash: Any, *, pg_locks: bool = True) -> list[ColumnElement[bool]]:
+    """The row's shard is one the relay owns, and (PostgreSQL) it still holds all of them.
 
     The second condition is an uncorrelated subquery on ``pg_locks`` (evaluated once per
     claim): if the relay's lock connection died, its shards may belong to another relay
-    by now, and the claim returns nothing.
+    by now, and the claim returns nothing. MySQL/MariaDB check their named locks with a
+    separate statement in the claim's transaction (:func:`_locks_held`).
     """
     still_held = text(
         "(SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
@@ -498,6 +630,8 @@ def _owned_shards(shard_hash: Any) -> list[ColumnElement[bool]]:
     )
     shard: ColumnElement[int] = shard_hash % bindparam("shards", type_=Integer)
     owned: ColumnElement[bool] = shard.in_(bindparam("owned_shards", expanding=True))
+    if not pg_locks:
+        return [owned]
     return [owned, still_held]  # type: ignore[list-item]
 
 
