@@ -45,18 +45,20 @@ FULL = Sizes(
     memory_messages=1_000_000,
 )
 
+#: ``--quick``: a smoke run of every suite (one run, small sizes, ~30 s on 2 cores);
+#: it proves the suite works on this machine, its figures are not for comparison.
 QUICK = Sizes(
-    runs=2,
-    consumer_messages=5_000,
-    consumer_slow_messages=1_000,
-    relay_rows=5_000,
-    latency_rows=60,
-    claim_table_sizes=(0, 100_000, 500_000),
-    claim_messages=5_000,
+    runs=1,
+    consumer_messages=2_000,
+    consumer_slow_messages=300,
+    relay_rows=2_000,
+    latency_rows=30,
+    claim_table_sizes=(0, 50_000, 200_000),
+    claim_messages=2_000,
     purge_default_rows=5_000,
-    purge_small_chunk_rows=20_000,
-    purge_rows=100_000,
-    memory_messages=50_000,
+    purge_small_chunk_rows=5_000,
+    purge_rows=50_000,
+    memory_messages=20_000,
 )
 
 
