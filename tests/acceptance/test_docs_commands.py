@@ -1,0 +1,464 @@
+"""Every shell command of README.md, docs/*.md and the examples' READMEs runs as written.
+
+Each fenced ``bash`` / ``sh`` / ``shell`` / ``console`` block is one test, named after
+its file and line (``README.md:L28``), run in document order in its own
+``bash -euo pipefail`` session from the repository root, with the environment a user
+who followed the install steps and ``scripts/services.sh env`` would have: the venv's
+``bin`` first on ``PATH`` and the service URLs. ``tests/acceptance/docs_blocks.py``
+describes the ``<!-- docs-test: ... -->`` annotations (skip, background, exit N,
+equivalent, fresh-checkout).
+
+Isolation from the other tests running on the same services: ``MQDEDUP_DATABASE_URL``
+(and ``MQDEDUP_TEST_DATABASE_URL``) point at a PostgreSQL database created for this
+run and dropped afterwards, so the docs keep the default table prefix; the examples'
+topic, group and queue variables get names unique to the run and the page. Blocks
+that install packages run in a throw-away copy of the checkout with its own ``.venv``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from sqlalchemy import make_url, text
+
+from mqdedup.db import create_engine
+from tests.acceptance.docs_blocks import Block, doc_files, parse
+from tests.conftest import require_service
+from tests.services import REPO
+
+pytestmark = [pytest.mark.integration]
+
+VENV_BIN = Path(sys.executable).parent
+PARSED = {path: parse(path, REPO) for path in doc_files(REPO)}
+BLOCKS: list[Block] = [block for blocks, _ in PARSED.values() for block in blocks]
+ANNOTATION_ERRORS: list[str] = [error for _, errors in PARSED.values() for error in errors]
+
+#: Blocks that cannot run here, by (file, start of the first line): keep this list short.
+ALLOWED_SKIPS: dict[tuple[str, str], str] = {
+    ("README.md", "bash scripts/test.sh"): "the whole suite, this test included (recursion)",
+    ("docs/benchmarks.md", ".venv/bin/python -m bench "): "the 8-minute full run",
+    ("docs/guide.md", "mqdedup replay shop.consumers:PaymentStream"): "a RabbitMQ stream",
+    ("examples/README.md", "docker compose up"): "no Docker here",
+}
+#: At least this many blocks must really run (guards against a parser that finds nothing).
+MIN_EXECUTED = 15
+BLOCK_TIMEOUT = 300.0
+DAEMON_TIMEOUT = 90.0
+STOP_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class DocsEnv:
+    """The environment of the run: service URLs, the isolated database, unique names."""
+
+    base: dict[str, str]
+    tag: str
+
+    def for_page(self, relative: str) -> dict[str, str]:
+        """The env for one page's blocks: the examples' names unique to the page."""
+        slug = re.sub(r"[^a-z0-9]+", "-", relative.lower()).strip("-")[:24]
+        name = f"docs-{self.tag}-{slug}"
+        return {
+            **self.base,
+            "ORDERS_TOPIC": f"{name}-orders",
+            "ORDER_EVENTS_TOPIC": f"{name}-order-events",
+            "ORDERS_GROUP": f"{name}-order-service",
+            "PAYMENTS_QUEUE": f"{name}-payments",
+        }
+
+
+def _services_env() -> dict[str, str]:
+    """``os.environ`` plus what ``eval "$(bash scripts/services.sh env)"`` exports."""
+    result = subprocess.run(
+        ["bash", "-c", 'eval "$(bash scripts/services.sh env)" && env -0'],
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    if result.returncode != 0:
+        require_service("services", f"scripts/services.sh env failed: {result.stderr!r}")
+    pairs = (item.partition(b"=") for item in result.stdout.split(b"\0") if item)
+    return {key.decode(): value.decode() for key, _, value in pairs}
+
+
+@pytest.fixture(scope="module")
+def docs_env() -> Iterator[DocsEnv]:
+    """Service URLs with a PostgreSQL database of this run's own; cleaned up after."""
+    env = _services_env()
+    for variable, service in (
+        ("MQDEDUP_TEST_DATABASE_URL", "PostgreSQL"),
+        ("MQDEDUP_KAFKA_BOOTSTRAP", "Kafka"),
+        ("MQDEDUP_RABBITMQ_URL", "RabbitMQ"),
+    ):
+        if not env.get(variable):
+            require_service(service, f"{variable} is not set")
+    tag = uuid.uuid4().hex[:8]
+    database = f"mqdedup_docs_{tag}"
+    shared_url = env["MQDEDUP_TEST_DATABASE_URL"]
+    admin = create_engine(shared_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{database}"'))
+    except Exception as error:  # any failure means PostgreSQL is unusable here
+        admin.dispose()
+        require_service("PostgreSQL", f"cannot create a database: {error}")
+    url = make_url(shared_url).set(database=database).render_as_string(hide_password=False)
+    for name in ("MQDEDUP_CONFIG", "MQDEDUP_TABLE_PREFIX", "VIRTUAL_ENV"):
+        env.pop(name, None)
+    env.update(
+        {
+            "MQDEDUP_DATABASE_URL": url,
+            "MQDEDUP_TEST_DATABASE_URL": url,
+            "PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+            "PYTHONPATH": str(REPO),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    try:
+        yield DocsEnv(env, tag)
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
+        admin.dispose()
+        _delete_broker_names(DocsEnv(env, tag))
+
+
+def _delete_broker_names(docs: DocsEnv) -> None:
+    """Delete the topics and queues this run created (all named ``docs-<tag>-...``)."""
+    import kafka
+    import pika
+
+    env, prefix = docs.base, f"docs-{docs.tag}-"
+    admin = kafka.KafkaAdminClient(bootstrap_servers=env["MQDEDUP_KAFKA_BOOTSTRAP"])
+    try:
+        doomed = [topic for topic in admin.list_topics() if topic.startswith(prefix)]
+        if doomed:
+            admin.delete_topics(doomed)
+    finally:
+        admin.close()
+    pages = {block.relative for block in BLOCKS}
+    connection = pika.BlockingConnection(pika.URLParameters(env["MQDEDUP_RABBITMQ_URL"]))
+    try:
+        channel = connection.channel()
+        for page in pages:
+            queue = docs.for_page(page)["PAYMENTS_QUEUE"]
+            for name in (queue, f"{queue}.dlq"):
+                channel.queue_delete(name)
+    finally:
+        connection.close()
+
+
+@pytest.fixture(scope="module")
+def fresh_checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the working tree (tracked and new files) with an empty ``.venv``."""
+    root = tmp_path_factory.mktemp("checkout")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        source = REPO / name
+        if source.is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / name)
+    subprocess.run(
+        ["python3", "-m", "venv", ".venv"],
+        cwd=root,
+        env=_checkout_env(os.environ.copy(), root),
+        check=True,
+        timeout=180,
+    )
+    return root
+
+
+def _checkout_env(env: dict[str, str], root: Path) -> dict[str, str]:
+    """``env`` with the checkout's own venv first and the project's venv off ``PATH``."""
+    path = [p for p in env.get("PATH", "").split(os.pathsep) if p and Path(p) != VENV_BIN]
+    return {
+        **env,
+        "PATH": os.pathsep.join([str(root / ".venv" / "bin"), *path]),
+        "VIRTUAL_ENV": str(root / ".venv"),
+        "PYTHONPATH": str(root),
+    }
+
+
+def _place(
+    block: Block, docs_env: DocsEnv, request: pytest.FixtureRequest
+) -> tuple[dict[str, str], Path]:
+    env = docs_env.for_page(block.relative)
+    if block.directive("fresh-checkout"):
+        root: Path = request.getfixturevalue("fresh_checkout")
+        return _checkout_env(env, root), root
+    return env, REPO
+
+
+def _bash(script: str) -> list[str]:
+    return ["bash", "--noprofile", "--norc", "-euo", "pipefail", "-c", script]
+
+
+def _leftovers(group: int) -> bool:
+    """Whether a process of ``group`` (a block's own session) is still running."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def run_foreground(block: Block, env: dict[str, str], cwd: Path) -> str:
+    """Run the block; check its exit status (and a console block's output); return output."""
+    steps = block.console_steps() if block.language == "console" else []
+    if steps and not block.directive("equivalent"):
+        script = "".join(
+            f"printf '\\n@@docs-test step {n}@@\\n'\n{command}\n"
+            for n, (command, _) in enumerate(steps)
+        )
+    else:
+        script = block.script()
+    process = subprocess.Popen(
+        _bash(script),
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=BLOCK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(
+            f"{block.ident} did not finish within {BLOCK_TIMEOUT:.0f}s:\n"
+            f"{output.decode(errors='replace')[-4000:]}"
+        ) from None
+    printed = output.decode(errors="replace")
+    left_running = _leftovers(process.pid)
+    if left_running:
+        os.killpg(process.pid, signal.SIGKILL)
+    exit_directive = block.directive("exit")
+    expected = int(exit_directive.argument) if exit_directive else 0
+    assert process.returncode == expected, (
+        f"{block.ident} exited {process.returncode}, expected {expected}:\n{script}\n"
+        f"--- output ---\n{printed[-6000:]}"
+    )
+    assert not left_running, (
+        f"{block.ident} left processes running (a daemon belongs in its own block with "
+        "<!-- docs-test: background -->)"
+    )
+    if steps and not block.directive("equivalent"):
+        check_console_output(block, steps, printed)
+    return printed
+
+
+def _normal(line: str) -> str:
+    return " ".join(line.split())
+
+
+def check_console_output(block: Block, steps: list[tuple[str, list[str]]], printed: str) -> None:
+    """Each expected line of a console step appears in that step's output."""
+    outputs = re.split(r"^@@docs-test step \d+@@$", printed, flags=re.M)[1:]
+    for (command, expected), output in zip(steps, outputs, strict=True):
+        got = [_normal(line) for line in output.splitlines() if line.strip()]
+        for line in expected:
+            pattern = ".*".join(re.escape(part) for part in _normal(line).split("..."))
+            assert any(re.fullmatch(pattern, g) for g in got), (
+                f"{block.ident}: `{command}` did not print {line.strip()!r}; it printed:\n"
+                + "\n".join(got)
+            )
+
+
+def _metrics(port: int) -> dict[str, float] | None:
+    """``/metrics`` summed per metric name; None while the endpoint does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            body = response.read().decode()
+    except (OSError, urllib.error.URLError):
+        return None
+    totals: dict[str, float] = {}
+    for line in body.splitlines():
+        match = re.match(r"^([a-z_]+)(?:\{[^}]*\})? (\S+)$", line)
+        if match:
+            totals[match.group(1)] = totals.get(match.group(1), 0.0) + float(match.group(2))
+    return totals
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz/ready", timeout=5):
+            return True
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def _caught_up(now: dict[str, float], before: dict[str, float] | None, relay: bool) -> bool:
+    """Started, nothing left and no counter moved since ``before``.
+
+    Nothing left: a worker's Kafka lag is 0 and every delivery it fetched is finished
+    (processed, duplicate or dead-lettered; not waiting for a retry); a relay's outbox
+    backlog is 0.
+    """
+    lag = now.get("mqdedup_consumer_lag")
+    backlog = now.get("mqdedup_outbox_backlog")
+    delivered = now.get("mqdedup_messages_delivered_total", 0.0)
+    finished = sum(
+        now.get(f"mqdedup_messages_{name}_total", 0.0)
+        for name in ("processed", "duplicates", "dead_lettered")
+    )
+    if relay:
+        started, left = backlog is not None, bool(backlog)
+    else:
+        started, left = lag is not None or delivered > 0, bool(lag) or finished < delivered
+    counters = {k: v for k, v in now.items() if k.endswith("_total")}
+    previous = {k: v for k, v in (before or {}).items() if k.endswith("_total")}
+    return started and not left and before is not None and counters == previous
+
+
+def run_background(block: Block, env: dict[str, str], cwd: Path, log: Path) -> None:
+    """Start the daemon, wait until it is healthy and idle, SIGTERM it, expect exit 0."""
+    command = block.script().strip()
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            _bash(f"exec {command}"),
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def failure(what: str) -> str:
+        return f"{block.ident}: {what}:\n{log.read_text(errors='replace')[-5000:]}"
+
+    try:
+        port_match = re.search(r"--health-port[ =](\d+)", command)
+        deadline = time.monotonic() + DAEMON_TIMEOUT
+        if port_match:
+            port = int(port_match.group(1))
+            while not _ready(port):
+                assert process.poll() is None, failure(f"exited {process.returncode} early")
+                assert time.monotonic() < deadline, failure("never became ready")
+                time.sleep(0.2)
+            before: dict[str, float] | None = None
+            while True:
+                assert process.poll() is None, failure(f"exited {process.returncode} early")
+                now = _metrics(port) or {}
+                if _caught_up(
+                    now, before, relay=re.search(r"\bmqdedup\s+relay\b", command) is not None
+                ):
+                    break
+                assert time.monotonic() < deadline, failure(f"never caught up: {now}")
+                before = now
+                time.sleep(1.0)
+        else:
+            # No health endpoint: it must survive its start-up (connect, check tables).
+            settled = time.monotonic() + 5.0
+            while time.monotonic() < settled:
+                assert process.poll() is None, failure(f"exited {process.returncode} early")
+                time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(failure("did not stop within 60s of SIGTERM")) from None
+        assert code == 0, failure(f"exited {code} after SIGTERM, expected 0")
+    finally:
+        if _leftovers(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+def _skipped(block: Block) -> str | None:
+    directive = block.directive("skip")
+    return directive.argument if directive else None
+
+
+@pytest.mark.timeout(BLOCK_TIMEOUT + 120)
+@pytest.mark.parametrize("block", BLOCKS, ids=[block.ident for block in BLOCKS])
+def test_docs_block_runs_as_written(
+    block: Block, docs_env: DocsEnv, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    reason = _skipped(block)
+    if reason:
+        pytest.skip(f"{block.ident}: {reason}")
+    env, cwd = _place(block, docs_env, request)
+    if block.directive("background"):
+        run_background(block, env, cwd, tmp_path / "daemon.log")
+    else:
+        run_foreground(block, env, cwd)
+
+
+def test_docs_annotations_are_well_formed_and_skips_allow_listed() -> None:
+    """Unknown or misplaced directives fail; skips stay on the explicit allow-list."""
+    assert ANNOTATION_ERRORS == [], "\n".join(ANNOTATION_ERRORS)
+    skipped = [b for b in BLOCKS if _skipped(b)]
+    listing = "\n".join(f"  {b.ident}: {b.first_line!r}: {_skipped(b)}" for b in skipped)
+    print(f"skipped documentation blocks:\n{listing}")
+    matched = {
+        key
+        for b in skipped
+        for key in ALLOWED_SKIPS
+        if key[0] == b.relative and b.first_line.startswith(key[1])
+    }
+    unlisted = [
+        b.ident
+        for b in skipped
+        if not any(k[0] == b.relative and b.first_line.startswith(k[1]) for k in ALLOWED_SKIPS)
+    ]
+    assert not unlisted and matched == set(ALLOWED_SKIPS), (
+        f"skipped blocks must match ALLOWED_SKIPS one to one; not allowed: {unlisted}, "
+        f"allowed but not skipped: {sorted(set(ALLOWED_SKIPS) - matched)}\n{listing}"
+    )
+    executed = [b for b in BLOCKS if not _skipped(b)]
+    assert len(executed) >= MIN_EXECUTED, f"only {len(executed)} blocks run"
+    pages = {b.relative for b in executed}
+    assert {"README.md", "docs/guide.md", "docs/benchmarks.md"} <= pages
+
+
+def test_annotation_parser_rejects_what_it_does_not_know(tmp_path: Path) -> None:
+    """The parser names the line of an unknown, misplaced or unfinished annotation."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- docs-test: sikp: typo -->\n```bash\ntrue\n```\n"
+        "<!-- docs-test: skip: short -->\n```bash\ntrue\n```\n"
+        "<!-- docs-test: background -->\n```python\nx = 1\n```\n"
+        "<!-- docs-test: exit 3 -->\n```console\n$ false\n```\n"
+        "<!-- docs-test: background -->\n```bash\na\nb\n```\n"
+        "```sh\npip install -e .\n```\n"
+        "<!-- docs-test: equivalent: cmd --never-mentioned -->\n```bash\nslow\n```\n"
+        "```bash\nexport MQDEDUP_DATABASE_URL=x\nmqdedup db init\n```\n"
+    )
+    blocks, errors = parse(page, tmp_path)
+    assert [b.line for b in blocks] == [2, 6, 14, 18, 22, 26, 29]
+    assert blocks[2].directive("exit") is not None
+    assert blocks[2].console_steps() == [("false", [])]
+    joined = "\n".join(errors)
+    for expected in (
+        "page.md:L1: unknown docs-test directive",
+        "page.md:L5: 'skip' needs a reason",
+        "page.md:L9: docs-test comment before a python block",
+        "page.md:L18: a background block must hold exactly one command",
+        "page.md:L22: installs packages",
+        "page.md:L26: the equivalent 'cmd --never-mentioned' is not mentioned",
+        "page.md:L29: sets MQDEDUP_DATABASE_URL",
+    ):
+        assert expected in joined, joined
