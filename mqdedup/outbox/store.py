@@ -227,10 +227,21 @@ class OutboxStore:
     ) -> list[OutboxRecord]:
         """The claim on MySQL/MariaDB, which have no ``UPDATE … RETURNING``.
 
-        One short ``READ COMMITTED`` transaction: ``SELECT id … ORDER BY id LIMIT n FOR
-        UPDATE SKIP LOCKED`` (same conditions as on PostgreSQL), ``UPDATE`` the lease of
-        those ids, check that the relay still holds its shards' named locks, read the
-        rows, commit. A failed check rolls back: nothing is leased.
+        One short ``READ COMMITTED`` transaction:
+
+        1. ``SELECT id … ORDER BY id LIMIT n``, the same conditions as on PostgreSQL, as
+           a plain (non-locking) read of the latest committed rows;
+        2. ``UPDATE … SET locked_by, locked_until WHERE id IN (…)``, re-checking that each
+           row is still pending and not leased (the row lock decides between two
+           claimers: the second sees the first's lease and leaves the row);
+        3. check that the relay still holds its shards' named locks (else roll back);
+        4. read the rows this relay leased; commit.
+
+        No ``FOR UPDATE SKIP LOCKED`` here: InnoDB locks every row its locking read
+        *examines*, so another relay scanning past this relay's rows (of its own shards)
+        would make them skipped, and a key's later row could leave before an earlier
+        one. Shards (named locks) keep relays apart; the conditional ``UPDATE`` keeps
+        a row from being leased twice.
         """
         table = self.table
         try:
@@ -242,14 +253,25 @@ class OutboxStore:
                 )
                 if not ids:
                     return []
+                now = params["now"]
                 connection.execute(
                     update(table)
-                    .where(table.c.id.in_(ids))
+                    .where(
+                        table.c.id.in_(ids),
+                        table.c.state == PENDING,
+                        or_(table.c.locked_until.is_(None), table.c.locked_until < now),
+                    )
                     .values(locked_by=params["relay_id"], locked_until=params["until"])
                 )
                 if shard_filter is not None and not _locks_held(connection, shard_filter):
                     raise _ShardsLostError
-                rows = connection.execute(self._claimed_rows().where(table.c.id.in_(ids))).all()
+                rows = connection.execute(
+                    self._claimed_rows().where(
+                        table.c.id.in_(ids),
+                        table.c.locked_by == params["relay_id"],
+                        table.c.locked_until == params["until"],
+                    )
+                ).all()
         except _ShardsLostError:  # the transaction was rolled back: nothing leased
             log.warning("relay lost its shard locks; claiming nothing", extra={"table": table.name})
             return []
@@ -257,14 +279,13 @@ class OutboxStore:
 
     @functools.cache  # noqa: B019 - two statements per store, built once
     def _claim_ids_mysql(self, sharded: bool) -> Any:
-        """``SELECT id … FOR UPDATE SKIP LOCKED``: the claimable rows, oldest first."""
+        """``SELECT id … ORDER BY id LIMIT n``: the claimable rows, oldest first."""
         candidate, conditions = self._claimable(sharded, pg_locks=False)
         return (
             select(candidate.c.id)
             .where(*conditions)
             .order_by(candidate.c.id)
             .limit(bindparam("limit", type_=Integer))
-            .with_for_update(skip_locked=True)
         )
 
     def _claimed_rows(self) -> Any:
