@@ -226,39 +226,54 @@ class BrokerHarness:
         return worker
 
     def run_killing_after_commit(self, times: int = 1, *, at_commit: int = 1) -> int:
-        """``times`` rounds: a worker commits ``at_commit`` batches and is killed with
-        ``kill -9`` before the broker is settled (no ack / no offset commit). Returns
-        the kills done (fewer when the work ran out)."""
+        """``times`` rounds: a worker commits ``at_commit`` batches of new messages and is
+        killed with ``kill -9`` before the broker is settled (no ack / no offset commit).
+        Returns the kills done: fewer when the new messages ran out (a round that finds
+        only duplicates left is stopped gracefully)."""
         done = 0
         for _ in range(times):
-            if self.drained():
+            if self.drained() or not self._kill_when_held(
+                self.start_worker(hold_after_commit=at_commit)
+            ):
                 break
-            self._kill_when_held(self.start_worker(hold_after_commit=at_commit))
             done += 1
         return done
 
     def run_killing_mid_batch(self, after_messages: int) -> bool:
         """A worker is killed with ``kill -9`` inside a batch's open transaction, after
-        ``after_messages`` handler calls. False when nothing was left to process."""
+        ``after_messages`` handler calls. False when no new message was left."""
         if self.drained():
             return False
-        self._kill_when_held(self.start_worker(hold_mid_batch=after_messages))
-        return True
+        return self._kill_when_held(self.start_worker(hold_mid_batch=after_messages))
+
+    def _nothing_left(self, worker: WorkerProcess) -> bool:
+        """True when ``worker`` will find no more work (checked every 2 s)."""
+        return self.drained()
 
     def _wait(self, worker: WorkerProcess, condition: Callable[[], bool], what: str) -> None:
         """Wait for ``condition`` (or the worker's exit, which is an error)."""
         wait_for(lambda: condition() or not worker.alive, self.timeout, what)
         worker.ensure_alive()
 
-    def _kill_when_held(self, worker: WorkerProcess) -> None:
-        wait_for(
-            lambda: worker.file("held").exists() or not worker.alive,
-            self.timeout,
-            f"{worker.label} to reach the fault point",
-        )
-        worker.ensure_alive()
+    def _kill_when_held(self, worker: WorkerProcess) -> bool:
+        """Kill ``worker`` at its fault point; False (and a graceful stop) if the work
+        ran out before it got there."""
+        deadline = time.monotonic() + self.timeout
+        next_check = time.monotonic() + 2.0
+        while not worker.file("held").exists():
+            worker.ensure_alive()
+            if time.monotonic() > next_check:
+                if self._nothing_left(worker):
+                    if worker.terminate() != 0:
+                        raise HarnessError(f"worker {worker.label} failed:\n{worker.log_tail()}")
+                    return False
+                next_check = time.monotonic() + 2.0
+            if time.monotonic() > deadline:
+                raise HarnessError(f"timed out waiting for {worker.label} to reach the fault")
+            time.sleep(0.05)
         worker.kill()
         self.kills += 1
+        return True
 
     def run_until_drained(self) -> None:
         """Run a worker until everything is processed and settled, then SIGTERM it."""
@@ -509,13 +524,17 @@ class RabbitMQHarness(BrokerHarness):
             )
             self.channel.basic_publish("", self.queue, body, properties, mandatory=True)
 
-    def _kill_when_held(self, worker: WorkerProcess) -> None:
-        super()._kill_when_held(worker)
+    def _kill_when_held(self, worker: WorkerProcess) -> bool:
+        killed = super()._kill_when_held(worker)
         # The broker requeues the dead worker's unacked deliveries when it notices the
         # closed connection: wait for that before looking at the queue again.
         wait_for(
             lambda: self.consumers() == 0, self.timeout, "the broker to drop the killed worker"
         )
+        return killed
+
+    def _nothing_left(self, worker: WorkerProcess) -> bool:
+        return self.waiting() == 0
 
     def consumers(self) -> int:
         """Consumers attached to the consumer's queue."""
