@@ -1,10 +1,13 @@
 """Relay benchmark: throughput against the fastest equally safe raw publish loop, and latency.
 
     python bench/relay_bench.py [--rows 100000] [--runs 3] [--latency-rows 1000]
+                                [--database URL ...] [--brokers kafka,rabbitmq]
 
 Needs ``MQDEDUP_TEST_DATABASE_URL`` (PostgreSQL), ``MQDEDUP_KAFKA_BOOTSTRAP`` and
-``MQDEDUP_RABBITMQ_URL`` (``scripts/services.sh env``). It uses its own table prefix,
-topics and queues and removes them at the end.
+``MQDEDUP_RABBITMQ_URL`` (``scripts/services.sh env``). ``--database URL`` (repeatable)
+measures other databases instead, e.g. PostgreSQL and MariaDB side by side in one run:
+``--database "$MQDEDUP_TEST_DATABASE_URL" --database "$MQDEDUP_TEST_MARIADB_URL"``. It
+uses its own table prefix, topics and queues and removes them at the end.
 
 Throughput, per broker, interleaved and repeated ``--runs`` times (medians reported):
 
@@ -12,12 +15,14 @@ Throughput, per broker, interleaved and repeated ``--runs`` times (medians repor
   memory. Kafka: kafka-python ``acks=all`` + idempotence, one ``flush()`` per 500.
   RabbitMQ: pika ``SelectConnection``, persistent, ``mandatory``, publisher confirms
   handled asynchronously with a window of 1000 unconfirmed messages.
-* relay: ``--rows`` pending outbox rows (loaded with COPY, not timed) published by
-  ``Relay.drain()`` with the default settings (batches of 500, rows marked published).
+* relay: ``--rows`` pending outbox rows (loaded with COPY on PostgreSQL, multi-row
+  INSERTs elsewhere; not timed) published by ``Relay.drain()`` with the default
+  settings (batches of 500, rows marked published), on each database in turn.
 
 Latency: ``--latency-rows`` single-row transactions, one every few milliseconds, with a
 relay running in a thread; commit-to-publish = from ``commit()`` returning to the
-publisher's confirm/acknowledgement, with NOTIFY and with polling only (1 s interval).
+publisher's confirm/acknowledgement, with NOTIFY (PostgreSQL only) and with polling only
+(1 s interval). ``--latency-rows 0`` skips it.
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import kafka
 import pika
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, insert, text
 from sqlalchemy.orm import Session
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -166,7 +172,10 @@ COLUMNS = (
 def load_rows(
     engine: Engine, prefix: str, broker: str, target: str, messages: Sequence[Outgoing]
 ) -> None:
-    """Pending outbox rows as the writer would store them, loaded with COPY."""
+    """Pending outbox rows as the writer would store them, loaded with COPY (PostgreSQL)."""
+    if engine.dialect.name != "postgresql":
+        load_rows_insert(engine, prefix, broker, target, messages)
+        return
     table = schema(prefix).outbox.name
     raw = engine.raw_connection()
     try:
@@ -201,6 +210,49 @@ def load_rows(
         raw.commit()
     finally:
         raw.close()
+
+
+def load_rows_insert(
+    engine: Engine, prefix: str, broker: str, target: str, messages: Sequence[Outgoing]
+) -> None:
+    """Pending outbox rows as the writer would store them, with multi-row INSERTs."""
+    table = schema(prefix).outbox
+    now = datetime.now(UTC)
+    rows = []
+    for message in messages:
+        headers = {"message-id": message.message_id}
+        if broker == "kafka":
+            destination, routing_key, properties = target, None, None
+        else:
+            destination, routing_key = "", target
+            properties = {"message_id": message.message_id, "content_type": "application/json"}
+        rows.append(
+            {
+                "message_id": message.message_id,
+                "broker": broker,
+                "destination": destination,
+                "routing_key": routing_key,
+                "message_key": message.key,
+                "shard_hash": shard_hash(message.key, message.message_id),
+                "headers": headers,
+                "properties": properties,
+                "payload": message.payload,
+                "state": "pending",
+                "attempts": 0,
+                "created_at": now,
+                "available_at": now,
+            }
+        )
+    for start in range(0, len(rows), 2000):
+        with engine.begin() as connection:
+            connection.execute(insert(table).values(rows[start : start + 2000]))
+
+
+def database_label(engine: Engine) -> str:
+    """``postgresql``, ``mariadb``, ``mysql`` or ``sqlite``."""
+    if getattr(engine.dialect, "is_mariadb", False):
+        return "mariadb"
+    return engine.dialect.name
 
 
 def relay_throughput(
@@ -308,18 +360,31 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--latency-rows", type=int, default=1_000)
     parser.add_argument("--brokers", default="kafka,rabbitmq")
-    parser.add_argument("--database-url", default=os.environ.get("MQDEDUP_TEST_DATABASE_URL"))
+    parser.add_argument(
+        "--database",
+        "--database-url",
+        dest="databases",
+        action="append",
+        metavar="URL",
+        help="database to measure (repeatable; default MQDEDUP_TEST_DATABASE_URL)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     bootstrap = os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
     amqp_url = os.environ.get("MQDEDUP_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
-    if not args.database_url:
-        parser.error("set MQDEDUP_TEST_DATABASE_URL or --database-url (PostgreSQL)")
+    urls = args.databases or [os.environ.get("MQDEDUP_TEST_DATABASE_URL", "")]
+    if not all(urls):
+        parser.error("set MQDEDUP_TEST_DATABASE_URL or give --database URL")
     brokers = [b.strip() for b in args.brokers.split(",") if b.strip()]
-
-    engine = create_engine(args.database_url)
     prefix = f"bench_{uuid.uuid4().hex[:8]}_"
-    init_schema(engine, prefix)
+    engines: dict[str, Engine] = {}
+    for url in urls:
+        engine = create_engine(url)
+        label = database_label(engine)
+        if label in engines:
+            parser.error(f"--database given twice for {label}")
+        engines[label] = engine
+        init_schema(engine, prefix)
     outbox = schema(prefix).outbox.name
     admin = kafka.KafkaAdminClient(bootstrap_servers=bootstrap)
     rabbit = pika.BlockingConnection(pika.URLParameters(amqp_url))
@@ -342,83 +407,104 @@ def main() -> int:
             channel.queue_purge(name)
 
     raw: dict[str, list[float]] = {b: [] for b in brokers}
-    relayed: dict[str, list[float]] = {b: [] for b in brokers}
+    relayed: dict[tuple[str, str], list[float]] = {(d, b): [] for d in engines for b in brokers}
     messages = make_messages(args.rows)
+    latencies: dict[tuple[str, str, str], tuple[float, float]] = {}
     try:
         for run in range(1, args.runs + 1):
             for broker in brokers:
                 target = new_target(broker)
                 if broker == "kafka":
                     raw[broker].append(raw_kafka(bootstrap, target, messages))
-                    publisher: Publisher = KafkaPublisher(bootstrap)
                 else:
                     raw[broker].append(raw_rabbitmq(amqp_url, target, messages))
                     purge_queues()
-                    publisher = RabbitMQPublisher(amqp_url, window=WINDOW)
-                fresh = make_messages(args.rows)  # new ids: the outbox ids are unique
-                relayed[broker].append(
-                    relay_throughput(engine, prefix, broker, target, publisher, fresh)
+                for label, engine in engines.items():
+                    publisher: Publisher = (
+                        KafkaPublisher(bootstrap)
+                        if broker == "kafka"
+                        else RabbitMQPublisher(amqp_url, window=WINDOW)
+                    )
+                    fresh = make_messages(args.rows)  # new ids: the outbox ids are unique
+                    relayed[(label, broker)].append(
+                        relay_throughput(engine, prefix, broker, target, publisher, fresh)
+                    )
+                    if broker == "rabbitmq":
+                        purge_queues()
+                    with engine.begin() as connection:
+                        connection.execute(text(f"TRUNCATE TABLE {outbox}"))
+                    print(
+                        f"run {run} {broker}: raw {raw[broker][-1]:,.0f} msgs/s, "
+                        f"relay on {label} {relayed[(label, broker)][-1]:,.0f} rows/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        for label, engine in engines.items():
+            if args.latency_rows <= 0:
+                break
+            modes = [("polling (1 s)", False)]
+            if engine.dialect.name == "postgresql":
+                modes.insert(0, ("NOTIFY", True))
+            for broker in brokers:
+                target = new_target(broker)
+                destination = (
+                    {"topic": target}
+                    if broker == "kafka"
+                    else {"exchange": "", "routing_key": target}
                 )
-                if broker == "rabbitmq":
-                    purge_queues()
-                with engine.begin() as connection:
-                    connection.execute(text(f"TRUNCATE {outbox}"))
-                print(
-                    f"run {run} {broker}: raw {raw[broker][-1]:,.0f} msgs/s, "
-                    f"relay {relayed[broker][-1]:,.0f} rows/s",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        latencies: dict[tuple[str, str], tuple[float, float]] = {}
-        for broker in brokers:
-            target = new_target(broker)
-            destination = (
-                {"topic": target} if broker == "kafka" else {"exchange": "", "routing_key": target}
-            )
-            for mode, listen in (("NOTIFY", True), ("polling (1 s)", False)):
-                publisher = (
-                    KafkaPublisher(bootstrap) if broker == "kafka" else RabbitMQPublisher(amqp_url)
-                )
-                latencies[(broker, mode)] = latency(
-                    engine, prefix, broker, destination, publisher, args.latency_rows, listen
-                )
-                print(f"latency {broker} {mode}: {latencies[(broker, mode)]}", file=sys.stderr)
+                for mode, listen in modes:
+                    publisher = (
+                        KafkaPublisher(bootstrap)
+                        if broker == "kafka"
+                        else RabbitMQPublisher(amqp_url)
+                    )
+                    latencies[(label, broker, mode)] = latency(
+                        engine, prefix, broker, destination, publisher, args.latency_rows, listen
+                    )
+                    print(
+                        f"latency {label} {broker} {mode}: {latencies[(label, broker, mode)]}",
+                        file=sys.stderr,
+                    )
     finally:
-        schema(prefix).metadata.drop_all(engine)
+        for engine in engines.values():
+            schema(prefix).metadata.drop_all(engine)
+            engine.dispose()
         if topics:
             admin.delete_topics(topics)
         for name in queues:
             channel.queue_delete(name)
         rabbit.close()
         admin.close()
-        engine.dispose()
-
     out = io.StringIO()
     out.write(
         f"\n### Relay throughput ({args.rows:,} rows, median of {args.runs}, "
         f"batches of {BATCH})\n\n"
-        "| broker | raw loop msgs/s | relay rows/s | relay / raw | goal |\n|---|---|---|---|---|\n"
+        "| database | broker | raw loop msgs/s | relay rows/s | relay / raw | goal |\n"
+        "|---|---|---|---|---|---|\n"
     )
-    for broker in brokers:
+    for (label, broker), values in relayed.items():
         raw_median = statistics.median(raw[broker])
-        relay_median = statistics.median(relayed[broker])
+        relay_median = statistics.median(values)
         ratio = relay_median / raw_median
         out.write(
-            f"| {broker} | {raw_median:,.0f} | {relay_median:,.0f} | {ratio:.0%} | "
+            f"| {label} | {broker} | {raw_median:,.0f} | {relay_median:,.0f} | {ratio:.0%} | "
             f"{'met' if ratio >= 0.8 else 'missed'} (>= 80%) |\n"
         )
-    out.write(
-        f"\n### Commit-to-publish latency ({args.latency_rows:,} single-row transactions)\n\n"
-        "| broker | wake-up | p50 ms | p99 ms |\n|---|---|---|---|\n"
-    )
-    for (broker, mode), (p50, p99) in latencies.items():
-        out.write(f"| {broker} | {mode} | {p50:.1f} | {p99:.1f} |\n")
+    if latencies:
+        out.write(
+            f"\n### Commit-to-publish latency ({args.latency_rows:,} single-row transactions)"
+            "\n\n| database | broker | wake-up | p50 ms | p99 ms |\n|---|---|---|---|---|\n"
+        )
+        for (label, broker, mode), (p50, p99) in latencies.items():
+            out.write(f"| {label} | {broker} | {mode} | {p50:.1f} | {p99:.1f} |\n")
     out.write(
         "\nRuns (raw / relay): "
         + "; ".join(
-            f"{b}: "
-            + ", ".join(f"{r:,.0f}/{s:,.0f}" for r, s in zip(raw[b], relayed[b], strict=True))
-            for b in brokers
+            f"{label} {b}: "
+            + ", ".join(
+                f"{r:,.0f}/{s:,.0f}" for r, s in zip(raw[b], relayed[(label, b)], strict=True)
+            )
+            for label, b in relayed
         )
         + "\n"
     )

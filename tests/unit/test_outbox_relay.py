@@ -408,3 +408,45 @@ def test_chain_with_duplicates_and_republished_rows_has_each_effect_once(
     assert len(b_ids) == len(set(b_ids)) == 200
     assert metrics.duplicates == 200
     assert len(order_counts(sqlite_engine)) == 400
+
+
+# -- MySQL / MariaDB (no server needed: construction and statements only) -------------------
+
+
+def test_a_relay_on_mysql_or_mariadb_uses_named_lock_shards_and_polls() -> None:
+    from sqlalchemy import create_engine
+
+    from mqdedup.outbox.mysql_coordination import MySQLControlConnection
+
+    for url in ("mysql+pymysql://u:p@127.0.0.1:1/db", "mariadb+pymysql://u:p@127.0.0.1:1/db"):
+        engine = create_engine(url)  # never connects: the relay opens connections lazily
+        relay = Relay(engine, {"kafka": MemoryPublisher()}, config=RelayConfig(shards=8))
+        assert isinstance(relay._control, MySQLControlConnection)
+        assert relay._control.shards == 8
+        assert relay._control.listen is False  # no LISTEN: _idle sleeps the poll interval
+        relay.close()
+        engine.dispose()
+
+
+def test_mysql_lock_names_fit_the_64_character_limit_and_differ_per_database_and_table() -> None:
+    from mqdedup.outbox.mysql_coordination import lock_namespace, shard_lock_name
+
+    names = {
+        shard_lock_name(lock_namespace(database, table), 4095)
+        for database in ("a" * 64, "b")
+        for table in ("x" * 64 + "outbox", "mqdedup_outbox")
+    }
+    assert len(names) == 4
+    assert max(len(name) for name in names) <= 64
+
+
+def test_the_mysql_claim_reads_without_row_locks_and_leases_conditionally() -> None:
+    """No SKIP LOCKED on InnoDB (its scan would hide another relay's rows and reorder a
+    key); the lease UPDATE re-checks pending + not leased, which keeps rows unique."""
+    from sqlalchemy.dialects import mysql
+
+    store = OutboxStore()
+    claim_sql = str(store._claim_ids_mysql(True).compile(dialect=mysql.dialect()))
+    assert "FOR UPDATE" not in claim_sql and "SKIP LOCKED" not in claim_sql
+    assert "ORDER BY candidate.id" in claim_sql and "LIMIT" in claim_sql
+    assert "pg_locks" not in claim_sql  # the named locks are checked by IS_USED_LOCK
