@@ -108,6 +108,7 @@ def _settings(args: argparse.Namespace, *names: str) -> dict[str, Any]:
         "table_prefix": getattr(args, "table_prefix", None),
         "kafka_bootstrap": getattr(args, "kafka_bootstrap", None),
         "rabbitmq_url": getattr(args, "rabbitmq_url", None),
+        "redis_url": getattr(args, "redis_url", None),
         "processes": getattr(args, "processes", None),
         "shutdown_timeout": getattr(args, "shutdown_timeout", None),
         "health_port": getattr(args, "health_port", None),
@@ -248,10 +249,19 @@ def build_parser() -> argparse.ArgumentParser:
         "worker", help="run consumers in supervised worker processes until SIGTERM/SIGINT"
     )
     worker.add_argument(
-        "consumers", nargs="+", metavar="CONSUMER", help="module.path:ConsumerClass"
+        "consumers",
+        nargs="+",
+        metavar="CONSUMER",
+        help="module.path:ConsumerClass (a Consumer or RedisConsumer subclass)",
     )
     _database_option(worker)
     _broker_options(worker)
+    worker.add_argument(
+        "--redis-url",
+        metavar="URL",
+        default=None,
+        help="Redis for RedisConsumer classes" + env_help("redis_url"),
+    )
     worker.add_argument(
         "--processes", type=int, default=None, help="processes per consumer" + env_help("processes")
     )
@@ -520,21 +530,26 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     return _supervise(specs, settings)
 
 
-def _supervise(specs: list[Any], settings: dict[str, Any]) -> int:
-    """Run ``specs`` under a supervisor with the health endpoint; return its exit code."""
+def _supervise(specs: list[Any], settings: dict[str, Any], *, outbox_gauges: bool = True) -> int:
+    """Run ``specs`` under a supervisor with the health endpoint; return its exit code.
+
+    ``outbox_gauges``: report the outbox backlog on /metrics (not for Redis-only workers,
+    which have no database).
+    """
     from mqdedup.supervisor import Supervisor
 
+    gauges = OutboxGauges(settings["database_url"], settings["table_prefix"])
     supervisor = Supervisor(
         specs,
         shutdown_timeout=settings["shutdown_timeout"],
         health_port=settings["health_port"],
-        shared_metrics=OutboxGauges(settings["database_url"], settings["table_prefix"]),
+        shared_metrics=gauges if outbox_gauges else None,
     )
     return supervisor.run()
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from mqdedup.loading import load_consumer_class
+    from mqdedup.loading import is_redis_consumer, load_worker_class
     from mqdedup.runners import _export_environment
     from mqdedup.supervisor import ChildSpec
 
@@ -544,6 +559,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         "table_prefix",
         "kafka_bootstrap",
         "rabbitmq_url",
+        "redis_url",
         "processes",
         "shutdown_timeout",
         "health_port",
@@ -551,14 +567,19 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if settings["processes"] < 1:
         raise ConfigurationError("--processes must be at least 1")
     _export_environment(settings)
-    consumers = [load_consumer_class(reference)() for reference in args.consumers]
-    engine = create_engine(settings["database_url"])
-    check_connection(engine)
+    consumers = [load_worker_class(reference)() for reference in args.consumers]
+    # RedisConsumer classes keep their dedup records in Redis: they need no database.
+    database_consumers = [c for c in consumers if not is_redis_consumer(c)]
     for consumer in consumers:
         consumer.validate()
-        _require_schema(engine, consumer.table_prefix)
+    if database_consumers:
+        engine = create_engine(settings["database_url"])
+        check_connection(engine)
+        for database_consumer in database_consumers:
+            _require_schema(engine, database_consumer.table_prefix)
+        engine.dispose()
+    for consumer in consumers:
         consumer.check_connection()
-    engine.dispose()
     specs = [
         ChildSpec(
             name=consumer.consumer_name,
@@ -570,7 +591,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         for reference, consumer in zip(args.consumers, consumers, strict=True)
         for index in range(settings["processes"])
     ]
-    return _supervise(specs, settings)
+    return _supervise(specs, settings, outbox_gauges=bool(database_consumers))
 
 
 if __name__ == "__main__":  # pragma: no cover

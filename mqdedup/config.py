@@ -6,6 +6,7 @@ Precedence: flag > environment variable > config file > default. Example file::
     database_url = "postgresql://app:secret@db/app"
     kafka_bootstrap = "kafka-1:9092,kafka-2:9092"
     rabbitmq_url = "amqp://app:secret@rabbit/%2F"
+    redis_url = "redis://redis:6379/0"    # RedisConsumer classes only
     table_prefix = "mqdedup_"
     log_level = "INFO"
 
@@ -51,6 +52,7 @@ SETTINGS: dict[str, Setting] = {
     ),
     "kafka_bootstrap": Setting("mqdedup", "kafka_bootstrap", "MQDEDUP_KAFKA_BOOTSTRAP", None),
     "rabbitmq_url": Setting("mqdedup", "rabbitmq_url", "MQDEDUP_RABBITMQ_URL", None),
+    "redis_url": Setting("mqdedup", "redis_url", "MQDEDUP_REDIS_URL", None),
     "table_prefix": Setting("mqdedup", "table_prefix", "MQDEDUP_TABLE_PREFIX", "mqdedup_"),
     "log_level": Setting("mqdedup", "log_level", "MQDEDUP_LOG_LEVEL", "WARNING"),
     "processes": Setting("worker", "processes", "MQDEDUP_PROCESSES", 1, int),

@@ -3,13 +3,46 @@
 from __future__ import annotations
 
 import importlib
+import sys
+from typing import TYPE_CHECKING, Any
 
 from mqdedup.consumers.base import Consumer
 from mqdedup.errors import ConsumerImportError
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+    from mqdedup.dedup.redis_store import RedisConsumer
+
 
 def load_consumer_class(reference: str) -> type[Consumer]:
     """Import ``module.path:ClassName`` and check that it is a Consumer subclass."""
+    target = _import_reference(reference)
+    if not (isinstance(target, type) and issubclass(target, Consumer)):
+        raise ConsumerImportError(f"{reference!r} is not a mqdedup Consumer subclass")
+    return target
+
+
+def load_worker_class(reference: str) -> type[Consumer] | type[RedisConsumer]:
+    """Import what ``mqdedup worker`` can run: a Consumer or a RedisConsumer subclass."""
+    target = _import_reference(reference)
+    if isinstance(target, type) and (issubclass(target, Consumer) or _is_redis_consumer(target)):
+        return target
+    raise ConsumerImportError(f"{reference!r} is not a mqdedup Consumer or RedisConsumer subclass")
+
+
+def is_redis_consumer(consumer: object) -> TypeIs[RedisConsumer]:
+    """True for a RedisConsumer instance (without importing redis for everyone else)."""
+    return _is_redis_consumer(type(consumer))
+
+
+def _is_redis_consumer(cls: type) -> bool:
+    # A RedisConsumer subclass was defined by importing redis_store, so it is loaded.
+    module = sys.modules.get("mqdedup.dedup.redis_store")
+    return module is not None and issubclass(cls, module.RedisConsumer)
+
+
+def _import_reference(reference: str) -> Any:
     module_name, sep, attribute = reference.partition(":")
     if not sep or not module_name or not attribute:
         raise ConsumerImportError(
@@ -24,9 +57,6 @@ def load_consumer_class(reference: str) -> type[Consumer]:
             f"importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
     try:
-        target = getattr(module, attribute)
+        return getattr(module, attribute)
     except AttributeError as exc:
         raise ConsumerImportError(f"module {module_name!r} has no attribute {attribute!r}") from exc
-    if not (isinstance(target, type) and issubclass(target, Consumer)):
-        raise ConsumerImportError(f"{reference!r} is not a mqdedup Consumer subclass")
-    return target

@@ -12,11 +12,14 @@ from mqdedup.supervisor import ChildSpec, MetricsHolder
 def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
     """Import the consumer, connect, and consume until the stop token is set."""
     from mqdedup.db import check_connection, create_engine
-    from mqdedup.loading import load_consumer_class
+    from mqdedup.loading import is_redis_consumer, load_worker_class
 
     _export_environment(spec.options)
-    consumer = load_consumer_class(spec.options["consumer"])()
+    consumer = load_worker_class(spec.options["consumer"])()
     consumer.validate()
+    if is_redis_consumer(consumer):  # dedup records in Redis: no database
+        consumer.run(None, stop=stop, metrics=metrics.source)
+        return
     engine = create_engine(spec.options["database_url"])
     try:
         check_connection(engine)
@@ -52,6 +55,7 @@ def _export_environment(options: dict[str, Any] | Any) -> None:
     for key, variable in (
         ("kafka_bootstrap", "MQDEDUP_KAFKA_BOOTSTRAP"),
         ("rabbitmq_url", "MQDEDUP_RABBITMQ_URL"),
+        ("redis_url", "MQDEDUP_REDIS_URL"),
     ):
         value = options.get(key)
         if value:

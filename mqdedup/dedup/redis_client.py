@@ -8,14 +8,14 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis import exceptions as redis_errors
 
-from mqdedup.errors import ConfigurationError, MqdedupError
+from mqdedup.errors import ConfigurationError, DatabaseUnavailableError
 
 REDIS_URL_ENV = "MQDEDUP_REDIS_URL"
 _SCHEMES = ("redis", "rediss", "unix")
 
 
-class RedisUnavailableError(MqdedupError):
-    """Redis cannot be reached."""
+class RedisUnavailableError(DatabaseUnavailableError):
+    """Redis cannot be reached (for the CLI, the dedup store is down: exit code 5)."""
 
 
 def mask_redis_url(url: str) -> str:

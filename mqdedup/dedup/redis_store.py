@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,7 +47,7 @@ from typing import Any, ClassVar, TypeVar
 import redis
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential, wait_random
 
-from mqdedup.consumers.base import RetryPolicy
+from mqdedup.consumers.base import Consumer, RetryPolicy
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchAbandonedError, BatchReport
 from mqdedup.consumers.stopping import StopToken
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_NAMESPACE = "mqdedup:dedup:"
+_DEFAULT_IDS = from_header()
 
 # KEYS: claim keys. ARGV[1] worker, ARGV[2] lease ms.
 # Per key: 'N' (new: claimed by us), 'D|<json>' (done), 'B|<ms left on the lease>'.
@@ -265,6 +267,21 @@ class RedisDedupStore:
         return int(self.redis.delete(*keys))
 
 
+def _as_source(cls: type[Consumer]) -> type[Consumer]:
+    """``cls`` with a handler that refuses: a source only lends its broker settings."""
+
+    def handle(self: Consumer, message: Message, ctx: Any) -> Any:
+        raise RuntimeError(f"{cls.__name__} is a RedisConsumer's source; it handles nothing")
+
+    return type(cls.__name__, (cls,), {"handle": handle, "__module__": cls.__module__})
+
+
+def _is_rabbitmq(consumer: Consumer) -> bool:
+    """True for a RabbitMQConsumer (checked without importing pika for Kafka users)."""
+    module = sys.modules.get("mqdedup.consumers.rabbitmq")
+    return module is not None and isinstance(consumer, module.RabbitMQConsumer)
+
+
 def _load_result(raw: str) -> Any:
     return json.loads(raw) if raw else None
 
@@ -300,16 +317,23 @@ class RedisConsumer:
     """Subclass this and implement :meth:`handle` for handlers without a database write.
 
     Message ids are claimed in Redis (see :class:`RedisDedupStore`) instead of a
-    database table. The broker is settled after the handler's result was recorded. Use
-    it with any transport: implement :meth:`create_transport` (e.g. return
-    ``MyKafkaConsumer().create_transport()``) or pass one to :class:`RedisWorker`.
+    database table. The broker is settled after the handler's result was recorded.
+
+    Where messages come from: set :attr:`source` to a
+    :class:`~mqdedup.consumers.kafka.KafkaConsumer` or
+    :class:`~mqdedup.consumers.rabbitmq.RabbitMQConsumer` subclass that names the
+    topics / queue and broker settings (its ``handle`` is never called); then
+    ``mqdedup worker module:SendSms`` runs this consumer like any other. Or override
+    :meth:`create_transport`, or pass a transport to :class:`RedisWorker`.
     """
 
     #: The dedup scope. Defaults to the class name.
     name: ClassVar[str | None] = None
     batch_size: ClassVar[int] = 100
     poll_timeout: ClassVar[float] = 1.0
-    message_id_strategy: ClassVar[MessageIdStrategy] = from_header()
+    #: How a message's id is found; None: the :attr:`source`'s strategy (e.g. the AMQP
+    #: ``message_id`` for RabbitMQ), else the ``message-id`` header.
+    message_id_strategy: ClassVar[MessageIdStrategy | None] = None
     retry_policy: ClassVar[RetryPolicy] = RetryPolicy()
     #: Seconds a claim protects a message in progress; must exceed the slowest handler.
     lease: ClassVar[float] = 60.0
@@ -318,6 +342,9 @@ class RedisConsumer:
     namespace: ClassVar[str] = DEFAULT_NAMESPACE
     #: Redis URL; default ``MQDEDUP_REDIS_URL``.
     redis_url: ClassVar[str | None] = None
+    #: The broker to read from: a KafkaConsumer or RabbitMQConsumer subclass whose
+    #: topic / queue / broker settings are used (its handler is never called).
+    source: ClassVar[type[Consumer] | None] = None
 
     @property
     def consumer_name(self) -> str:
@@ -326,7 +353,11 @@ class RedisConsumer:
 
     def message_id(self, message: Message) -> str:
         """The message id of ``message``; raises MissingMessageIdError when it has none."""
-        return type(self).message_id_strategy(message)
+        strategy = type(self).message_id_strategy
+        if strategy is None:
+            source = type(self).source
+            strategy = source.message_id_strategy if source is not None else _DEFAULT_IDS
+        return strategy(message)
 
     def handle(self, message: Message, ctx: RedisContext) -> Any:
         """Perform one new message's effect; return a JSON-serialisable result (or None).
@@ -339,12 +370,50 @@ class RedisConsumer:
     def on_duplicate(self, message: Message, stored_result: Any) -> None:
         """Called for each duplicate with the first delivery's stored result (or None)."""
 
-    def create_transport(self) -> Transport:
-        """The transport to read from; override it (or pass one to RedisWorker)."""
-        raise ConfigurationError(
-            f"{type(self).__name__} has no transport: override create_transport() or pass "
-            "a transport to RedisWorker"
-        )
+    def create_transport(
+        self, *, stop: StopToken | None = None, metrics: Metrics | None = None
+    ) -> Transport:
+        """The transport to read from: :attr:`source`'s, unless overridden.
+
+        ``stop`` and ``metrics`` reach transports that take them (RabbitMQ's stops
+        consuming on a stop request and reports the queue depth).
+        """
+        source = self.source_consumer()
+        if source is None:
+            raise ConfigurationError(
+                f"{type(self).__name__} has no transport: set source to a KafkaConsumer or "
+                "RabbitMQConsumer subclass, override create_transport(), or pass a transport "
+                "to RedisWorker"
+            )
+        if _is_rabbitmq(source):
+            return source.create_transport(stop=stop, metrics=metrics)  # type: ignore[call-arg]
+        return source.create_transport()
+
+    def source_consumer(self) -> Consumer | None:
+        """An instance of :attr:`source` (for its broker settings), or None."""
+        return _as_source(self.source)() if self.source is not None else None
+
+    def check_connection(self) -> None:
+        """Raise (one line) if Redis or the source's broker cannot be reached.
+
+        Also a ConfigurationError when the consumer has nowhere to read from (no
+        :attr:`source` and no :meth:`create_transport` of its own).
+        """
+        if self.source is None and type(self).create_transport is RedisConsumer.create_transport:
+            raise ConfigurationError(
+                f"{type(self).__name__} has no transport: set source to a KafkaConsumer or "
+                "RabbitMQConsumer subclass, or override create_transport()"
+            )
+        check_redis(self.create_store().redis)
+        source = self.source_consumer()
+        if source is not None:
+            source.check_connection()
+
+    def lag(self) -> dict[str, int]:
+        """The source's backlog (``topic/partition`` or queue -> waiting messages)."""
+        source = self.source_consumer()
+        lag = getattr(source, "lag", None)
+        return dict(lag()) if callable(lag) else {}
 
     def create_store(self, client: redis.Redis | str | None = None) -> RedisDedupStore:
         """The store for this consumer's settings (Redis from ``client``, else the URL)."""
@@ -371,7 +440,17 @@ class RedisConsumer:
         client = connection if isinstance(connection, redis.Redis | str) else None
         store = self.create_store(client)
         check_redis(store.redis)
-        worker = RedisWorker(self, self.create_transport(), store, stop=stop, metrics=metrics)
+        stop = stop or StopToken()
+        metrics = metrics if metrics is not None else Metrics()
+        if type(self).create_transport is RedisConsumer.create_transport:
+            transport = self.create_transport(stop=stop, metrics=metrics)
+        else:  # a user's override takes no arguments
+            transport = self.create_transport()
+        try:
+            worker = RedisWorker(self, transport, store, stop=stop, metrics=metrics)
+        except BaseException:
+            transport.close()
+            raise
         return worker.run()
 
     def validate(self) -> None:
@@ -382,6 +461,14 @@ class RedisConsumer:
             raise ConfigurationError(f"{type(self).__name__}.lease must be positive")
         if type(self).handle is RedisConsumer.handle:
             raise ConfigurationError(f"{type(self).__name__} does not implement handle()")
+        source = type(self).source
+        if source is not None:
+            if not (isinstance(source, type) and issubclass(source, Consumer)):
+                raise ConfigurationError(
+                    f"{type(self).__name__}.source must be a KafkaConsumer or RabbitMQConsumer "
+                    f"subclass, not {source!r}"
+                )
+            self.source_consumer().validate()  # type: ignore[union-attr]
 
 
 @dataclass
