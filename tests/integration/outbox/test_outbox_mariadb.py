@@ -211,9 +211,7 @@ def test_a_claim_from_shards_whose_named_locks_are_gone_leases_nothing(mdb: Outb
     assert again == []
     table = store.table
     with mdb.engine.connect() as connection:
-        leased = connection.execute(
-            select(table.c.id).where(table.c.locked_by.is_not(None))
-        ).all()
+        leased = connection.execute(select(table.c.id).where(table.c.locked_by.is_not(None))).all()
     assert len(leased) == 5, "the failed claim leased nothing"
 
 
@@ -244,7 +242,11 @@ def test_relay_killed_mid_batch_on_mariadb_publishes_all_and_the_consumer_applie
         else:  # at a random moment while it publishes
             relay = RelayProcess(config)
             target = published_before + rng.randint(200, 400)
-            poll_until(lambda t=target: rabbit.depth(queue) >= t, 90, "relay progress")
+
+            def progressed(at_least: int = target) -> bool:
+                return rabbit.depth(queue) >= at_least
+
+            poll_until(progressed, 90, "relay progress")
         relay.kill()
     assert mdb.status().pending > 0, "the kills came before the end"
 
