@@ -380,11 +380,11 @@ def main() -> int:
     engines: dict[str, Engine] = {}
     for url in urls:
         engine = create_engine(url)
+        init_schema(engine, prefix)  # connects: the dialect knows MariaDB from MySQL now
         label = database_label(engine)
         if label in engines:
             parser.error(f"--database given twice for {label}")
         engines[label] = engine
-        init_schema(engine, prefix)
     outbox = schema(prefix).outbox.name
     admin = kafka.KafkaAdminClient(bootstrap_servers=bootstrap)
     rabbit = pika.BlockingConnection(pika.URLParameters(amqp_url))
