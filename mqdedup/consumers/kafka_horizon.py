@@ -19,8 +19,8 @@ def partitions_before_horizon(replay: KafkaReplay, horizon: datetime) -> dict[st
     transport = KafkaTransport(replay.settings, metrics=replay.metrics, group=False)
     try:
         transport.open()
-        keys = replay._partitions(transport)
-        starts, ends = replay._range(transport, keys)
+        keys = replay.partitions_to_replay(transport)
+        starts, ends = replay.offset_range(transport, keys)
         at_horizon = transport.offsets_for_times(keys, horizon)
         early: dict[str, tuple[int, int]] = {}
         for key in keys:

@@ -75,9 +75,9 @@ class KafkaReplay:
         transport = KafkaTransport(self.settings, metrics=self.metrics, group=False)
         try:
             transport.open()
-            keys = self._partitions(transport)
+            keys = self.partitions_to_replay(transport)
             transport.assign(keys)
-            starts, ends = self._range(transport, keys)
+            starts, ends = self.offset_range(transport, keys)
             active: dict[PartitionKey, int] = {}
             for key in keys:
                 self.report.ranges[f"{key[0]}/{key[1]}"] = (starts[key], ends[key])
@@ -110,7 +110,8 @@ class KafkaReplay:
 
     # -- range ---------------------------------------------------------------------------
 
-    def _partitions(self, transport: KafkaTransport) -> list[PartitionKey]:
+    def partitions_to_replay(self, transport: KafkaTransport) -> list[PartitionKey]:
+        """The (topic, partition) pairs this replay reads; unknown partitions are refused."""
         keys: list[PartitionKey] = []
         for topic in self.topics:
             existing = transport.partitions_of(topic)
@@ -123,9 +124,11 @@ class KafkaReplay:
             keys.extend((topic, p) for p in sorted(set(chosen)))
         return keys
 
-    def _range(
+    def offset_range(
         self, transport: KafkaTransport, keys: list[PartitionKey]
     ) -> tuple[dict[PartitionKey, int], dict[PartitionKey, int]]:
+        """Per partition: the first offset to replay and the end (exclusive), clamped to
+        what the log still holds."""
         first = transport.beginning_offsets(keys)
         last = transport.end_offsets(keys)
         starts = self._resolve(transport, keys, self.start, default=first, beyond=last)
