@@ -405,19 +405,23 @@ class KafkaHarness(BrokerHarness):
         committed, ends = self._offsets()
         return committed == ends
 
-    def run_with_rebalance(self, batch_pause: float = 0.3) -> dict[str, int]:
-        """Force two rebalances: while a first worker is busy (it pauses ``batch_pause``
-        s after each commit), a second process joins the group, commits, then leaves
-        (SIGTERM). Both stop afterwards, leaving the rest. Returns messages per worker."""
-        first = self.start_worker(label=f"first{len(self.workers) + 1}", batch_pause=batch_pause)
-        wait_for(lambda: first.committed > 0 or not first.alive, self.timeout, "the first worker")
-        first.ensure_alive()
-        second = self.start_worker(label=f"second{len(self.workers) + 1}", batch_pause=batch_pause)
-        wait_for(
-            lambda: second.committed > 0 or not second.alive or self.drained(),
-            self.timeout,
-            "the second worker to get partitions",
+    def run_with_rebalance(self, batch_pause: float = 0.1) -> dict[str, int]:
+        """Force two rebalances that move partitions between live workers.
+
+        A first worker commits one batch and is held there (its batch committed in the
+        database, its offsets not yet committed); a second process joins the group, is
+        assigned partitions and commits new messages from them; the first is released;
+        the second leaves (SIGTERM: a second rebalance hands its partitions back), and
+        the first stops too. Raises HarnessError if the second worker never got work
+        (the rebalance moved nothing). Returns messages committed per worker.
+        """
+        first = self.start_worker(
+            label=f"first{len(self.workers) + 1}", hold_after_commit=1, batch_pause=batch_pause
         )
+        self._wait(first, lambda: first.file("held").exists(), "the first worker's batch")
+        second = self.start_worker(label=f"second{len(self.workers) + 1}", batch_pause=batch_pause)
+        self._wait(second, lambda: second.committed > 0, "the second worker to get partitions")
+        first.file("release").touch()
         codes = {second.label: second.terminate()}
         codes[first.label] = first.terminate()
         if any(codes.values()):

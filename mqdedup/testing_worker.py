@@ -12,7 +12,9 @@ where a database password would show in ``ps``):
   before the broker is settled, write ``<label>.held`` and wait to be killed),
   ``hold_mid_batch`` (k: before the (k+1)-th handler call, inside the open transaction,
   write ``<label>.held`` and wait to be killed), ``batch_pause`` (seconds to sleep after
-  each commit, so a rebalance finds the worker busy).
+  each commit, so a rebalance finds the worker busy). A held worker also goes on when
+  ``<label>.release`` appears (the rebalance fault holds one worker while another
+  joins, then releases it).
 
 After each commit the worker rewrites ``<label>.progress`` with the number of messages
 committed by this process. It runs ``consumer.run(engine, stop=...)`` under graceful
@@ -76,7 +78,10 @@ def build_consumer_class(config: Mapping[str, Any]) -> type[Consumer]:
     def hold(moment: str) -> None:
         _touch(folder / f"{label}.held", moment)
         log.warning("holding to be killed", extra={"moment": moment, "label": label})
-        time.sleep(HOLD_SECONDS)
+        release = folder / f"{label}.release"
+        deadline = time.monotonic() + HOLD_SECONDS
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def guard(messages: int) -> None:
         if hold_mid_batch is not None and state["handled"] + messages > int(hold_mid_batch):

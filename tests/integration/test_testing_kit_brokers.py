@@ -108,10 +108,10 @@ def test_kafka_outbox_notifier_is_effectively_once_under_kills_and_a_rebalance(
     harness, notifications = kafka_kit(OrderNotifier)
     assert harness.run_killing_after_commit(times=2) == 2
     assert harness.run_killing_mid_batch(after_messages=3)
-    shares = harness.run_with_rebalance(batch_pause=1.0)
-    # Both processes ran in the group (joined, then left with exit code 0); how the
-    # partitions were split depends on the broker's timing.
-    assert shares["first"] + shares["second"] > 0, shares
+    shares = harness.run_with_rebalance()
+    # The first worker committed a batch and was held; the second joined, was assigned
+    # partitions and committed new messages from them; both left with exit code 0.
+    assert shares["first"] > 0 and shares["second"] > 0, shares
     harness.run_until_drained()
     assert harness.run_relay() >= ORDERS
 
