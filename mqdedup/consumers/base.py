@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from mqdedup.consumers.transport import Transport
     from mqdedup.outbox.writer import OutboxWriter
 
-FailureIsolation = Literal["auto", "savepoint", "rerun"]
+FailureIsolation = Literal["auto", "savepoint", "rerun", "transaction"]
+FAILURE_ISOLATIONS: tuple[str, ...] = ("auto", "savepoint", "rerun", "transaction")
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Consumer:
 
     #: The dedup scope. Defaults to the broker's group / queue, else the class name.
     name: ClassVar[str | None] = None
-    #: Messages per transaction.
+    #: Messages per transaction (per broker settle with ``failure_isolation = "transaction"``).
     batch_size: ClassVar[int] = 100
     #: Seconds to wait for a batch to fill.
     poll_timeout: ClassVar[float] = 1.0
@@ -121,6 +122,11 @@ class Consumer:
     #: ``savepoint``: every handler runs in a savepoint (two more round trips each).
     #: ``rerun``: never savepoints; each failure reruns the batch without it.
     #: Rerunning calls batch-mates' handlers again: keep effects in the transaction.
+    #: ``transaction``: one transaction per message (claim, handler, commit), run one
+    #: after the other over the batch; a failure rolls back only its own message and no
+    #: handler runs twice. The broker is settled once per batch, after the last commit,
+    #: so ``batch_size`` still sets how many messages one ack / offset commit covers.
+    #: ``handle_batch`` then receives one message at a time.
     failure_isolation: ClassVar[FailureIsolation] = "auto"
     table_prefix: ClassVar[str] = DEFAULT_PREFIX
     #: Skip the claim entirely (a baseline for benchmarks; never for real consumers).
@@ -211,9 +217,10 @@ class Consumer:
         """Raise ConfigurationError for settings that cannot work."""
         if self.batch_size < 1:
             raise ConfigurationError(f"{type(self).__name__}.batch_size must be at least 1")
-        if self.failure_isolation not in ("auto", "savepoint", "rerun"):
+        if self.failure_isolation not in FAILURE_ISOLATIONS:
             raise ConfigurationError(
-                f"{type(self).__name__}.failure_isolation must be 'auto', 'savepoint' or 'rerun'"
+                f"{type(self).__name__}.failure_isolation must be 'auto', 'savepoint', "
+                f"'rerun' or 'transaction', not {self.failure_isolation!r}"
             )
         if not (self.has_single_handler or self.has_batch_handler):
             raise ConfigurationError(

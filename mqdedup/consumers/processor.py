@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, retry_if_exception, stop_never, wait_random_exponential
 
@@ -58,6 +59,41 @@ class _Pass:
     results: dict[str, Any] = field(default_factory=dict)
 
 
+class _SessionLease:
+    """Transaction mode: one connection and one session for a batch's transactions.
+
+    Checking a connection out of the pool and building a session for every message
+    costs ~100 µs of CPU, a sizeable part of a one-message transaction. The session is
+    bound to a connection held for the batch; each message still begins and commits
+    its own transaction on it. Any error closes both (the next use starts afresh).
+    """
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self._sessions = sessions
+        self._session: Session | None = None
+        self._connection: Connection | None = None
+
+    def session(self) -> Session:
+        if self._session is None:
+            bind = self._sessions.kw.get("bind")
+            if isinstance(bind, Engine):
+                self._connection = bind.connect()
+                self._session = self._sessions(bind=self._connection)
+            else:  # bound elsewhere (several engines, a connection): plain sessions
+                self._session = self._sessions()
+        return self._session
+
+    def close(self) -> None:
+        session, self._session = self._session, None
+        connection, self._connection = self._connection, None
+        try:
+            if session is not None:
+                session.close()
+        finally:
+            if connection is not None:
+                connection.close()
+
+
 class _RerunWithoutError(Exception):
     def __init__(self, delivery: Delivery | None, error: Exception) -> None:
         super().__init__(str(error))
@@ -73,6 +109,10 @@ class Processor:
     their results; commit; retry failed messages up to the retry policy; dead-letter
     those that keep failing; finally settle every finished delivery. Transient database
     errors retry the transaction with backoff and never dead-letter anything.
+
+    With ``failure_isolation = "transaction"`` each message of the batch gets its own
+    transaction instead (claim, handler, result, commit), one after the other; the
+    broker is still settled once for the batch, after the last of those commits.
     """
 
     def __init__(
@@ -94,6 +134,7 @@ class Processor:
         self.store = store or DedupStore(consumer.table_prefix)
         self.name = consumer.consumer_name
         self.policy = consumer.retry_policy
+        self.per_message = consumer.failure_isolation == "transaction"
 
     # -- public ------------------------------------------------------------------------
 
@@ -104,10 +145,18 @@ class Processor:
         report = BatchReport()
         unique, repeats = self._identify(deliveries, report)
         if unique:
-            outcome = self._with_database_retry(lambda: self._run_pass(unique))
-            self._committed(outcome, report)
-            for delivery, error in outcome.failures:
-                self._retry(delivery, error, report)
+            try:
+                if self.per_message:
+                    failures = self._run_each(unique, report)
+                else:
+                    outcome = self._with_database_retry(lambda: self._run_pass(unique))
+                    self._committed(outcome, report)
+                    failures = outcome.failures
+                for delivery, error in failures:
+                    self._retry(delivery, error, report)
+            except BatchAbandonedError:
+                self._settle_committed(report)
+                raise
         self._resolve_repeats(repeats, report)
         self._dead_letter(report)
         if report.settled:
@@ -136,6 +185,50 @@ class Processor:
             seen.add(message_id)
             unique.append(Delivery(delivery.message.with_id(message_id), delivery.token))
         return unique, repeats
+
+    def _run_each(
+        self, deliveries: Sequence[Delivery], report: BatchReport
+    ) -> list[tuple[Delivery, Exception]]:
+        """Transaction mode: one transaction per message, each committed on its own.
+
+        Returns the failed deliveries (each rolled back alone) for :meth:`_retry`. On a
+        stop request the rest of the batch is left unsettled for the next owner.
+        """
+        failures: list[tuple[Delivery, Exception]] = []
+        lease = _SessionLease(self.sessions)
+        try:
+            for index, delivery in enumerate(deliveries):
+                if self.stop.requested:
+                    report.unsettled.extend(deliveries[index:])
+                    break
+                outcome = self._with_database_retry(
+                    functools.partial(self._own_transaction, delivery, lease)
+                )
+                self._committed(outcome, report)
+                failures.extend(outcome.failures)
+        finally:
+            lease.close()
+        return failures
+
+    def _own_transaction(self, delivery: Delivery, lease: _SessionLease | None = None) -> _Pass:
+        """One message in its own transaction; a handler failure rolls back only it."""
+        if lease is None:
+            with self.sessions() as session:
+                return self._own_transaction_in(session, delivery)
+        try:
+            return self._own_transaction_in(lease.session(), delivery)
+        except BaseException:
+            lease.close()  # e.g. a dead connection: the retry starts on a fresh one
+            raise
+
+    def _own_transaction_in(self, session: Session, delivery: Delivery) -> _Pass:
+        try:
+            return self._transaction_in(session, [delivery], False, False)
+        except _RerunWithoutError as failed:  # rolled back: its claim is gone too
+            self._log_failure(delivery, failed.error)
+            return _Pass(failures=[(delivery, failed.error)])
+        finally:
+            session.expunge_all()  # the next message starts with an empty session
 
     def _run_pass(self, deliveries: Sequence[Delivery]) -> _Pass:
         """One transaction over ``deliveries``: claim, handle the new ones, commit.
@@ -167,8 +260,19 @@ class Processor:
     def _transaction(
         self, deliveries: Sequence[Delivery], use_batch_handler: bool, savepoints: bool
     ) -> _Pass:
+        with self.sessions() as session:
+            return self._transaction_in(session, deliveries, use_batch_handler, savepoints)
+
+    def _transaction_in(
+        self,
+        session: Session,
+        deliveries: Sequence[Delivery],
+        use_batch_handler: bool,
+        savepoints: bool,
+    ) -> _Pass:
+        """Claim, handle and store results in one transaction of ``session``; commit."""
         outcome = _Pass()
-        with self.sessions() as session, session.begin():
+        with session.begin():
             ids = [d.message.id for d in deliveries if d.message.id is not None]
             new_ids = (
                 self.store.claim(session, self.name, ids) if self.consumer.deduplicate else set(ids)
@@ -302,11 +406,15 @@ class Processor:
                 report.unsettled.append(delivery)  # stopping: leave it to the next owner
                 return
             self.metrics.retries += 1
-            outcome = self._with_database_retry(lambda: self._run_pass([delivery]))
+            rerun = self._own_transaction if self.per_message else self._run_one
+            outcome = self._with_database_retry(functools.partial(rerun, delivery))
             if not outcome.failures:
                 self._committed(outcome, report)
                 return
             error = outcome.failures[0][1]
+
+    def _run_one(self, delivery: Delivery) -> _Pass:
+        return self._run_pass([delivery])
 
     def _record_failure(self, delivery: Delivery, error: Exception) -> int:
         with self.sessions() as session, session.begin():
@@ -337,6 +445,12 @@ class Processor:
             else:
                 report.unsettled.append(repeat)
 
+    def _settle_committed(self, report: BatchReport) -> None:
+        """Abandoning a batch: still settle what has committed (fewer redeliveries)."""
+        committed = report.processed + report.duplicates
+        if committed:
+            self.transport.settle(committed)
+
     def _dead_letter(self, report: BatchReport) -> None:
         """Store dead letters durably; one that cannot be stored stays unsettled."""
         kept: list[tuple[Delivery, DeadLetter]] = []
@@ -365,7 +479,21 @@ class Processor:
     # -- infrastructure retry ------------------------------------------------------------
 
     def _with_database_retry(self, work: Callable[[], T]) -> T:
-        """Run ``work``; on a transient database error wait with backoff and run it again."""
+        """Run ``work``; on a transient database error wait with backoff and run it again.
+
+        The first attempt runs directly (building the retry machinery costs ~30 µs, a
+        tenth of a one-message transaction). After a transient failure the next attempt
+        follows at once: a connection found dead in the pool (the database restarted)
+        invalidates the pool, so it usually succeeds on a fresh connection; further
+        attempts back off.
+        """
+        try:
+            return work()
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            self.metrics.database_retries += 1
+            self._log_database_error(1, error)
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
             wait=wait_random_exponential(
@@ -385,11 +513,14 @@ class Processor:
     def _log_database_retry(self, state: Any) -> None:
         self.metrics.database_retries += 1
         error = state.outcome.exception() if state.outcome else None
+        self._log_database_error(state.attempt_number + 1, error)
+
+    def _log_database_error(self, attempt: int, error: BaseException | None) -> None:
         log.warning(
             "database unavailable; retrying",
             extra={
                 "consumer": self.name,
-                "attempt": state.attempt_number,
+                "attempt": attempt,
                 "error": type(error).__name__ if error else None,
             },
         )

@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, func, select
 
-from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
+from mqdedup import Consumer, InMemoryBroker, Message, RetryPolicy, run_until_idle
 from mqdedup.consumers.base import Context
+from mqdedup.consumers.memory import MemoryTransport
+from mqdedup.consumers.transport import Delivery
 from mqdedup.consumers.worker import Worker
 from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import ConfigurationError, SimulatedCrash
@@ -74,7 +76,7 @@ def test_repeats_inside_one_batch_are_duplicates(sqlite_engine: Engine) -> None:
     assert (metrics.processed, metrics.duplicates) == (1, 4)
 
 
-@pytest.mark.parametrize("isolation", ["auto", "savepoint", "rerun"])
+@pytest.mark.parametrize("isolation", ["auto", "savepoint", "rerun", "transaction"])
 def test_failing_handler_does_not_fail_its_batch_mates(
     sqlite_engine: Engine, isolation: str
 ) -> None:
@@ -271,3 +273,169 @@ def test_purge_advances_the_retention_horizon(sqlite_engine: Engine) -> None:
     store.purge(sqlite_engine, timedelta(days=1), consumer="orders")
     later = store.retention_horizon(sqlite_engine, "orders")
     assert later is not None and later > first
+
+
+# -- failure_isolation = "transaction": one transaction per message, one settle per batch --
+
+
+class PerMessageTx(FastOrders):
+    failure_isolation = "transaction"
+    commits: list[list[str]]
+
+    def __init__(self) -> None:
+        self.commits = []
+
+    def after_commit(self, messages: Sequence[Message]) -> None:
+        self.commits.append([str(m.id) for m in messages])
+
+
+class SettleSpy(MemoryTransport):
+    """Records each settle call and what the database held at that moment."""
+
+    def __init__(self, broker: InMemoryBroker, queue: str, engine: Engine) -> None:
+        super().__init__(broker, queue)
+        self.engine = engine
+        self.calls: list[tuple[list[str], dict[str, int]]] = []
+
+    def settle(self, deliveries: Sequence[Delivery]) -> None:
+        ids = [str(d.message.header("message-id")) for d in deliveries]
+        self.calls.append((ids, order_counts(self.engine)))
+        super().settle(deliveries)
+
+
+def test_transaction_mode_commits_each_message_alone_and_settles_once_per_batch(
+    sqlite_engine: Engine,
+) -> None:
+    class Failing(PerMessageTx):
+        fail_ids = frozenset({"m42", "m130"})
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 250)
+    transport = SettleSpy(broker, "orders", sqlite_engine)
+    consumer = Failing()
+    metrics = Worker(consumer, transport, sqlite_engine).run(until_idle=True)
+
+    counts = order_counts(sqlite_engine)
+    assert len(counts) == 248 and set(counts.values()) == {1}
+    assert "m42" not in counts and "m130" not in counts
+    # Every message committed in its own transaction (one after_commit per message).
+    assert all(len(batch) == 1 for batch in consumer.commits)
+    assert len(consumer.commits) == 248
+    # One settle per batch of 100, each after every commit of its batch, including the
+    # failing message's retries (then dead-lettered alone).
+    assert [len(ids) for ids, _ in transport.calls] == [100, 100, 50]
+    for ids, committed in transport.calls:
+        assert all(i in committed for i in ids if i not in ("m42", "m130"))
+    assert sorted(d.message.header("message-id") or "" for d in broker.dead_letters["orders"]) == [
+        "m130",
+        "m42",
+    ]
+    assert not is_claimed(sqlite_engine, "orders", "m42")
+    assert attempts_row(sqlite_engine, "m42") == 3
+    assert (metrics.processed, metrics.dead_lettered, metrics.retries) == (248, 2, 4)
+    assert broker.pending("orders") == 0 and broker.settled_count["orders"] == 250
+
+
+def test_transaction_mode_a_message_that_recovers_on_retry_commits_once(
+    sqlite_engine: Engine,
+) -> None:
+    calls: list[str] = []
+
+    class Flaky(PerMessageTx):
+        def handle(self, message: Message, ctx: Context) -> Any:
+            calls.append(str(message.id))
+            result = super().handle(message, ctx)
+            if message.id == "m3" and calls.count("m3") < 2:
+                raise ConnectionError("downstream hiccup")
+            return result
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 10)
+    metrics = run_until_idle(Flaky(), broker.transport("orders"), sqlite_engine)
+    assert order_counts(sqlite_engine)["m3"] == 1 and len(order_counts(sqlite_engine)) == 10
+    # No batch-mate's handler ran twice: only m3 was called again.
+    assert sorted(calls) == sorted([f"m{n}" for n in range(10)] + ["m3"])
+    assert metrics.retries == 1 and metrics.dead_lettered == 0
+
+
+def test_transaction_mode_crash_mid_batch_redelivers_committed_ones_as_duplicates(
+    sqlite_engine: Engine,
+) -> None:
+    class CrashAt60(PerMessageTx):
+        crashed = False
+
+        def handle(self, message: Message, ctx: Context) -> Any:
+            if message.id == "m60" and not CrashAt60.crashed:
+                CrashAt60.crashed = True
+                raise SimulatedCrash("process dies in the middle of the batch")
+            return super().handle(message, ctx)
+
+    broker = InMemoryBroker(seed=5)
+    publish_orders(broker, 100)
+    broker.inject_duplicates("orders", 0.2)
+    with pytest.raises(SimulatedCrash):
+        Worker(CrashAt60(), broker.transport("orders"), sqlite_engine).run(until_idle=True)
+    # m0..m59 committed one by one; nothing was settled, so the broker has them all again.
+    assert len(order_counts(sqlite_engine)) == 60
+    assert broker.settled_count.get("orders", 0) == 0
+
+    metrics = run_until_idle(CrashAt60(), broker.transport("orders"), sqlite_engine)
+    counts = order_counts(sqlite_engine)
+    assert len(counts) == 100 and set(counts.values()) == {1}
+    assert metrics.processed == 40
+    assert metrics.duplicates == metrics.delivered - 40 >= 60
+    assert broker.pending("orders") == 0
+
+
+def test_transaction_mode_stop_leaves_the_rest_of_the_batch_unsettled(
+    sqlite_engine: Engine,
+) -> None:
+    class StopAt10(PerMessageTx):
+        def after_commit(self, messages: Sequence[Message]) -> None:
+            super().after_commit(messages)
+            if len(self.commits) == 10:
+                worker.stop.request()
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 100)
+    transport = SettleSpy(broker, "orders", sqlite_engine)
+    worker = Worker(StopAt10(), transport, sqlite_engine)
+    worker.run()
+    # The ten committed messages were settled; the other 90 went back to the broker.
+    assert [len(ids) for ids, _ in transport.calls] == [10]
+    assert broker.pending("orders") == 90 and len(order_counts(sqlite_engine)) == 10
+    metrics = run_until_idle(PerMessageTx(), broker.transport("orders"), sqlite_engine)
+    assert metrics.processed == 90 and metrics.duplicates == 0
+    assert set(order_counts(sqlite_engine).values()) == {1}
+
+
+def test_transaction_mode_with_a_batch_handler_gets_one_message_at_a_time(
+    sqlite_engine: Engine,
+) -> None:
+    sizes: list[int] = []
+
+    class Bulk(BulkOrderConsumer):
+        failure_isolation = "transaction"
+        retry_policy = FAST_RETRY
+        fail_ids = frozenset({"m5"})
+        handle = Consumer.handle  # only the batch handler
+
+        def handle_batch(self, messages: Sequence[Message], ctx: Any) -> dict[str, Any]:
+            sizes.append(len(messages))
+            return super().handle_batch(messages, ctx)
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 30)
+    metrics = run_until_idle(Bulk(), broker.transport("orders"), sqlite_engine)
+    counts = order_counts(sqlite_engine)
+    assert len(counts) == 29 and "m5" not in counts and set(counts.values()) == {1}
+    assert set(sizes) == {1} and len(sizes) == 30 + 2  # m5: first run and two retries
+    assert metrics.dead_lettered == 1
+
+
+def test_unknown_failure_isolation_is_refused_with_the_choices() -> None:
+    class Wrong(OrderConsumer):
+        failure_isolation = "per-message"  # type: ignore[assignment]
+
+    with pytest.raises(ConfigurationError, match="'transaction', not 'per-message'"):
+        Wrong().validate()
