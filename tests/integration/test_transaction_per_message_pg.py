@@ -1,0 +1,208 @@
+"""``failure_isolation = "transaction"`` on real PostgreSQL and a real RabbitMQ.
+
+One transaction per message, one settle per batch: a worker process killed with
+``kill -9`` in the middle of a batch leaves that batch's first messages committed and
+unacked. The broker redelivers them; the next worker skips them as duplicates, so every
+message's effect exists exactly once.
+
+The module doubles as the worker process: ``python -m
+tests.integration.test_transaction_per_message_pg '<json config>'``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, Table
+
+from mqdedup import Message, create_engine, init_schema
+from mqdedup.consumers.stopping import StopToken
+from mqdedup.errors import MqdedupError
+from mqdedup.schema import schema
+from tests.conftest import require_service
+from tests.integration.rabbitmq.support import (
+    REPO,
+    BrokerAdmin,
+    claims,
+    make_consumer,
+    order_counts,
+    orders_table,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+UNIQUE = 600
+COPIES = 200
+BATCH = 100
+#: The handler of this message holds (as if working) until the process is killed.
+HOLD_ID = "t000150"
+
+
+def consumer_class(config: dict[str, Any]) -> Any:
+    """The test consumer: one row per message, one transaction per message."""
+    hold = config.get("hold_id")
+    marker = Path(config["marker"]) if config.get("marker") else None
+
+    def before_write(message: Message) -> None:
+        if message.id == hold and marker is not None:
+            marker.write_text(str(os.getpid()))
+            time.sleep(120)  # the test kills this process long before
+
+    return make_consumer(
+        config["queue"],
+        config["prefix"],
+        config["url"],
+        batch_size=BATCH,
+        prefetch=BATCH,
+        failure_isolation="transaction",
+        before_write=before_write if hold else None,
+    )
+
+
+def worker_main() -> None:
+    """The worker process: consume until killed."""
+    config: dict[str, Any] = json.loads(sys.argv[1])
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    consumer = consumer_class(config)()
+    consumer.run(create_engine(config["database_url"]), stop=StopToken())
+
+
+# -- fixtures ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rabbit_url() -> str:
+    url = os.environ.get("MQDEDUP_RABBITMQ_URL")
+    if not url:
+        require_service("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
+    assert url is not None
+    from mqdedup.consumers.rabbitmq_topology import check_broker
+
+    try:
+        check_broker(url)
+    except MqdedupError as exc:
+        require_service("RabbitMQ", str(exc))
+    return url
+
+
+@pytest.fixture
+def tables(pg_url: str) -> Iterator[tuple[Engine, str, Table]]:
+    from mqdedup.db import check_connection
+    from mqdedup.errors import DatabaseUnavailableError
+
+    engine = create_engine(pg_url)
+    try:
+        check_connection(engine)
+    except DatabaseUnavailableError as exc:
+        require_service("PostgreSQL", str(exc))
+    prefix = f"tpm_{uuid.uuid4().hex[:8]}_"
+    init_schema(engine, prefix)
+    orders = orders_table(prefix)
+    orders.metadata.create_all(engine)
+    try:
+        yield engine, prefix, orders
+    finally:
+        orders.metadata.drop_all(engine)
+        schema(prefix).metadata.drop_all(engine)
+        engine.dispose()
+
+
+# -- the test ------------------------------------------------------------------------------
+
+
+def test_kill_9_mid_batch_then_redelivery_leaves_each_effect_once(
+    rabbit_url: str, pg_url: str, tables: tuple[Engine, str, Table], tmp_path: Path
+) -> None:
+    engine, prefix, orders = tables
+    queue = f"mqdedup-tpm-{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "holding"
+    config = {
+        "queue": queue,
+        "prefix": prefix,
+        "url": rabbit_url,
+        "database_url": pg_url,
+        "hold_id": HOLD_ID,
+        "marker": str(marker),
+    }
+    admin = BrokerAdmin(rabbit_url)
+    admin.declare(consumer_class(config)())
+    # 600 unique ids, then 200 copies of earlier ones (published after the kill point,
+    # so every delivery before the kill is a first copy).
+    ids = [f"t{number:06d}" for number in range(UNIQUE)]
+    copies = [ids[(number * 7) % UNIQUE] for number in range(COPIES)]
+    admin.publish(queue, ids + copies)
+    worker = "tests.integration.test_transaction_per_message_pg"
+    process = subprocess.Popen(
+        [sys.executable, "-m", worker, json.dumps(config)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(marker.exists, 120, "the worker to reach the held message")
+        committed_at_kill = set(order_counts(engine, orders))
+        process.kill()  # kill -9 with the batch half done
+        process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    # Settled: whole batches only. Committed: those plus the held batch's first messages.
+    wait_for(
+        lambda: admin.depth(queue) + len(committed_at_kill) > UNIQUE + COPIES - 1,
+        60,
+        "the broker to requeue the killed worker's unacked deliveries",
+    )
+    redelivered = admin.depth(queue)
+    acked = UNIQUE + COPIES - redelivered
+    assert acked < len(committed_at_kill)  # settled only after all of a batch's commits
+    assert set(ids[:acked]) <= committed_at_kill  # and never before its own commit
+    assert HOLD_ID not in committed_at_kill  # its transaction died with the process
+    committed_unacked = len(committed_at_kill) - acked
+
+    # A second worker finishes the queue: the committed-but-unacked ones are duplicates.
+    consumer = consumer_class({**config, "hold_id": None})()
+    stop = StopToken()
+    result: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: result.update(metrics=consumer.run(engine, stop=stop)), daemon=True
+    )
+    thread.start()
+    try:
+        wait_for(
+            lambda: sum(consumer.calls.values()) + len(consumer.duplicate_ids) >= redelivered,
+            180,
+            "the second worker to go through every redelivered message",
+        )
+    finally:
+        stop.request()
+        thread.join(60)
+    assert not thread.is_alive()
+    metrics = result["metrics"]
+
+    counts = order_counts(engine, orders)
+    assert set(counts) == set(ids) and set(counts.values()) == {1}
+    assert claims(engine, prefix, consumer.consumer_name) == set(ids)
+    assert metrics.processed == UNIQUE - len(committed_at_kill)
+    assert metrics.duplicates == COPIES + committed_unacked
+    assert committed_at_kill - set(ids[:acked]) <= set(consumer.duplicate_ids)
+    assert admin.depth(queue) == 0 and admin.depth(f"{queue}.dlq") == 0
+    admin.delete(queue, f"{queue}.dlq")
+    admin.close()
+
+
+if __name__ == "__main__":
+    worker_main()
