@@ -115,6 +115,13 @@ def make_consumer(
         "retry_policy": RetryPolicy(max_attempts=3, initial_backoff=0.05, max_backoff=0.2),
         "metrics_interval": 5.0,
     }
+    assignor = attributes.pop("assignor", None)
+    if assignor == "cooperative-sticky":  # JSON specs cannot carry the class itself
+        from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
+
+        settings["kafka_config"]["partition_assignment_strategy"] = [CooperativeStickyAssignor]
+    elif assignor is not None:
+        raise ValueError(f"unknown assignor {assignor!r}")
     settings.update(attributes)
     return type(f"Orders_{group.replace('-', '_')}", (base,), settings)
 

@@ -73,8 +73,10 @@ class KafkaHelper:
                 self.admin.delete_topics(doomed, raise_errors=False)
         self.admin.close()
 
-    def create_topic(self, partitions: int = 3, kind: str = "orders") -> str:
-        name = unique_name(kind)
+    def create_topic(
+        self, partitions: int = 3, kind: str = "orders", name: str | None = None
+    ) -> str:
+        name = name or unique_name(kind)
         self.admin.create_topics({name: {"num_partitions": partitions}}, wait_for_metadata=True)
         self.created.append(name)
         return name

@@ -1,0 +1,100 @@
+"""Subscribing by ``topic_pattern`` with the cooperative-sticky assignor (KIP-429).
+
+With cooperative rebalancing a member keeps the partitions it is not asked to give up:
+``_partitions_assigned`` gets only the *added* partitions and kept ones must keep their
+in-flight state. A worker joining and one leaving mid-run must still leave exactly one
+row per unique message over every topic the pattern matches, and commit the ends.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from tests.integration.kafka.conftest import TestDatabase
+from tests.integration.kafka.consumers import orders_table
+from tests.integration.kafka.helpers import (
+    KafkaHelper,
+    Outgoing,
+    WorkerProcess,
+    row_counts,
+    total_rows,
+    unique_name,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_cooperative_sticky_rebalances_over_a_topic_pattern(
+    kafka_helper: KafkaHelper, db: TestDatabase, tmp_path: Path
+) -> None:
+    rng = random.Random(29)
+    stem = f"pat-{uuid.uuid4().hex[:8]}"
+    topics = [f"{stem}-a", f"{stem}-b"]
+    for topic in topics:
+        kafka_helper.create_topic(partitions=3, name=topic)
+    expected: set[str] = set()
+    for topic in topics:
+        messages = [
+            Outgoing(f"{topic}-{i}", b"x", partition=rng.randrange(3)) for i in range(1_500)
+        ]
+        expected.update(m.message_id for m in messages if m.message_id)
+        kafka_helper.produce(topic, messages + rng.sample(messages, 375))
+    group = unique_name("group")
+    spec: dict[str, Any] = {
+        "topic": topics[0],
+        "topics": [],
+        "topic_pattern": rf"^{stem}-[ab]$",
+        "assignor": "cooperative-sticky",
+        "group": group,
+        "prefix": db.prefix,
+        "bootstrap": kafka_helper.bootstrap,
+        "batch_size": 50,
+        "delay": 0.4,
+    }
+
+    def rows_by(worker: str) -> int:
+        table = orders_table(db.prefix)
+        with db.engine.connect() as connection:
+            return int(
+                connection.execute(
+                    select(func.count()).where(table.c.worker == worker)
+                ).scalar_one()
+            )
+
+    workers = {name: WorkerProcess(spec, db.url, tmp_path, name) for name in ("w1", "w2")}
+    try:
+        wait_for(lambda: rows_by("w1") > 0 and rows_by("w2") > 0, 90, "w1 and w2 to share")
+        assert total_rows(db.engine, db.prefix) < 1_500, "too fast: the join would not be mid-run"
+        workers["w3"] = WorkerProcess(spec, db.url, tmp_path, "w3")
+        wait_for(lambda: rows_by("w3") > 0, 90, "w3 to get partitions")
+        assert total_rows(db.engine, db.prefix) < 2_700, "too fast: w1 would not leave mid-run"
+        assert workers["w1"].terminate() == 0, workers["w1"].log_tail()
+        w1_rows = rows_by("w1")
+        wait_for(lambda: total_rows(db.engine, db.prefix) >= 3_000, 180, "every unique message")
+        for topic in topics:
+            wait_for(
+                lambda topic=topic: (
+                    kafka_helper.committed(group, topic)  # type: ignore[misc]
+                    == kafka_helper.end_offsets(topic)
+                ),
+                60,
+                f"offsets at the end of {topic}",
+            )
+        assert rows_by("w1") == w1_rows  # nothing after it left
+    finally:
+        codes = {
+            name: worker.terminate()
+            for name, worker in workers.items()
+            if worker.process.poll() is None
+        }
+    assert all(code == 0 for code in codes.values()), codes
+    counts = row_counts(db.engine, db.prefix)
+    assert set(counts) == expected
+    assert set(counts.values()) == {1}
