@@ -8,8 +8,11 @@ fence change how ``tests/acceptance/test_docs_commands.py`` runs it:
     not run (only what cannot run here, e.g. ``docker compose up``); listed with its
     reason, and the test keeps an explicit allow-list of skipped blocks.
 ``<!-- docs-test: background -->``
-    a daemon (one command): started, awaited until healthy (``/healthz/ready`` and an
-    idle ``/metrics`` when the command has ``--health-port``), then SIGTERM; exit 0.
+    a daemon (one command): started, awaited until healthy and idle when the command
+    has ``--health-port`` (``/healthz/ready``; then on ``/metrics`` a worker has worked
+    and caught up: Kafka lag 0, every fetched delivery finished; a relay's outbox
+    backlog is 0; no counter moving), else until it survived 5 s; then SIGTERM, exit 0.
+    A worker's page must give it messages to work on.
 ``<!-- docs-test: exit N -->``
     the block must exit with status N (documenting an error).
 ``<!-- docs-test: equivalent: <command> -->``

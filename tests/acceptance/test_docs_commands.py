@@ -10,8 +10,8 @@ equivalent, fresh-checkout).
 
 Isolation from the other tests running on the same services: ``MQDEDUP_DATABASE_URL``
 (and ``MQDEDUP_TEST_DATABASE_URL``) point at a PostgreSQL database created for this
-run and dropped afterwards, so the docs keep the default table prefix; the examples'
-topic, group and queue variables get names unique to the run and the page. Blocks
+run and page and dropped afterwards, so the docs keep the default table prefix; the
+examples' topic, group and queue variables get names unique to the run and the page. Blocks
 that install packages run in a throw-away copy of the checkout with its own ``.venv``.
 """
 
@@ -23,11 +23,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,11 @@ pytestmark = [pytest.mark.integration]
 VENV_BIN = Path(sys.executable).parent
 PARSED = {path: parse(path, REPO) for path in doc_files(REPO)}
 BLOCKS: list[Block] = [block for blocks, _ in PARSED.values() for block in blocks]
+#: Test order: the fresh-checkout blocks, which run in a thread of their own from the
+#: first test on, are awaited last; each group keeps document order.
+ORDERED = [b for b in BLOCKS if not b.directive("fresh-checkout")] + [
+    b for b in BLOCKS if b.directive("fresh-checkout")
+]
 ANNOTATION_ERRORS: list[str] = [error for _, errors in PARSED.values() for error in errors]
 
 #: Blocks that cannot run here, by (file, start of the first line): keep this list short.
@@ -52,27 +59,38 @@ ALLOWED_SKIPS: dict[tuple[str, str], str] = {
     ("docs/benchmarks.md", ".venv/bin/python -m bench "): "the 8-minute full run",
     ("docs/guide.md", "mqdedup replay shop.consumers:PaymentStream"): "a RabbitMQ stream",
     ("examples/README.md", "docker compose up"): "no Docker here",
+    ("docs/tools.md", "mqdedup worker myapp.sms:SendSms"): "illustration (tools engineer's)",
 }
 #: At least this many blocks must really run (guards against a parser that finds nothing).
 MIN_EXECUTED = 15
 BLOCK_TIMEOUT = 300.0
 DAEMON_TIMEOUT = 90.0
 STOP_TIMEOUT = 60.0
+#: The fresh-checkout blocks run one after the other; the last waits for all before it.
+CHECKOUT_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True)
 class DocsEnv:
-    """The environment of the run: service URLs, the isolated database, unique names."""
+    """The environment of the run: service URLs, a database per page, unique names."""
 
     base: dict[str, str]
     tag: str
+    databases: dict[str, str]  # page -> URL of its own PostgreSQL database
 
     def for_page(self, relative: str) -> dict[str, str]:
-        """The env for one page's blocks: the examples' names unique to the page."""
+        """The env for one page's blocks: its database, the examples' names unique to it.
+
+        Pages are independent, like two readers: the guide's orders do not meet the
+        order-service example's in one ``example_orders`` table.
+        """
         slug = re.sub(r"[^a-z0-9]+", "-", relative.lower()).strip("-")[:24]
         name = f"docs-{self.tag}-{slug}"
+        url = self.databases[relative]
         return {
             **self.base,
+            "MQDEDUP_DATABASE_URL": url,
+            "MQDEDUP_TEST_DATABASE_URL": url,
             "ORDERS_TOPIC": f"{name}-orders",
             "ORDER_EVENTS_TOPIC": f"{name}-order-events",
             "ORDERS_GROUP": f"{name}-order-service",
@@ -97,7 +115,7 @@ def _services_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def docs_env() -> Iterator[DocsEnv]:
-    """Service URLs with a PostgreSQL database of this run's own; cleaned up after."""
+    """Service URLs with PostgreSQL databases of this run's own (one per page); cleaned up."""
     env = _services_env()
     for variable, service in (
         ("MQDEDUP_TEST_DATABASE_URL", "PostgreSQL"),
@@ -107,34 +125,39 @@ def docs_env() -> Iterator[DocsEnv]:
         if not env.get(variable):
             require_service(service, f"{variable} is not set")
     tag = uuid.uuid4().hex[:8]
-    database = f"mqdedup_docs_{tag}"
+    pages = sorted({b.relative for b in BLOCKS})
+    names = {page: f"mqdedup_docs_{tag}_{n}" for n, page in enumerate(pages)}
     shared_url = env["MQDEDUP_TEST_DATABASE_URL"]
     admin = create_engine(shared_url, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{database}"'))
+            for database in names.values():
+                connection.execute(text(f'CREATE DATABASE "{database}"'))
     except Exception as error:  # any failure means PostgreSQL is unusable here
         admin.dispose()
         require_service("PostgreSQL", f"cannot create a database: {error}")
-    url = make_url(shared_url).set(database=database).render_as_string(hide_password=False)
+    databases = {
+        page: make_url(shared_url).set(database=name).render_as_string(hide_password=False)
+        for page, name in names.items()
+    }
     for name in ("MQDEDUP_CONFIG", "MQDEDUP_TABLE_PREFIX", "VIRTUAL_ENV"):
         env.pop(name, None)
     env.update(
         {
-            "MQDEDUP_DATABASE_URL": url,
-            "MQDEDUP_TEST_DATABASE_URL": url,
             "PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
             "PYTHONPATH": str(REPO),
             "PYTHONUNBUFFERED": "1",
         }
     )
+    docs = DocsEnv(env, tag, databases)
     try:
-        yield DocsEnv(env, tag)
+        yield docs
     finally:
         with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
+            for database in names.values():
+                connection.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
         admin.dispose()
-        _delete_broker_names(DocsEnv(env, tag))
+        _delete_broker_names(docs)
 
 
 def _delete_broker_names(docs: DocsEnv) -> None:
@@ -162,10 +185,8 @@ def _delete_broker_names(docs: DocsEnv) -> None:
         connection.close()
 
 
-@pytest.fixture(scope="module")
-def fresh_checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def make_checkout(root: Path) -> Path:
     """A copy of the working tree (tracked and new files) with an empty ``.venv``."""
-    root = tmp_path_factory.mktemp("checkout")
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=REPO,
@@ -188,6 +209,42 @@ def fresh_checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def checkout_runs(
+    docs_env: DocsEnv, request: pytest.FixtureRequest
+) -> Iterator[dict[str, Future[str]]]:
+    """The selected fresh-checkout blocks, run in document order in one throw-away checkout.
+
+    They install packages (tens of seconds each), so they run in a thread of their own
+    while the other blocks run; each block's test waits for its own result.
+    """
+    selected = {
+        item.callspec.params["block"].ident
+        for item in request.session.items
+        if hasattr(item, "callspec") and isinstance(item.callspec.params.get("block"), Block)
+    }
+    blocks = [
+        b
+        for b in BLOCKS
+        if b.directive("fresh-checkout") and not _skipped(b) and b.ident in selected
+    ]
+    root = Path(tempfile.mkdtemp(prefix="mqdedup-docs-checkout-"))
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="docs-checkout")
+    made = executor.submit(make_checkout, root)
+
+    def run(block: Block) -> str:
+        made.result()
+        env = _checkout_env(docs_env.for_page(block.relative), root)
+        return run_foreground(block, env, root)
+
+    futures = {block.ident: executor.submit(run, block) for block in blocks}
+    try:
+        yield futures
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _checkout_env(env: dict[str, str], root: Path) -> dict[str, str]:
     """``env`` with the checkout's own venv first and the project's venv off ``PATH``."""
     path = [p for p in env.get("PATH", "").split(os.pathsep) if p and Path(p) != VENV_BIN]
@@ -197,16 +254,6 @@ def _checkout_env(env: dict[str, str], root: Path) -> dict[str, str]:
         "VIRTUAL_ENV": str(root / ".venv"),
         "PYTHONPATH": str(root),
     }
-
-
-def _place(
-    block: Block, docs_env: DocsEnv, request: pytest.FixtureRequest
-) -> tuple[dict[str, str], Path]:
-    env = docs_env.for_page(block.relative)
-    if block.directive("fresh-checkout"):
-        root: Path = request.getfixturevalue("fresh_checkout")
-        return _checkout_env(env, root), root
-    return env, REPO
 
 
 def _bash(script: str) -> list[str]:
@@ -392,19 +439,25 @@ def _skipped(block: Block) -> str | None:
     return directive.argument if directive else None
 
 
-@pytest.mark.timeout(BLOCK_TIMEOUT + 120)
-@pytest.mark.parametrize("block", BLOCKS, ids=[block.ident for block in BLOCKS])
+@pytest.mark.timeout(CHECKOUT_TIMEOUT + 60)
+@pytest.mark.parametrize("block", ORDERED, ids=[block.ident for block in ORDERED])
 def test_docs_block_runs_as_written(
-    block: Block, docs_env: DocsEnv, request: pytest.FixtureRequest, tmp_path: Path
+    block: Block,
+    docs_env: DocsEnv,
+    checkout_runs: dict[str, Future[str]],
+    tmp_path: Path,
 ) -> None:
     reason = _skipped(block)
     if reason:
         pytest.skip(f"{block.ident}: {reason}")
-    env, cwd = _place(block, docs_env, request)
+    if block.directive("fresh-checkout"):
+        checkout_runs[block.ident].result(timeout=CHECKOUT_TIMEOUT)
+        return
+    env = docs_env.for_page(block.relative)
     if block.directive("background"):
-        run_background(block, env, cwd, tmp_path / "daemon.log")
+        run_background(block, env, REPO, tmp_path / "daemon.log")
     else:
-        run_foreground(block, env, cwd)
+        run_foreground(block, env, REPO)
 
 
 def test_docs_annotations_are_well_formed_and_skips_allow_listed() -> None:
