@@ -9,7 +9,9 @@ fanout publish fills all queues) on the real RabbitMQ and PostgreSQL:
 * mqdedup, prefetch = batch = P, per-message ``handle`` (the default savepoint mode);
 * mqdedup, prefetch P, batch P/2, bulk: two batches in flight, so the broker streams
   the next batch while the database commits this one;
-* per-message transactions: mqdedup with prefetch 1 / batch_size 1, ``handle``.
+* per-message transactions: mqdedup with ``failure_isolation = "transaction"``, batch
+  P/5, prefetch 2 x batch (one transaction per message, one ack per batch), ``handle``;
+* the same with prefetch 1 / batch_size 1 (an ack and a broker round trip per message).
 
 Each mqdedup message: dedup claim + one business INSERT, committed before the ack.
 Runs are interleaved (run 1 of every variant, then run 2, ...); medians are reported.
@@ -80,6 +82,19 @@ class BenchConsumer(RabbitMQConsumer):
         return None
 
 
+class DriverSQLBenchConsumer(BenchConsumer):
+    """``handle`` writing its row with driver SQL through the transaction's connection
+    (the statement the hand-written consumer sends with psycopg)."""
+
+    def handle(self, message: Message, ctx: Context) -> Any:
+        payload = message.json()
+        ctx.session.connection().exec_driver_sql(
+            f"INSERT INTO {self.orders.name} (message_id, order_no, amount) VALUES (%s, %s, %s)",
+            (message.id, payload["order"], payload["amount"]),
+        )
+        return None
+
+
 class BulkBenchConsumer(BenchConsumer):
     """One set-based INSERT per batch (``unnest`` of arrays: one round trip, no per-row work)."""
 
@@ -113,6 +128,8 @@ class Variant:
     run: Callable[[Variant, Bench, str], float]  # returns msgs/s
     base: type[BenchConsumer] | None = None
     rates: list[float] = field(default_factory=list)
+    #: More class attributes of the consumer (e.g. ``failure_isolation``).
+    attributes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,6 +183,7 @@ def run_mqdedup(variant: Variant, bench: Bench, queue: str) -> float:
             "batch_size": variant.batch,
             "prefetch": variant.prefetch,
             "target": variant.messages,
+            **variant.attributes,
         },
     )
     consumer = consumer_class(stop)
@@ -177,7 +195,7 @@ def run_mqdedup(variant: Variant, bench: Bench, queue: str) -> float:
         raise RuntimeError(
             f"{variant.key}: processed {metrics.processed}, rows {rows}, wanted {variant.messages}"
         )
-    return metrics.processed / elapsed
+    return float(metrics.processed) / elapsed
 
 
 def count_rows(bench: Bench) -> int:
@@ -313,7 +331,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         Variant(
             "per-message",
-            "per-message transaction (mqdedup, handle)",
+            "per-message transactions (mqdedup, failure_isolation='transaction', handle)",
+            2 * max(1, prefetch // 5),
+            max(1, prefetch // 5),
+            slow,
+            run_mqdedup,
+            BenchConsumer,
+            attributes={"failure_isolation": "transaction"},
+        ),
+        Variant(
+            "batch-1",
+            "per-message transactions (mqdedup, batch_size=1, prefetch 1, handle)",
             1,
             1,
             slow,

@@ -5,13 +5,30 @@ Reuses the measurements of ``bench/kafka_bench.py`` and ``bench/rabbitmq_bench.p
 without mqdedup: per message, ``SELECT`` the id in its own "seen" table, then
 ``INSERT`` the id and the business row, one transaction per message (raw psycopg, so
 the baseline is not slowed by an ORM), broker settled after the commit.
+
+mqdedup's one-transaction-per-message rows use ``failure_isolation = "transaction"``:
+each message claimed, handled and committed alone, the broker settled once per batch.
+The first writes its row like the other mqdedup variants (a SQLAlchemy ``insert()``
+through ``ctx.session``); the second sends the hand-written consumer's own INSERT as
+driver SQL through ``ctx.session.connection()``, so that row and the hand-written one
+differ only by what mqdedup does. ``batch_size=1`` (an ack / offset commit and a fetch
+per message) is shown for reference.
+
+Run only the consumer suites, or only some variants::
+
+    python -m bench.suite_consumers --only single,single-sql,hand --slow-messages 5000
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import logging
+import sys
 import time
 import uuid
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import kafka
@@ -21,16 +38,22 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, make_url
 
 from bench import kafka_bench as kb
 from bench import rabbitmq_bench as rb
-from bench.suite_common import Row, Section, Settings, Sizes, interleave, progress
+from bench.suite_common import QUICK, Row, Section, Settings, Sizes, interleave, progress
 from mqdedup import create_engine, init_schema
 from mqdedup.schema import schema
 
 RAW = "raw loop, no DB (ceiling)"
 BULK = "mqdedup batch 500, bulk handle_batch"
 HANDLE = "mqdedup batch 500, per-message handle"
-SINGLE = "mqdedup per-message mode (batch_size=1, 1 tx/msg)"
+SINGLE = "mqdedup 1 tx/msg (failure_isolation='transaction')"
+SINGLE_SQL = "mqdedup 1 tx/msg, handler writes with driver SQL"
 HAND = "hand-written SELECT then INSERT, 1 tx/msg"
-ORDER = (RAW, BULK, HANDLE, SINGLE, HAND)
+BATCH1 = "mqdedup batch_size=1 (settle per message)"
+ORDER = (RAW, BULK, HANDLE, SINGLE, SINGLE_SQL, HAND, BATCH1)
+#: The variants that run one transaction per message (they read the smaller count).
+PER_MESSAGE = (SINGLE, SINGLE_SQL, HAND, BATCH1)
+#: RabbitMQ transaction mode: acks once per batch, two batches in flight.
+TX_BATCH = 100
 
 
 def psycopg_dsn(database_url: str) -> str:
@@ -128,7 +151,17 @@ def handwritten_kafka(hand: HandWritten, bootstrap: str, topic: str, count: int)
     return rate
 
 
-def kafka_suite(settings: Settings, sizes: Sizes) -> Section:
+def _interleave(
+    runs: int,
+    variants: dict[str, Callable[[], float]],
+    label: str,
+    only: Collection[str] | None,
+) -> dict[str, list[float]]:
+    chosen = {name: run for name, run in variants.items() if only is None or name in only}
+    return interleave(runs, chosen, label)
+
+
+def kafka_suite(settings: Settings, sizes: Sizes, only: Collection[str] | None = None) -> Section:
     """Kafka -> PostgreSQL: the four (five) consumers over the same topic."""
     n, slow = sizes.consumer_messages, sizes.consumer_slow_messages
     section = Section(
@@ -137,8 +170,9 @@ def kafka_suite(settings: Settings, sizes: Sizes) -> Section:
         f"{n:,} small JSON messages on a 3-partition topic, each variant with its own "
         f"consumer group reading from the beginning; the per-message-transaction variants "
         f"read the first {slow:,}. mqdedup: claim + one business INSERT per message in "
-        "the transaction, offsets committed after the commit. The clock runs from the "
-        "first record to the last commit (group join excluded).",
+        "the transaction, offsets committed after the commit (transaction mode: batches "
+        "of 500, one offset commit per batch after its 500 commits). The clock runs from "
+        "the first record to the last commit (group join excluded).",
     )
     bootstrap = settings.kafka_bootstrap
     engine = create_engine(settings.database_url)
@@ -148,21 +182,34 @@ def kafka_suite(settings: Settings, sizes: Sizes) -> Section:
         started = time.perf_counter()
         kb.produce(bootstrap, topic, n)
         progress(f"kafka: produced {n:,} messages in {time.perf_counter() - started:.1f} s")
-        values = interleave(
+        values = _interleave(
             sizes.runs,
             {
                 RAW: lambda: kb.run_raw(bootstrap, topic, n),
                 BULK: lambda: kb.run_mqdedup(kb.Bulk, engine, bootstrap, topic, n),
                 HANDLE: lambda: kb.run_mqdedup(kb.PerMessage, engine, bootstrap, topic, n),
                 SINGLE: lambda: kb.run_mqdedup(
-                    kb.PerMessage, engine, bootstrap, topic, slow, batch_size=1
+                    kb.PerMessage, engine, bootstrap, topic, slow, failure_isolation="transaction"
+                ),
+                SINGLE_SQL: lambda: kb.run_mqdedup(
+                    kb.PerMessageDriverSQL,
+                    engine,
+                    bootstrap,
+                    topic,
+                    slow,
+                    failure_isolation="transaction",
                 ),
                 HAND: lambda: handwritten_kafka(hand, bootstrap, topic, slow),
+                BATCH1: lambda: kb.run_mqdedup(
+                    kb.PerMessage, engine, bootstrap, topic, slow, batch_size=1
+                ),
             },
             "kafka",
+            only,
         )
         for name in ORDER:
-            section.rows.append(Row(name, values[name], "msgs/s"))
+            if name in values:
+                section.rows.append(Row(name, values[name], "msgs/s"))
     finally:
         hand.close()
         admin = kafka.KafkaAdminClient(bootstrap_servers=bootstrap)
@@ -203,7 +250,9 @@ def handwritten_rabbitmq(hand: HandWritten, url: str, queue: str, count: int) ->
     return count / elapsed
 
 
-def rabbitmq_suite(settings: Settings, sizes: Sizes) -> Section:
+def rabbitmq_suite(
+    settings: Settings, sizes: Sizes, only: Collection[str] | None = None
+) -> Section:
     """RabbitMQ -> PostgreSQL: the same variants, one queue each, filled by one fanout."""
     n, slow = sizes.consumer_messages, sizes.consumer_slow_messages
     prefetch = 500
@@ -214,7 +263,8 @@ def rabbitmq_suite(settings: Settings, sizes: Sizes) -> Section:
         f"variant's queue, not timed); the per-message-transaction variants consume "
         f"{slow:,}. Raw loop (the fastest of `bench/rabbitmq_bench.py`'s): prefetch {prefetch}, "
         f"`multiple=True` acks every {prefetch // 2}; mqdedup batches: prefetch {prefetch}; "
-        "mqdedup per-message: prefetch 1; hand-written: prefetch "
+        f"mqdedup transaction mode: batch {TX_BATCH}, prefetch {2 * TX_BATCH}, one ack per "
+        "batch after its commits; batch_size=1: prefetch 1; hand-written: prefetch "
         f"{HAND_PREFETCH}, one ack per message after its commit.",
     )
     url = settings.rabbitmq_url
@@ -238,12 +288,33 @@ def rabbitmq_suite(settings: Settings, sizes: Sizes) -> Section:
         HANDLE: rb.Variant(
             "handle", HANDLE, prefetch, prefetch, n, rb.run_mqdedup, rb.BenchConsumer
         ),
-        SINGLE: rb.Variant("single", SINGLE, 1, 1, slow, rb.run_mqdedup, rb.BenchConsumer),
+        SINGLE: rb.Variant(
+            "single",
+            SINGLE,
+            2 * TX_BATCH,
+            TX_BATCH,
+            slow,
+            rb.run_mqdedup,
+            rb.BenchConsumer,
+            attributes={"failure_isolation": "transaction"},
+        ),
+        SINGLE_SQL: rb.Variant(
+            "single-sql",
+            SINGLE_SQL,
+            2 * TX_BATCH,
+            TX_BATCH,
+            slow,
+            rb.run_mqdedup,
+            rb.DriverSQLBenchConsumer,
+            attributes={"failure_isolation": "transaction"},
+        ),
+        BATCH1: rb.Variant("batch-1", BATCH1, 1, 1, slow, rb.run_mqdedup, rb.BenchConsumer),
     }
+    chosen = [name for name in ORDER if only is None or name in only]
     tag = uuid.uuid4().hex[:8]
     exchange = f"mqdedup-suite-{tag}"
-    queues = {name: f"mqdedup-suite-{tag}-{index}" for index, name in enumerate(ORDER)}
-    values: dict[str, list[float]] = {name: [] for name in ORDER}
+    queues = {name: f"mqdedup-suite-{tag}-{index}" for index, name in enumerate(chosen)}
+    values: dict[str, list[float]] = {name: [] for name in chosen}
     try:
         for run in range(1, sizes.runs + 1):
             started = time.perf_counter()
@@ -251,7 +322,7 @@ def rabbitmq_suite(settings: Settings, sizes: Sizes) -> Section:
             progress(
                 f"rabbitmq: filled {len(queues)} queues in {time.perf_counter() - started:.1f} s"
             )
-            for name in ORDER:
+            for name in chosen:
                 started = time.perf_counter()
                 if name == HAND:
                     rate = handwritten_rabbitmq(hand, url, queues[name], slow)
@@ -269,7 +340,7 @@ def rabbitmq_suite(settings: Settings, sizes: Sizes) -> Section:
             for queue in queues.values():
                 channel.queue_purge(queue)
             connection.close()
-        for name in ORDER:
+        for name in chosen:
             section.rows.append(Row(name, values[name], "msgs/s"))
     finally:
         hand.close()
@@ -278,3 +349,60 @@ def rabbitmq_suite(settings: Settings, sizes: Sizes) -> Section:
         schema(prefix).metadata.drop_all(engine)
         engine.dispose()
     return section
+
+
+# -- stand-alone: only the consumer suites -------------------------------------------------
+
+VARIANT_KEYS = {
+    "raw": RAW,
+    "bulk": BULK,
+    "handle": HANDLE,
+    "single": SINGLE,
+    "single-sql": SINGLE_SQL,
+    "hand": HAND,
+    "batch-1": BATCH1,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the Kafka and/or RabbitMQ consumer comparison and print the medians."""
+    parser = argparse.ArgumentParser(description="mqdedup consumer throughput vs by hand")
+    parser.add_argument("--brokers", default="kafka,rabbitmq", help="kafka,rabbitmq")
+    parser.add_argument(
+        "--only",
+        default=",".join(VARIANT_KEYS),
+        help=f"comma-separated variants: {', '.join(VARIANT_KEYS)}",
+    )
+    parser.add_argument("--messages", type=int, default=5_000)
+    parser.add_argument("--slow-messages", type=int, default=5_000)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.only.split(",")) - set(VARIANT_KEYS))
+    if unknown:
+        parser.error(
+            f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANT_KEYS)}"
+        )
+    only = {VARIANT_KEYS[key] for key in args.only.split(",")}
+    settings = Settings.from_env()
+    messages = max(args.messages, args.slow_messages)
+    sizes = dataclasses.replace(
+        QUICK, runs=args.runs, consumer_messages=messages, consumer_slow_messages=args.slow_messages
+    )
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("kafka").setLevel(logging.ERROR)
+    suites = {"kafka": kafka_suite, "rabbitmq": rabbitmq_suite}
+    for broker in args.brokers.split(","):
+        if broker not in suites:
+            parser.error(f"unknown broker {broker!r}; choose kafka or rabbitmq")
+        section = suites[broker](settings, sizes, only)
+        print(f"\n{section.title} (medians of {args.runs} runs)\n")
+        print("| variant | msgs/s (median) | runs |")
+        print("|---|---:|---|")
+        for row in section.rows:
+            runs = ", ".join(f"{value:,.0f}" for value in row.values)
+            print(f"| {row.variant} | {row.median:,.0f} | {runs} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
