@@ -274,30 +274,36 @@ def run_foreground(block: Block, env: dict[str, str], cwd: Path) -> str:
     steps = block.console_steps() if block.language == "console" else []
     if steps and not block.directive("equivalent"):
         script = "".join(
-            f"printf '\\n@@docs-test step {n}@@\\n'\n{command}\n"
+            # The step's status is its whole command line's (``a && b`` included).
+            f"printf '\\n@@docs-test step {n}@@\\n'\n{{ {command}\n}} || exit $?\n"
             for n, (command, _) in enumerate(steps)
         )
     else:
         script = block.script()
-    process = subprocess.Popen(
-        _bash(script),
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=BLOCK_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(
-            f"{block.ident} did not finish within {BLOCK_TIMEOUT:.0f}s:\n"
-            f"{output.decode(errors='replace')[-4000:]}"
-        ) from None
-    printed = output.decode(errors="replace")
+    # Output to a file, not a pipe: a process the block leaves behind would hold a pipe
+    # open, and the block is over when its shell exits.
+    with tempfile.TemporaryFile() as output:
+        process = subprocess.Popen(
+            _bash(script),
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            process.wait(timeout=BLOCK_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+            output.seek(0)
+            raise AssertionError(
+                f"{block.ident} did not finish within {BLOCK_TIMEOUT:.0f}s:\n"
+                f"{output.read().decode(errors='replace')[-4000:]}"
+            ) from None
+        output.seek(0)
+        printed = output.read().decode(errors="replace")
     left_running = _leftovers(process.pid)
     if left_running:
         os.killpg(process.pid, signal.SIGKILL)
@@ -515,3 +521,30 @@ def test_annotation_parser_rejects_what_it_does_not_know(tmp_path: Path) -> None
         "page.md:L29: sets MQDEDUP_DATABASE_URL",
     ):
         assert expected in joined, joined
+
+
+def test_the_runner_fails_a_block_on_its_first_failing_line_and_checks_console_output(
+    tmp_path: Path,
+) -> None:
+    """What a broken doc looks like to the runner (no services needed)."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```bash\nfalse\necho after\n```\n"
+        "```console\n$ echo took 3.2 s && echo done\ntook ... s\ndone\n```\n"
+        "```console\n$ echo hello\nhello\n$ echo x\ny\n```\n"
+        "```console\n$ false && echo never\n$ echo next\n```\n"
+        "```bash\nsleep 60 &\n```\n"
+    )
+    blocks, errors = parse(page, tmp_path)
+    assert errors == []
+    env = {**os.environ}
+    failing, passing, wrong_output, failing_chain, leaking = blocks
+    with pytest.raises(AssertionError, match="exited 1, expected 0"):
+        run_foreground(failing, env, tmp_path)
+    assert "took 3.2 s" in run_foreground(passing, env, tmp_path)
+    with pytest.raises(AssertionError, match="`echo x` did not print 'y'"):
+        run_foreground(wrong_output, env, tmp_path)
+    with pytest.raises(AssertionError, match="exited 1, expected 0"):
+        run_foreground(failing_chain, env, tmp_path)
+    with pytest.raises(AssertionError, match="left processes running"):
+        run_foreground(leaking, env, tmp_path)
