@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -70,4 +70,13 @@ class Message:
 
     def with_id(self, message_id: str) -> Message:
         """A copy carrying ``message_id``."""
-        return replace(self, id=message_id)
+        # Field by field: ``dataclasses.replace`` re-runs ``__init__`` (~3x slower), which
+        # counts when every message of a one-transaction-per-message consumer is copied.
+        copy = object.__new__(Message)
+        for name in _COPIED_FIELDS:
+            object.__setattr__(copy, name, getattr(self, name))
+        object.__setattr__(copy, "id", message_id)
+        return copy
+
+
+_COPIED_FIELDS = tuple(f.name for f in fields(Message) if f.name != "id")

@@ -66,9 +66,13 @@ class Context:
         self.session = session
         self.consumer = consumer
         self.message = message
-        self.log = logging.LoggerAdapter(
-            logging.getLogger(f"mqdedup.handler.{consumer.consumer_name}"),
-            {"message_id": message.id, "consumer": consumer.consumer_name},
+
+    @cached_property
+    def log(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger for the handler that adds the message id and consumer name."""
+        return logging.LoggerAdapter(
+            logging.getLogger(f"mqdedup.handler.{self.consumer.consumer_name}"),
+            {"message_id": self.message.id, "consumer": self.consumer.consumer_name},
         )
 
     @property
