@@ -65,7 +65,9 @@ class Worker:
                     self.processor.process(deliveries)
                 except BatchAbandonedError:
                     log.warning(
-                        "batch abandoned unsettled on stop", extra={"size": len(deliveries)}
+                        "batch abandoned on stop (database unavailable); only what had "
+                        "committed was settled",
+                        extra={"consumer": self.consumer.consumer_name, "size": len(deliveries)},
                     )
                     break
                 batches += 1

@@ -439,3 +439,27 @@ def test_unknown_failure_isolation_is_refused_with_the_choices() -> None:
 
     with pytest.raises(ConfigurationError, match="'transaction', not 'per-message'"):
         Wrong().validate()
+
+
+def test_transaction_mode_outage_then_stop_settles_only_what_committed(
+    sqlite_engine: Engine,
+) -> None:
+    from sqlalchemy.exc import DisconnectionError
+
+    class Outage(PerMessageTx):
+        def handle(self, message: Message, ctx: Context) -> Any:
+            if message.id == "m50":
+                worker.stop.request()
+                raise DisconnectionError("database went away")  # transient: never dead-lettered
+            return super().handle(message, ctx)
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 100)
+    worker = Worker(Outage(), broker.transport("orders"), sqlite_engine)
+    worker.run()
+    assert broker.settled_count["orders"] == 50 and broker.pending("orders") == 50
+    assert len(order_counts(sqlite_engine)) == 50 and not broker.dead_letters
+    assert worker.metrics.database_retries >= 2
+    metrics = run_until_idle(PerMessageTx(), broker.transport("orders"), sqlite_engine)
+    assert (metrics.processed, metrics.duplicates) == (50, 0)
+    assert len(order_counts(sqlite_engine)) == 100
