@@ -142,8 +142,10 @@ def docs_env() -> Iterator[DocsEnv]:
     }
     for name in ("MQDEDUP_CONFIG", "MQDEDUP_TABLE_PREFIX", "VIRTUAL_ENV"):
         env.pop(name, None)
+    scratch = tempfile.mkdtemp(prefix="mqdedup-docs-tmp-")  # e.g. bench --quick results
     env.update(
         {
+            "TMPDIR": scratch,
             "PATH": f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
             "PYTHONPATH": str(REPO),
             "PYTHONUNBUFFERED": "1",
@@ -158,6 +160,7 @@ def docs_env() -> Iterator[DocsEnv]:
                 connection.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
         admin.dispose()
         _delete_broker_names(docs)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _delete_broker_names(docs: DocsEnv) -> None:
@@ -228,6 +231,9 @@ def checkout_runs(
         for b in BLOCKS
         if b.directive("fresh-checkout") and not _skipped(b) and b.ident in selected
     ]
+    if not blocks:
+        yield {}
+        return
     root = Path(tempfile.mkdtemp(prefix="mqdedup-docs-checkout-"))
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="docs-checkout")
     made = executor.submit(make_checkout, root)
