@@ -142,7 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     db_commands = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
     for action, help_text, handler in (
         ("init", "create the framework's tables (idempotent)", _cmd_db_init),
-        ("upgrade", "bring the tables to this version (creates what is missing)", _cmd_db_init),
+        (
+            "upgrade",
+            "bring the tables to this version (missing tables, indexes, key collations)",
+            _cmd_db_init,
+        ),
         ("check", "check the live schema against this version", _cmd_db_check),
     ):
         sub = db_commands.add_parser(action, help=help_text)
@@ -336,14 +340,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_init(args: argparse.Namespace) -> int:
+    from mqdedup.migrations import upgrade_schema
+
     engine, prefix = _engine(args, require_schema=False)
     created = init_schema(engine, prefix)
-    print(f"created: {', '.join(created)}" if created else "schema is up to date")
+    changed = upgrade_schema(engine, prefix)
+    if created:
+        print(f"created: {', '.join(created)}")
+    for change in changed:
+        print(change)
+    if not (created or changed):
+        print("schema is up to date")
     return exitcodes.OK
 
 
 def _cmd_db_check(args: argparse.Namespace) -> int:
-    problems = check_schema(*_engine(args, require_schema=False))
+    from mqdedup.migrations import schema_drift
+
+    engine, prefix = _engine(args, require_schema=False)
+    problems = check_schema(engine, prefix) + [str(d) for d in schema_drift(engine, prefix)]
     for problem in problems:
         print(problem)
     if not problems:
