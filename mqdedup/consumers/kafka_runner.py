@@ -223,7 +223,8 @@ class KafkaRunner:
         except BatchAbandonedError:
             self._abandoned = True
             log.warning(
-                "batch abandoned unsettled on stop (database unavailable)",
+                "batch abandoned on stop (database unavailable); only what had committed "
+                "was settled",
                 extra={"consumer": self.settings.consumer_name},
             )
         except BaseException as error:
