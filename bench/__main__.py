@@ -15,7 +15,7 @@ Writes ``bench/results/results.md``, ``results.json`` and PNG charts, and in ful
 (all suites) ``docs/benchmarks.md``. ``--quick`` is a smoke run of the same suites (one
 run, small sizes, about half a minute on 2 cores) that writes to a temporary folder
 unless ``--out`` is given, so it never replaces the committed results; the full mode
-took 8 minutes on a 2-core machine (limit: 20).
+took 5–8 minutes on a 2-core machine (limit: 20).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def docs_markdown(
         "comparison, and it writes to a temporary folder (printed at the end) unless you "
         "pass `--out`. The full run:",
         "",
-        "<!-- docs-test: skip: the full run takes ~8 minutes; the block above runs every "
+        "<!-- docs-test: skip: the full run takes 5–8 minutes; the block above runs every "
         "suite with --quick -->",
         "```bash",
         f".venv/bin/python -m bench         # {wall / 60:.0f} minutes here",
