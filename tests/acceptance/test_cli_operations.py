@@ -294,7 +294,7 @@ def test_the_live_group_keeps_consuming_while_a_replay_runs(
         (
             ["worker", "tests.acceptance.cli_consumers:NotAConsumer"],
             exitcodes.CONSUMER_IMPORT,
-            "is not a mqdedup Consumer subclass",
+            "is not a mqdedup Consumer",
         ),
         (
             ["replay", CONSUMER, "--from", "yesterday-ish"],

@@ -7,6 +7,8 @@ One JSON argument: ``database_url``, ``prefix``, ``kafka`` (bootstrap) and/or ``
 ``rebalance_interval``, ``poll_interval``, ``broker_backoff_max``). ``hold_batch``: after
 publishing its n-th batch and *before* marking it, the relay prints ``UNMARKED <rows>``
 and waits to be killed (the most dangerous moment: published, not marked).
+``batch_pause``: seconds to sleep before marking each batch, so that a test killing the
+relay "at a random moment" finds work left even on a fast, idle machine.
 
 It runs ``Relay.run`` under graceful signal handling (what ``mqdedup relay`` will do),
 prints ``STARTED`` first and ``METRICS <json>`` after a graceful stop.
@@ -45,6 +47,7 @@ def main() -> int:
     settings = {name: config[name] for name in SETTINGS if name in config}
     relay_config = RelayConfig(broker_backoff_max=config.get("broker_backoff_max", 1.0), **settings)
     hold_batch = config.get("hold_batch")
+    batch_pause = float(config.get("batch_pause", 0.0))
 
     class TestRelay(Relay):
         batches_seen = 0
@@ -54,6 +57,8 @@ def main() -> int:
             if hold_batch is not None and self.batches_seen == hold_batch:
                 print(f"UNMARKED {len(report.published)}", flush=True)
                 time.sleep(600)  # killed here by the test
+            if batch_pause:
+                time.sleep(batch_pause)
 
     engine = create_engine(config["database_url"])
     relay = TestRelay(engine, publishers, prefix=config["prefix"], config=relay_config)

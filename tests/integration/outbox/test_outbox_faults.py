@@ -110,16 +110,17 @@ def test_relay_killed_mid_batch_five_times_publishes_all_and_the_consumer_applie
         "lease": 2.0,
         "poll_interval": 0.2,
     }
+    killed = {**config, "batch_pause": 0.05}  # slower, so the kills land before the end
     rng = random.Random(5)
     held_rows = 0
     for kill in range(5):
         published_before = rabbit.depth(queue)
         if kill % 2 == 0:  # at the most dangerous moment: published, not marked
-            relay = RelayProcess({**config, "hold_batch": rng.randint(2, 4)})
+            relay = RelayProcess({**killed, "hold_batch": rng.randint(2, 4)})
             relay.wait_for_line("UNMARKED", 60)
             held_rows += int(relay.value_of("UNMARKED"))
         else:  # at a random moment while it publishes
-            relay = RelayProcess(config)
+            relay = RelayProcess(killed)
             target = published_before + rng.randint(300, 700)
             poll_until(lambda t=target: rabbit.depth(queue) >= t, 60, "relay progress")
         relay.kill()
