@@ -456,11 +456,22 @@ class KafkaTransport:
             position = self.tracker.committed_offset(key)
             if position is None:
                 position = self.tracker.next_offset(key)
+            if position is None:  # nothing seen yet (e.g. just assigned, all caught up)
+                position = self._fetch_position(topic_partition)
             if position is None:
                 continue
             lag[f"{key[0]}/{key[1]}"] = max(0, int(high_water) - position)
         self.metrics.lag = lag
         return lag
+
+    def _fetch_position(self, topic_partition: Any) -> int | None:
+        """kafka-python's fetch position of a partition, if it knows it (never waits)."""
+        assert self._client is not None
+        try:
+            position = self._client.position(topic_partition, timeout_ms=0)
+        except kafka_errors.KafkaError:  # e.g. IllegalStateError: no longer assigned
+            return None
+        return None if position is None else int(position)
 
     # -- replay helpers (owner thread, group=False) ----------------------------------------
 

@@ -9,6 +9,7 @@ row per unique message over every topic the pattern matches, and commit the ends
 from __future__ import annotations
 
 import random
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,9 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from mqdedup import Metrics, StopToken
 from tests.integration.kafka.conftest import TestDatabase
-from tests.integration.kafka.consumers import orders_table
+from tests.integration.kafka.consumers import make_consumer, orders_table
 from tests.integration.kafka.helpers import (
     KafkaHelper,
     Outgoing,
@@ -98,3 +100,42 @@ def test_cooperative_sticky_rebalances_over_a_topic_pattern(
     counts = row_counts(db.engine, db.prefix)
     assert set(counts) == expected
     assert set(counts.values()) == {1}
+
+
+def test_lag_covers_assigned_partitions_that_have_nothing_new(
+    kafka_helper: KafkaHelper, db: TestDatabase
+) -> None:
+    """A worker that joins a caught-up group reports lag 0 for each of its partitions.
+
+    Before any record of a partition was seen, the lag came only from the records the
+    worker had tracked, so a caught-up partition was missing from ``/metrics`` (and a
+    freshly restarted worker looked as if it had no partitions at all).
+    """
+    topic = kafka_helper.create_topic(partitions=3)
+    kafka_helper.produce(topic, [Outgoing(f"l-{i}", b"x", partition=i % 3) for i in range(90)])
+    consumer = make_consumer(
+        topic=topic,
+        group=unique_name("group"),
+        prefix=db.prefix,
+        bootstrap=kafka_helper.bootstrap,
+        batch_size=50,
+    )
+    expected = {f"{topic}/{partition}": 0 for partition in range(3)}
+    for round_ in ("catch up", "caught up"):
+        stop, metrics = StopToken(), Metrics()
+        worker = threading.Thread(
+            target=lambda: consumer().run(db.engine, stop=stop, metrics=metrics),
+            daemon=True,
+        )
+        worker.start()
+        try:
+            wait_for(lambda: metrics.lag == expected, 60, f"lag 0 on 3 partitions ({round_})")
+            if round_ == "catch up":
+                assert metrics.processed == 90
+            else:
+                assert metrics.delivered == 0  # it never saw a record, yet knows its lag
+        finally:
+            stop.request()
+            worker.join(60)
+        assert not worker.is_alive()
+    assert total_rows(db.engine, db.prefix) == 90
