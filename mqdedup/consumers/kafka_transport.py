@@ -144,6 +144,8 @@ class KafkaTransport:
         self._rebalancing_since: float | None = None
         self._closed = False
         self._high_water: dict[PartitionKey, int] = {}
+        #: Committed offsets of assigned partitions nothing was seen of (for the lag).
+        self._idle_committed: dict[PartitionKey, int] = {}
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -457,21 +459,36 @@ class KafkaTransport:
             if position is None:
                 position = self.tracker.next_offset(key)
             if position is None:  # nothing seen yet (e.g. just assigned, all caught up)
-                position = self._fetch_position(topic_partition)
+                position = self._untracked_position(key, topic_partition)
             if position is None:
                 continue
             lag[f"{key[0]}/{key[1]}"] = max(0, int(high_water) - position)
         self.metrics.lag = lag
         return lag
 
-    def _fetch_position(self, topic_partition: Any) -> int | None:
-        """kafka-python's fetch position of a partition, if it knows it (never waits)."""
+    def _forget_idle(self, keys: Iterable[PartitionKey]) -> None:
+        for key in keys:
+            self._idle_committed.pop(key, None)
+
+    def _untracked_position(self, key: PartitionKey, topic_partition: Any) -> int | None:
+        """The group's committed offset of a partition this worker has seen nothing of.
+
+        Asked once per assignment (nobody else commits a partition we own) and only for
+        partitions with nothing tracked: a worker that joins a caught-up group still
+        reports their lag. kafka-python's own fetch position would not do: it can be
+        ahead of records already fetched but not yet polled.
+        """
         assert self._client is not None
+        if key in self._idle_committed:
+            return self._idle_committed[key]
         try:
-            position = self._client.position(topic_partition, timeout_ms=0)
-        except kafka_errors.KafkaError:  # e.g. IllegalStateError: no longer assigned
+            committed = self._client.committed(topic_partition, timeout_ms=1000)
+        except kafka_errors.KafkaError:
             return None
-        return None if position is None else int(position)
+        if committed is None:
+            return None  # nothing committed yet: the lag is known once records come
+        self._idle_committed[key] = int(committed)
+        return int(committed)
 
     # -- replay helpers (owner thread, group=False) ----------------------------------------
 
@@ -572,6 +589,7 @@ class KafkaTransport:
         that is assigned again; its in-flight work must then be kept, not dropped.
         """
         wanted = set(keys)
+        self._forget_idle(keys)
         uncommitted = {k: v for k, v in self.tracker.to_commit().items() if k in wanted}
         self._commit_on_revoke(uncommitted)
         with self._rebalance_lock:
@@ -586,6 +604,7 @@ class KafkaTransport:
         kafka-python and here; any other assigned partition has a fresh fetch state
         (it starts at the committed offset), so it gets a new epoch.
         """
+        self._forget_idle(keys)
         with self._rebalance_lock:
             assigned = self._assigned_keys() | set(keys)
             revoking, self._revoking = self._revoking, set()
@@ -599,6 +618,7 @@ class KafkaTransport:
 
     def _partitions_lost(self, keys: list[PartitionKey]) -> None:
         """Listener (IO thread): membership expired; nothing may be committed any more."""
+        self._forget_idle(keys)
         with self._rebalance_lock:
             self.tracker.revoke(keys)
             self._revoking.difference_update(keys)
