@@ -289,15 +289,19 @@ class OutboxStore:
         )
 
     def _claimed_rows(self) -> Any:
+        return select(*self._claimed_columns())
+
+    def _claimed_columns(self) -> tuple[Any, ...]:
+        """What a claim returns, in the order :func:`_records` reads it."""
         table = self.table
-        return select(
+        return (
             table.c.id,
             table.c.message_id,
             table.c.broker,
             table.c.destination,
             table.c.routing_key,
             table.c.message_key,
-            # JSON as text, decoded by _records.
+            # JSON as text, decoded by _records: much cheaper than the driver's JSON loader.
             cast(table.c.headers, Text),
             cast(table.c.properties, Text),
             table.c.payload,
@@ -354,20 +358,7 @@ class OutboxStore:
                 locked_by=bindparam("relay_id", type_=table.c.locked_by.type),
                 locked_until=bindparam("until", type_=table.c.locked_until.type),
             )
-            .returning(
-                table.c.id,
-                table.c.message_id,
-                table.c.broker,
-                table.c.destination,
-                table.c.routing_key,
-                table.c.message_key,
-                # JSON as text, decoded below: much cheaper than the driver's JSON loader.
-                cast(table.c.headers, Text),
-                cast(table.c.properties, Text),
-                table.c.payload,
-                table.c.attempts,
-                table.c.created_at,
-            )
+            .returning(*self._claimed_columns())
         )
 
     def foreign_leases(self, engine: Engine, relay_id: str, shards: int | None = None) -> set[int]:
