@@ -146,9 +146,14 @@ def test_worker_processes_restart_after_kill_and_drain_on_sigterm(
         # Children report every second: wait for the counters to catch up.
         wait_for(lambda: sum(processed_counters()) > 0, 30, "processed counters on /metrics")
         assert len(processed_counters()) == 3
-        metrics = metrics_text(port)
-        assert "mqdedup_outbox_backlog 0.0" in metrics
-        assert 'mqdedup_consumer_lag{consumer="' in metrics
+        # A partition's lag is known once its first fetch after the restart's rebalance
+        # answered (children report every second): wait for it, bounded.
+        wait_for(
+            lambda: 'mqdedup_consumer_lag{consumer="' in metrics_text(port),
+            30,
+            "consumer lag on /metrics",
+        )
+        assert "mqdedup_outbox_backlog 0.0" in metrics_text(port)
         supervisor.send_signal(signal.SIGTERM)
         _, err = supervisor.communicate(timeout=90)
     finally:
