@@ -839,7 +839,8 @@ kafka_start() {
         kafka_write_conf
         if [[ ! -s $KAFKA_INST/data/meta.properties ]]; then
             [[ -s $KAFKA_INST/cluster.id ]] ||
-                head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n' >"$KAFKA_INST/cluster.id"
+                head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n' |
+                sed 's/^-/A/' >"$KAFKA_INST/cluster.id" # a leading '-' reads as an option
             log "kafka: formatting $KAFKA_INST/data (cluster id $(cat "$KAFKA_INST/cluster.id"))"
             kafka_tool kafka.tools.StorageTool format -t "$(cat "$KAFKA_INST/cluster.id")" \
                 -c "$KAFKA_INST/server.properties" --ignore-formatted >>"$KAFKA_OUT" 2>&1 ||
