@@ -23,6 +23,17 @@ class BrokerUnavailableError(MqdedupError):
     """The message broker cannot be reached."""
 
 
+class DeadLetterRefusedError(MqdedupError):
+    """The broker refused this one dead letter for good (too large, rejected by a queue
+    policy, not authorised, the target does not exist and cannot be created).
+
+    Raised by ``Transport.dead_letter`` for a refusal that belongs to the record, never
+    for an outage (connection lost, broker down: ``BrokerUnavailableError``). The
+    processor then keeps the message in the database's dead-letter table instead, so the
+    delivery can still be settled and nothing behind it waits.
+    """
+
+
 class ConsumerImportError(MqdedupError):
     """A ``module.path:ClassName`` consumer reference cannot be loaded."""
 

@@ -14,6 +14,10 @@ class Metrics:
     processed: int = 0
     duplicates: int = 0
     dead_lettered: int = 0
+    #: Dead-letter publishes that failed (the broker refused the record or was down).
+    dead_letter_failures: int = 0
+    #: Dead letters kept in the database table because the broker refused them.
+    dead_letters_parked: int = 0
     retries: int = 0
     failures: int = 0
     database_retries: int = 0
