@@ -28,6 +28,18 @@ COUNTERS: tuple[tuple[str, str, str, str], ...] = (
         "duplicates",
     ),
     ("mqdedup_messages_dead_lettered_total", "counter", "Messages dead-lettered", "dead_lettered"),
+    (
+        "mqdedup_dead_letter_failures_total",
+        "counter",
+        "Dead-letter publishes the broker refused or could not take",
+        "dead_letter_failures",
+    ),
+    (
+        "mqdedup_dead_letters_parked_total",
+        "counter",
+        "Dead letters kept in the database because the broker refused them",
+        "dead_letters_parked",
+    ),
     ("mqdedup_handler_retries_total", "counter", "Handler retries", "retries"),
     (
         "mqdedup_database_retries_total",
