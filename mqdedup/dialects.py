@@ -6,7 +6,10 @@
   ``INSERT IGNORE``, see :func:`claim_ids`);
 * the attempt-counter upsert (``ON CONFLICT DO UPDATE`` / ``ON DUPLICATE KEY UPDATE``);
 * how a unique-key violation is recognised (SQLSTATE 23505, SQLite extended codes,
-  MySQL error 1062), and the locking read used to see the latest committed row.
+  MySQL error 1062), and the locking read used to see the latest committed row;
+* which errors belong to the data of one message (:func:`is_data_error`: SQLSTATE
+  classes 22 and 23 and their SQLite / MySQL equivalents, encoding errors), so that they
+  fail that message alone and never a batch or a worker.
 """
 
 from __future__ import annotations
@@ -45,6 +48,18 @@ _PG_UNIQUE_VIOLATION = "23505"
 # SQLITE_CONSTRAINT_PRIMARYKEY, SQLITE_CONSTRAINT_UNIQUE (extended result codes).
 _SQLITE_UNIQUE_CODES = frozenset({1555, 2067})
 MYSQL_DIALECTS = ("mysql", "mariadb")
+# SQLSTATE classes of errors caused by the values of a statement: data exception,
+# integrity constraint violation.
+_DATA_SQLSTATE_CLASSES = ("22", "23")
+# SQLite primary result codes for the same: SQLITE_TOOBIG, SQLITE_CONSTRAINT,
+# SQLITE_MISMATCH, SQLITE_RANGE (extended codes carry the primary one in the low byte).
+_SQLITE_DATA_CODES = frozenset({18, 19, 20, 25})
+_SQLITE_BUSY_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED
+# MySQL/MariaDB: bad null, duplicate key, data too long, out of range, wrong value,
+# truncated, incorrect string value (encoding), foreign keys, check constraints.
+_MYSQL_DATA_CODES = frozenset(
+    {1048, 1062, 1264, 1265, 1292, 1366, 1367, 1406, 1451, 1452, 1690, 3819, 4025}
+)
 # The key columns are VARCHAR(255) (characters); INSERT IGNORE would truncate longer
 # values into a silent collision, so longer ones are refused before any SQL.
 _MYSQL_MAX_KEY_LENGTH = 255
@@ -79,6 +94,58 @@ def _is_transient_driver_error(orig: BaseException | None) -> bool:
         args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
         return len(args) > 0 and args[0] in _MYSQL_TRANSIENT_CODES
     return False
+
+
+def is_data_error(error: BaseException) -> bool:
+    """True when ``error`` was caused by the values a statement carried, not the database.
+
+    Data exceptions and integrity violations (SQLSTATE classes 22 and 23, SQLite's
+    constraint / mismatch / too-big codes, the MySQL codes for the same) and text the
+    driver cannot encode (``UnicodeError``, e.g. a lone surrogate). Decided by code and
+    class along the exception's cause chain, never by the text of the message. Such an
+    error belongs to one message: it fails that message, never its batch or the worker.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, UnicodeError) or _is_data_driver_error(current):
+            return True
+        if isinstance(current, sa_exc.DBAPIError):
+            return _is_data_driver_error(current.orig)
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _is_data_driver_error(orig: BaseException | None) -> bool:
+    if orig is None:
+        return False
+    sqlstate = getattr(orig, "sqlstate", None)
+    if isinstance(sqlstate, str) and sqlstate:
+        return sqlstate.startswith(_DATA_SQLSTATE_CLASSES)
+    module = type(orig).__module__
+    if module.startswith("psycopg"):
+        # Refused by psycopg before it reached the server (no SQLSTATE), e.g. a NUL
+        # byte in a text parameter: psycopg raises the class of SQLSTATE class 22.
+        import psycopg
+
+        return isinstance(orig, psycopg.DataError | psycopg.IntegrityError)
+    if isinstance(orig, sqlite3.Error):
+        code = getattr(orig, "sqlite_errorcode", None)
+        return isinstance(code, int) and (code & 0xFF) in _SQLITE_DATA_CODES
+    if module.startswith("pymysql"):
+        args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+        return len(args) > 0 and args[0] in _MYSQL_DATA_CODES
+    return False
+
+
+def is_sqlite_lock_error(error: BaseException) -> bool:
+    """True for SQLite's "database is locked" / "table is locked" (SQLITE_BUSY, _LOCKED)."""
+    orig = error.orig if isinstance(error, sa_exc.DBAPIError) else error
+    if not isinstance(orig, sqlite3.Error):
+        return False
+    code = getattr(orig, "sqlite_errorcode", None)
+    return isinstance(code, int) and (code & 0xFF) in _SQLITE_BUSY_CODES
 
 
 def claim_ids(

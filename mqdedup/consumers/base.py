@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from sqlalchemy.orm import Session
 
-from mqdedup.dedup.ids import MessageIdStrategy, from_header
-from mqdedup.errors import ConfigurationError
+from mqdedup.dedup.ids import MAX_ID_LENGTH, MessageIdStrategy, from_header
+from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.message import Message
 from mqdedup.schema import DEFAULT_PREFIX
 
@@ -59,8 +59,75 @@ class RetryPolicy:
         return base * (1 + random.uniform(-self.jitter, self.jitter))
 
 
+class HandlerEndedTransactionError(RuntimeError):
+    """A handler called ``commit``, ``rollback``, ``close`` or ``begin`` on ``ctx.session``.
+
+    The transaction belongs to the processor: it holds the message's claim and its
+    batch-mates' work, and commits them together before the broker is settled. The call
+    is refused (nothing is ended) and the message fails like any raising handler.
+    """
+
+
+class InvalidResultError(MessageError):
+    """A handler returned a result no database can store as JSON (NaN, infinity, a NUL
+    character, a lone surrogate, a type JSON does not have); the message is
+    dead-lettered at once with this reason."""
+
+
+#: Session methods that would end (or replace) the processor's transaction.
+GUARDED_SESSION_METHODS = ("commit", "rollback", "close", "begin", "reset", "invalidate")
+
+
+def _refusal(method: str) -> Any:
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise HandlerEndedTransactionError(
+            f"a handler must not end the transaction: ctx.session.{method}() is not allowed "
+            "(mqdedup commits the message's claim and effects together after the handler)"
+        )
+
+    refuse.__name__ = method
+    return refuse
+
+
+def _guarded_begin(session: Session) -> Any:
+    refuse = _refusal("begin")
+
+    def begin(nested: bool = False) -> Any:
+        if nested:  # begin_nested(): a savepoint inside the transaction is fine
+            return Session.begin(session, nested=True)
+        return refuse()
+
+    return begin
+
+
+_REFUSALS: dict[str, Any] = {method: _refusal(method) for method in GUARDED_SESSION_METHODS}
+
+
+def guard_session(session: Session) -> None:
+    """Make ``session``'s transaction-ending methods raise HandlerEndedTransactionError.
+
+    Instance attributes shadow the methods, so ``ctx.session`` stays a real ``Session``
+    (``ctx.outbox``, ORM calls and savepoints with ``begin_nested()`` keep working) and
+    the guard costs two dictionary updates per transaction.
+    """
+    session.__dict__.update(_REFUSALS)
+    session.__dict__["begin"] = _guarded_begin(session)
+
+
+def unguard_session(session: Session) -> None:
+    """Undo :func:`guard_session` (the processor is about to end the transaction)."""
+    namespace = session.__dict__
+    for method in GUARDED_SESSION_METHODS:
+        namespace.pop(method, None)
+
+
 class Context:
-    """What a handler gets besides the message: the transaction's session and outbox."""
+    """What a handler gets besides the message: the transaction's session and outbox.
+
+    ``session`` is the processor's transaction, guarded: ``commit()``, ``rollback()``,
+    ``close()`` or ``begin()`` raise :class:`HandlerEndedTransactionError` (use
+    ``begin_nested()`` for a savepoint of your own).
+    """
 
     def __init__(self, session: Session, consumer: Consumer, message: Message) -> None:
         self.session = session
@@ -230,3 +297,26 @@ class Consumer:
             raise ConfigurationError(
                 f"{type(self).__name__} implements neither handle() nor handle_batch()"
             )
+        problem = consumer_name_problem(self.consumer_name)
+        if problem:
+            raise ConfigurationError(f"{type(self).__name__}: the consumer name {problem}")
+
+
+def consumer_name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a consumer name (the dedup scope stored with every claim)."""
+    if not isinstance(name, str):
+        return f"must be a string, not {type(name).__name__}"
+    if not name.strip():
+        return "is empty"
+    if len(name) > MAX_ID_LENGTH:
+        return (
+            f"is {len(name)} characters long; the dedup tables hold at most {MAX_ID_LENGTH} "
+            f"(set a shorter `name`): {name[:40]!r}…"
+        )
+    if "\x00" in name:
+        return f"contains a NUL byte: {name!r}"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"is not valid Unicode (a lone surrogate): {name!r}"
+    return None

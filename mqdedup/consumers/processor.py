@@ -14,12 +14,20 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, retry_if_exception, stop_never, wait_random_exponential
 
-from mqdedup.consumers.base import BatchContext, Consumer, Context
+from mqdedup.consumers.base import (
+    BatchContext,
+    Consumer,
+    Context,
+    InvalidResultError,
+    guard_session,
+    unguard_session,
+)
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
+from mqdedup.dedup.ids import InvalidMessageIdError, check_message_id
 from mqdedup.dedup.store import DedupStore
-from mqdedup.dialects import is_transient
+from mqdedup.dialects import is_data_error, is_sqlite_lock_error, is_transient
 from mqdedup.errors import MessageError
 
 log = logging.getLogger(__name__)
@@ -28,6 +36,16 @@ T = TypeVar("T")
 
 class BatchAbandonedError(Exception):
     """A stop was requested while the database was unreachable; nothing was settled."""
+
+
+class SQLiteSelfDeadlockError(RuntimeError):
+    """A handler waited for the SQLite write lock its own consumer transaction holds.
+
+    SQLite allows one writer per database file. The processor's transaction takes the
+    lock with the claim (mqdedup's engines with ``BEGIN IMMEDIATE``), so a handler that
+    writes to the same file through another connection waits until its busy timeout and
+    could never succeed. It fails that message instead of retrying the batch forever.
+    """
 
 
 @dataclass
@@ -57,6 +75,14 @@ class _Pass:
     failures: list[tuple[Delivery, Exception]] = field(default_factory=list)
     stored_results: dict[str, Any] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, other: _Pass) -> None:
+        """Add what another (committed) transaction did."""
+        self.processed.extend(other.processed)
+        self.duplicates.extend(other.duplicates)
+        self.failures.extend(other.failures)
+        self.stored_results.update(other.stored_results)
+        self.results.update(other.results)
 
 
 class _SessionLease:
@@ -175,7 +201,7 @@ class Processor:
         seen: set[str] = set()
         for delivery in deliveries:
             try:
-                message_id = self.consumer.message_id(delivery.message)
+                message_id = self._message_id(delivery)
             except MessageError as error:
                 report.dead_lettered.append((delivery, self._dead_letter_record(error, 1)))
                 continue
@@ -185,6 +211,22 @@ class Processor:
             seen.add(message_id)
             unique.append(Delivery(delivery.message.with_id(message_id), delivery.token))
         return unique, repeats
+
+    def _message_id(self, delivery: Delivery) -> str:
+        """The delivery's message id, valid for every database, or a MessageError.
+
+        Whatever the strategy raises belongs to this message (a user function failing
+        on its body, say): it is dead-lettered with that reason, never a worker crash.
+        """
+        try:
+            message_id = self.consumer.message_id(delivery.message)
+        except MessageError:
+            raise
+        except Exception as error:
+            raise InvalidMessageIdError(
+                f"the message id strategy failed: {type(error).__name__}: {error}"
+            ) from error
+        return check_message_id(message_id, "the consumer's message id")
 
     def _run_each(
         self, deliveries: Sequence[Delivery], report: BatchReport
@@ -227,6 +269,12 @@ class Processor:
         except _RerunWithoutError as failed:  # rolled back: its claim is gone too
             self._log_failure(delivery, failed.error)
             return _Pass(failures=[(delivery, failed.error)])
+        except Exception as error:
+            if is_transient(error) or not is_data_error(error):
+                raise
+            # Its own data, outside the handler (e.g. a deferred constraint at commit).
+            self._log_failure(delivery, error)
+            return _Pass(failures=[(delivery, error)])
         finally:
             session.expunge_all()  # the next message starts with an empty session
 
@@ -253,9 +301,38 @@ class Processor:
                     self._log_failure(rerun.delivery, rerun.error)
                 savepoints = self.consumer.failure_isolation == "auto" or savepoints
                 continue
+            except Exception as error:
+                if is_transient(error) or not is_data_error(error):
+                    raise
+                return self._find_data_error(pending, excluded, error)
             outcome.failures.extend(excluded)
             return outcome
         return _Pass(failures=excluded)
+
+    def _find_data_error(
+        self,
+        pending: list[Delivery],
+        excluded: list[tuple[Delivery, Exception]],
+        error: Exception,
+    ) -> _Pass:
+        """A data error outside any handler's boundary: find the message it belongs to.
+
+        Ids and results are validated before the database sees them, so this is the
+        defensive path (e.g. a handler's write that breaks a deferred constraint at
+        commit). The transaction has rolled back; each message then runs in its own, so
+        the culprit fails alone (retry policy) and its batch-mates commit.
+        """
+        log.warning(
+            "a data error outside the handlers; running the batch one message at a time",
+            extra={"consumer": self.name, "error": f"{type(error).__name__}: {error}"},
+        )
+        if len(pending) == 1:
+            self._log_failure(pending[0], error)
+            return _Pass(failures=[*excluded, (pending[0], error)])
+        outcome = _Pass(failures=list(excluded))
+        for delivery in pending:
+            outcome.add(self._run_pass([delivery]))
+        return outcome
 
     def _transaction(
         self, deliveries: Sequence[Delivery], use_batch_handler: bool, savepoints: bool
@@ -283,7 +360,11 @@ class Processor:
                 outcome.stored_results = self.store.results(
                     session, self.name, [str(d.message.id) for d in outcome.duplicates]
                 )
-            results = self._handle(session, new, outcome, use_batch_handler, savepoints)
+            guard_session(session)  # the handlers must not end this transaction
+            try:
+                results = self._handle(session, new, outcome, use_batch_handler, savepoints)
+            finally:
+                unguard_session(session)
             outcome.results = results
             if outcome.failures and self.consumer.deduplicate:
                 self.store.forget(
@@ -341,9 +422,12 @@ class Processor:
         try:
             value = call()
             session.flush()
-        except Exception as error:
+        except Exception as raised:
+            error = raised
             if is_transient(error):
-                raise
+                if not self._waits_for_own_lock(session, error):
+                    raise
+                error = _self_deadlock(error)
             if savepoint is None:
                 raise _RerunWithoutError(delivery, error) from error
             savepoint.rollback()
@@ -368,9 +452,26 @@ class Processor:
         )
         if not results:
             return {}
-        clean = {key: value for key, value in results.items() if value is not None}
-        _ensure_json(clean)
+        # Only results of this batch's messages: another key would overwrite the stored
+        # result of an earlier message (or reach the database as an invalid id).
+        ids = {d.message.id for d in new}
+        clean = {key: value for key, value in results.items() if value is not None and key in ids}
+        for value in clean.values():
+            _ensure_json(value)
         return clean
+
+    def _waits_for_own_lock(self, session: Session, error: Exception) -> bool:
+        """True when a handler's SQLite "database is locked" is our own transaction's lock.
+
+        The processor's transaction on SQLite holds the file's write lock from its claim
+        on (the only writer SQLite allows): a lock wait seen inside a handler then comes
+        from the handler's own connection to that file and can never end in success.
+        """
+        return (
+            is_sqlite_lock_error(error)
+            and session.in_transaction()
+            and session.get_bind().dialect.name == "sqlite"
+        )
 
     def _committed(self, outcome: _Pass, report: BatchReport) -> None:
         """After a commit: the after-commit hook, duplicate callbacks, bookkeeping."""
@@ -567,10 +668,50 @@ class Processor:
 
 
 def _ensure_json(result: Any) -> None:
-    """A handler's result must be JSON-serialisable to be stored with the claim."""
+    """A handler's result must be strict JSON every database stores the same way.
+
+    Refused, as :class:`InvalidResultError` (the message is dead-lettered at once):
+    types JSON does not have, NaN and infinities (PostgreSQL's JSONB rejects them),
+    strings with a NUL character or a lone surrogate (JSONB and UTF-8 reject them),
+    nesting too deep to serialise.
+    """
     if result is None:
         return
     try:
-        json.dumps(result)
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"handler result is not JSON-serialisable: {error}") from error
+        text = json.dumps(result, allow_nan=False, ensure_ascii=False)
+    except TypeError as error:
+        raise InvalidResultError(f"handler result is not JSON-serialisable: {error}") from None
+    except ValueError as error:  # NaN, Infinity, a circular reference
+        raise InvalidResultError(f"handler result is not strict JSON: {error}") from None
+    except RecursionError:
+        raise InvalidResultError("handler result is nested too deeply to store") from None
+    if "\\u0000" in text and _has_nul(result):
+        raise InvalidResultError("handler result contains a NUL character (\\u0000)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidResultError(
+            "handler result is not valid Unicode: a lone surrogate at character "
+            f"{error.start} of its JSON"
+        ) from None
+
+
+def _has_nul(value: Any) -> bool:
+    """True when a string anywhere in ``value`` (keys included) contains a NUL character."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(key) or _has_nul(item) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_nul(item) for item in value)
+    return False
+
+
+def _self_deadlock(error: Exception) -> SQLiteSelfDeadlockError:
+    deadlock = SQLiteSelfDeadlockError(
+        "the handler waited for the SQLite write lock that its own consumer transaction "
+        "holds (SQLite allows one writer per file): write through ctx.session, not "
+        "through another connection or engine to the same database file"
+    )
+    deadlock.__cause__ = error
+    return deadlock

@@ -12,6 +12,12 @@ protects against:
   same message twice (the copies have different offsets).
 * :func:`from_content_hash`: sha256 of the body. Catches identical resends, but also
   merges two distinct messages that happen to have the same bytes.
+
+Every strategy returns a *valid* id or raises: a message id is a non-empty string of at
+most :data:`MAX_ID_LENGTH` characters (the key column's length), without NUL bytes and
+encodable as UTF-8 (no lone surrogates), so every database accepts it the same way
+(:func:`check_message_id`). A message whose id breaks a rule is dead-lettered at once
+with the rule it broke; :func:`first_of` moves on to its next strategy instead.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from mqdedup.errors import MissingMessageIdError
+from mqdedup.errors import MessageError, MissingMessageIdError
 from mqdedup.message import Message
 
 MessageIdStrategy = Callable[[Message], str]
@@ -28,11 +34,47 @@ DEFAULT_HEADER = "message-id"
 MAX_ID_LENGTH = 255
 
 
-def _checked(message_id: str | None, where: str) -> str:
-    if message_id is None or not message_id.strip():
+#: Longer Kafka topics are replaced by their hash in :func:`from_coordinates` ids.
+_HASHED_TOPIC_PREFIX = "topic-sha256:"
+
+
+class InvalidMessageIdError(MissingMessageIdError):
+    """A message id is there but cannot be a dedup key (NUL byte, too long, not Unicode).
+
+    Its ``reason`` names the rule the id broke; the message is dead-lettered at once.
+    """
+
+    def __init__(self, reason: str) -> None:
+        MessageError.__init__(self, reason)
+
+
+def check_message_id(message_id: object, where: str = "message id") -> str:
+    """Return ``message_id`` if every database can store it as a key, else raise.
+
+    ``where`` says where the id came from (``"'message-id' header"``); it ends up in
+    the dead-letter reason. Raises :class:`~mqdedup.errors.MissingMessageIdError` for
+    ``None`` or an empty / blank id and :class:`InvalidMessageIdError` for the others.
+    """
+    if message_id is None:
         raise MissingMessageIdError(f"no {where}")
+    if not isinstance(message_id, str):
+        raise InvalidMessageIdError(
+            f"message id is a {type(message_id).__name__}, not a string ({where})"
+        )
+    if not message_id.strip():
+        raise MissingMessageIdError(f"empty {where}")
     if len(message_id) > MAX_ID_LENGTH:
-        raise MissingMessageIdError(f"{where} longer than {MAX_ID_LENGTH} characters")
+        raise InvalidMessageIdError(
+            f"message id is longer than {MAX_ID_LENGTH} characters ({len(message_id)}, {where})"
+        )
+    if "\x00" in message_id:
+        raise InvalidMessageIdError(f"message id contains a NUL byte ({where})")
+    try:
+        message_id.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidMessageIdError(
+            f"message id is not valid Unicode: a lone surrogate at position {error.start} ({where})"
+        ) from None
     return message_id
 
 
@@ -40,7 +82,7 @@ def from_header(name: str = DEFAULT_HEADER) -> MessageIdStrategy:
     """Take the id from a header (Kafka record header or AMQP application header)."""
 
     def strategy(message: Message) -> str:
-        return _checked(message.header(name), f"{name!r} header")
+        return check_message_id(message.header(name), f"{name!r} header")
 
     strategy.__name__ = f"from_header({name!r})"
     return strategy
@@ -49,14 +91,24 @@ def from_header(name: str = DEFAULT_HEADER) -> MessageIdStrategy:
 def from_amqp_message_id(message: Message) -> str:
     """Take the id from the AMQP ``message_id`` basic property."""
     value = message.properties.get("message_id")
-    return _checked(None if value is None else str(value), "AMQP message_id property")
+    return check_message_id(None if value is None else str(value), "AMQP message_id property")
 
 
 def from_coordinates(message: Message) -> str:
-    """Use the broker coordinates ``topic/partition/offset`` as the id (Kafka)."""
+    """Use the broker coordinates ``topic/partition/offset`` as the id (Kafka).
+
+    When that would be longer than :data:`MAX_ID_LENGTH` (Kafka allows 249-character
+    topic names), the topic is replaced by ``topic-sha256:<sha256 of the topic>``:
+    still deterministic and unique per topic, and no real Kafka topic contains ``:``.
+    """
     if message.partition is None or message.offset is None:
         raise MissingMessageIdError("message has no topic/partition/offset coordinates")
-    return message.coordinates
+    coordinates = message.coordinates
+    if len(coordinates) > MAX_ID_LENGTH:
+        digest = hashlib.sha256(message.source.encode("utf-8", "surrogatepass")).hexdigest()
+        topic = _HASHED_TOPIC_PREFIX + digest
+        coordinates = f"{topic}/{message.partition}/{message.offset}"
+    return check_message_id(coordinates, "topic/partition/offset coordinates")
 
 
 def from_content_hash(message: Message) -> str:
@@ -65,10 +117,15 @@ def from_content_hash(message: Message) -> str:
 
 
 def from_callable(function: Callable[[Message], str | None]) -> MessageIdStrategy:
-    """Wrap a user function; ``None`` or an empty string means *no id*."""
+    """Wrap a user function; ``None`` or an empty string means *no id*.
+
+    What it returns is checked like any id (a string, short enough, no NUL byte).
+    """
+
+    where = f"id from {getattr(function, '__name__', 'callable')}"
 
     def strategy(message: Message) -> str:
-        return _checked(function(message), f"id from {getattr(function, '__name__', 'callable')}")
+        return check_message_id(function(message), where)
 
     return strategy
 
