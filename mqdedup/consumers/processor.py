@@ -14,6 +14,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, retry_if_exception, stop_never, wait_random_exponential
 
+from mqdedup.consumers import sqlite_lock
 from mqdedup.consumers.base import (
     BatchContext,
     Consumer,
@@ -161,6 +162,10 @@ class Processor:
         self.name = consumer.consumer_name
         self.policy = consumer.retry_policy
         self.per_message = consumer.failure_isolation == "transaction"
+        bind = sessions.kw.get("bind")
+        self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
+        if self._sqlite:
+            sqlite_lock.install()  # a handler's own connection to the file fails fast
 
     # -- public ------------------------------------------------------------------------
 
@@ -361,10 +366,14 @@ class Processor:
                     session, self.name, [str(d.message.id) for d in outcome.duplicates]
                 )
             guard_session(session)  # the handlers must not end this transaction
+            if self._sqlite:
+                sqlite_lock.enter(session)
             try:
                 results = self._handle(session, new, outcome, use_batch_handler, savepoints)
             finally:
                 unguard_session(session)
+                if self._sqlite:
+                    sqlite_lock.leave()
             outcome.results = results
             if outcome.failures and self.consumer.deduplicate:
                 self.store.forget(
