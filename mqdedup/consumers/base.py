@@ -101,6 +101,7 @@ def _guarded_begin(session: Session) -> Any:
 
 
 _REFUSALS: dict[str, Any] = {method: _refusal(method) for method in GUARDED_SESSION_METHODS}
+_REFUSALS_KEY = "mqdedup.refusals"
 
 
 def guard_session(session: Session) -> None:
@@ -110,8 +111,11 @@ def guard_session(session: Session) -> None:
     (``ctx.outbox``, ORM calls and savepoints with ``begin_nested()`` keep working) and
     the guard costs two dictionary updates per transaction.
     """
-    session.__dict__.update(_REFUSALS)
-    session.__dict__["begin"] = _guarded_begin(session)
+    refusals = session.info.get(_REFUSALS_KEY)
+    if refusals is None:  # built once per session (a lease reuses it for a batch)
+        refusals = {**_REFUSALS, "begin": _guarded_begin(session)}
+        session.info[_REFUSALS_KEY] = refusals
+    session.__dict__.update(refusals)
 
 
 def unguard_session(session: Session) -> None:
