@@ -209,17 +209,13 @@ def test_a_handler_that_ends_the_transaction_fails_only_its_message(
     assert set(claims(pg)) == {"good-1", "good-2"}
     assert pg.count(schema(pg.prefix).outbox) == 2, "the outbox works on the guarded session"
     (dead,) = broker.dead_letters["orders"]
-    assert f"a handler must not end the transaction: ctx.session.{method}()" in (
-        dead.record.reason
-    )
+    assert f"a handler must not end the transaction: ctx.session.{method}()" in (dead.record.reason)
     assert dead.record.attempts == FAST_RETRY.max_attempts
     assert (metrics.processed, metrics.duplicates, metrics.dead_lettered) == (2, 0, 1)
 
 
 @pytest.mark.parametrize("isolation", ["auto", "transaction"])
-def test_a_data_error_at_commit_is_attributed_to_its_message(
-    pg: Database, isolation: str
-) -> None:
+def test_a_data_error_at_commit_is_attributed_to_its_message(pg: Database, isolation: str) -> None:
     """A deferred foreign key fails at COMMIT, outside any handler: the batch is split,
     the culprit follows the retry policy, its batch-mates commit."""
     parents, children = f"{pg.prefix}parents", f"{pg.prefix}children"
