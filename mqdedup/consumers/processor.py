@@ -27,7 +27,7 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
 from mqdedup.dedup.ids import InvalidMessageIdError, check_message_id
-from mqdedup.dedup.store import DedupStore
+from mqdedup.dedup.store import DedupStore, storable_text
 from mqdedup.dialects import is_data_error, is_sqlite_lock_error, is_transient
 from mqdedup.errors import MessageError
 
@@ -652,12 +652,13 @@ class Processor:
             reason = error.reason
         else:
             reason = f"handler failed after {attempts} attempts: {type(error).__name__}: {error}"
+        # Header-safe and storable: an error text may carry NUL or a lone surrogate.
         return DeadLetter(
-            reason=reason,
+            reason=storable_text(reason),
             consumer=self.name,
             attempts=attempts,
             error_class=f"{type(error).__module__}.{type(error).__qualname__}",
-            error_message=str(error),
+            error_message=storable_text(str(error)),
         )
 
     def _log_failure(self, delivery: Delivery | None, error: Exception) -> None:

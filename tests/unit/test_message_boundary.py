@@ -310,3 +310,17 @@ def test_a_consumer_without_deduplicate_keeps_its_plain_session(sqlite_engine: E
     publish(broker, ["m1"])
     run_until_idle(Plain(), broker.transport("orders"), sqlite_engine)
     assert order_counts(sqlite_engine) == {"m1": 1}
+
+
+def test_a_dead_letter_reason_is_always_storable_text(sqlite_engine: Engine) -> None:
+    class Raises(Orders):
+        def handle(self, message: Message, ctx: Context) -> Any:
+            raise ValueError("bad \x00 and \ud800")
+
+    broker = InMemoryBroker()
+    publish(broker, ["m1"])
+    run_until_idle(Raises(), broker.transport("orders"), sqlite_engine)
+    (dead,) = broker.dead_letters["orders"]
+    for text in (dead.record.reason, dead.record.error_message or ""):
+        assert "\x00" not in text and text.encode("utf-8")
+        assert "bad \\x00 and \\ud800" in text
