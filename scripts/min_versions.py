@@ -28,7 +28,8 @@ def floor_pin(requirement: str) -> str:
 
 
 def main() -> None:
-    project = tomllib.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "pyproject.toml").read_text())
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else "pyproject.toml")
+    project = tomllib.loads(path.read_text())
     metadata = project["project"]
     extras = metadata["optional-dependencies"]
     runtime = list(metadata["dependencies"])
