@@ -31,6 +31,7 @@ from mqdedup.errors import (
     MqdedupError,
 )
 from mqdedup.logs import configure as configure_logging
+from mqdedup.masking import mask_text
 
 log = logging.getLogger("mqdedup.cli")
 
@@ -293,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MqdedupError as exc:
         if args.debug:
             log.exception("failed")
-        print(f"mqdedup: error: {exc}", file=sys.stderr)
+        print(f"mqdedup: error: {mask_text(str(exc))}", file=sys.stderr)
         return exit_code_for(exc)
     except KeyboardInterrupt:
         print("mqdedup: interrupted", file=sys.stderr)
