@@ -68,6 +68,10 @@ def _escape_user_info(url: str) -> str:
     return f"{scheme}://{userinfo.replace('@', '%40')}@{host}"
 
 
+#: Database drivers that come with an extra of mqdedup.
+_DRIVER_EXTRAS = {"psycopg": "postgresql", "pymysql": "mysql"}
+
+
 def create_engine(url: str | URL | None = None, **options: Any) -> Engine:
     """An engine for ``url`` (default: ``MQDEDUP_DATABASE_URL`` or embedded SQLite).
 
@@ -91,6 +95,17 @@ def create_engine(url: str | URL | None = None, **options: Any) -> Engine:
         connect_args.setdefault("application_name", "mqdedup")
     try:
         engine = sa_create_engine(parsed, **options)
+    except ModuleNotFoundError as exc:
+        extra = _DRIVER_EXTRAS.get(str(exc.name))
+        if extra is None:
+            raise ConfigurationError(
+                f"cannot use database URL {mask_url(parsed)!r}: "
+                f"{type(exc).__name__}: {mask_text(str(exc), parsed)}"
+            ) from None
+        raise ConfigurationError(
+            f"database URL {mask_url(parsed)!r} needs the {exc.name} driver, which is not "
+            f"installed: pip install 'mqdedup[{extra}]'"
+        ) from None
     except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ImportError) as exc:
         raise ConfigurationError(
             f"cannot use database URL {mask_url(parsed)!r}: "
