@@ -832,6 +832,9 @@ class RedisWorker:
             self.transport.close()
         log.info(
             "redis worker stopped",
-            extra={"consumer": self.consumer.consumer_name, **self.metrics.snapshot()},
+            extra={
+                "consumer": self.consumer.consumer_name,
+                **self.metrics.snapshot(histograms=False),
+            },
         )
         return self.metrics
