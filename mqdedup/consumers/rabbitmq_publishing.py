@@ -40,7 +40,7 @@ from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
 log = logging.getLogger(__name__)
 
 #: Longest pause, in seconds, between publish attempts while the broker blocks publishers.
-_BLOCKED_PAUSE_MAX = 30.0
+_BLOCKED_PAUSE_MAX = 5.0
 
 
 class DeadLetterPublisher:
@@ -52,7 +52,7 @@ class DeadLetterPublisher:
         topology: Topology,
         *,
         connection_name: str,
-        blocked_timeout: float = 2.0,
+        blocked_timeout: float = 1.0,
     ) -> None:
         self.topology = topology
         self.connection_name = connection_name

@@ -149,7 +149,7 @@ class RabbitMQTransport:
         linger: float = 0.02,
         command_timeout: float = 30.0,
         lag_interval: float = 15.0,
-        dead_letter_blocked_timeout: float = 2.0,
+        dead_letter_blocked_timeout: float = 1.0,
     ) -> None:
         self.topology = topology
         self.queue = topology.queue

@@ -156,6 +156,7 @@ def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks
     admin.close()
 
     node.memory_alarm(True)
+    started = time.monotonic()
     try:
         with ThreadedWorker(consumer, db.engine) as worker:
             # Every good message committed AND acked while publishers are blocked; only
@@ -170,6 +171,7 @@ def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks
             )
             assert worker.metrics.dead_lettered == 0
             assert worker.metrics.consumer_attached is True
+            print(f"good messages acked during the alarm after {time.monotonic() - started:.1f} s")
 
             relay = Relay(
                 db.engine,
@@ -189,10 +191,12 @@ def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks
                     time.sleep(0.5)  # observing the paused relay for 10 s
                 assert store.status(db.engine).published == 0
                 node.memory_alarm(False)
+                cleared = time.monotonic()
                 wait_for(
                     lambda: store.status(db.engine).published == 200, 60, "the relay to resume"
                 )
                 assert len(node.connections("mqdedup-relay")) == 1
+                print(f"relay resumed {time.monotonic() - cleared:.1f} s after the alarm")
             wait_for(
                 lambda: (
                     node.queue_messages(f"{queue}.dlq") >= len(poisons)
@@ -201,6 +205,7 @@ def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks
                 60,
                 "the poisons dead-lettered once the alarm is over",
             )
+            print(f"poisons dead-lettered {time.monotonic() - cleared:.1f} s after the alarm")
             worker.finish()
     finally:
         node.memory_alarm(False)
