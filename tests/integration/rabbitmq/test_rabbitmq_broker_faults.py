@@ -257,11 +257,6 @@ def test_dead_letter_queue_that_refuses_raises_dead_letter_refused_promptly(
     wait_for(lambda: broker.depth(f"{queue}.dlq") == 5, 10, "5 dead letters")
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="needs the processor side on main: careful mode + parking of refused dead letters",
-)
 def test_dlq_refusing_by_policy_handler_runs_at_most_max_attempts_good_messages_flow(
     db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str
 ) -> None:
