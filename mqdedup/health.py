@@ -49,6 +49,12 @@ COUNTERS: tuple[tuple[str, str, str, str], ...] = (
     ),
     ("mqdedup_batches_total", "counter", "Batches processed", "batches"),
     ("mqdedup_batch_seconds_total", "counter", "Seconds spent processing batches", "batch_seconds"),
+    (
+        "mqdedup_channel_reopens_total",
+        "counter",
+        "Consuming channels opened again after the broker closed them or the connection broke",
+        "channel_reopens",
+    ),
     ("mqdedup_outbox_published_total", "counter", "Outbox rows published", "published"),
     ("mqdedup_outbox_failed_total", "counter", "Outbox rows marked failed", "failed"),
 )
@@ -59,7 +65,27 @@ GAUGES: tuple[tuple[str, str, str], ...] = (
         "Age of the oldest pending outbox row",
         "oldest_pending_seconds",
     ),
+    (
+        "mqdedup_consumer_attached",
+        "1 while a consumer is attached to the broker, 0 while detached",
+        "consumer_attached",
+    ),
 )
+
+
+def snapshot_ready(snapshot: Mapping[str, Any]) -> bool:
+    """Whether one worker's metrics snapshot allows readiness.
+
+    A transport that reports ``consumer_attached`` (RabbitMQ) is not ready while no
+    consumer is attached: the broker closed its channel or the connection is being
+    re-established, so nothing is consumed.
+    """
+    return snapshot.get("consumer_attached") is not False
+
+
+def _value(value: Any) -> Any:
+    """Prometheus sample text of a snapshot value (booleans as 1/0)."""
+    return int(value) if isinstance(value, bool) else value
 
 
 def _labels(labels: Mapping[str, str]) -> str:
@@ -82,13 +108,21 @@ def render_prometheus(
             lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
             lines.append(f"{metric} {shared[key]}")
     for metric, kind, help_text, key in COUNTERS:
-        rows = [(ident, snap[key]) for ident, snap in snapshots.items() if key in snap]
+        rows = [
+            (ident, _value(snap[key]))
+            for ident, snap in snapshots.items()
+            if snap.get(key) is not None
+        ]
         if not rows:
             continue
         lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}"]
         lines += [f"{metric}{_labels({'consumer': n, 'process': p})} {v}" for (n, p), v in rows]
     for metric, help_text, key in GAUGES:
-        rows = [(ident, snap[key]) for ident, snap in snapshots.items() if key in snap]
+        rows = [
+            (ident, _value(snap[key]))
+            for ident, snap in snapshots.items()
+            if snap.get(key) is not None
+        ]
         if not rows or (shared and key in shared):
             continue
         lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]

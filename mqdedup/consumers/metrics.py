@@ -27,6 +27,12 @@ class Metrics:
     batches: int = 0
     batch_seconds: float = 0.0
     lag: dict[str, int] = field(default_factory=dict)
+    #: True while the transport has a consumer attached to the broker, False while it is
+    #: detached (reconnecting, channel closed by the broker); None: not reported.
+    consumer_attached: bool | None = None
+    #: How often the consuming channel was opened again after the broker closed it or the
+    #: connection was lost.
+    channel_reopens: int = 0
     #: Latency histograms by name (:data:`mqdedup.histograms.HISTOGRAMS`).
     histograms: dict[str, Histogram] = field(default_factory=dict, repr=False)
 

@@ -147,6 +147,8 @@ class Topology:
     dead_letter_exchange: str = DEFAULT_DEAD_LETTER_EXCHANGE
     dead_letter_queue: str = ""
     declare: bool = True
+    #: Extra ``x-*`` arguments of the dead-letter queue (e.g. ``x-max-length``).
+    dead_letter_arguments: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.dead_letter_queue:
@@ -176,10 +178,16 @@ class Topology:
             raise ConfigurationError(
                 f"{owner}.queue_type must be 'classic' or 'quorum', not {self.queue_type!r}"
             )
-        if "x-queue-type" in self.queue_arguments:
-            raise ConfigurationError(
-                f"{owner}.queue_arguments must not set x-queue-type; use queue_type"
-            )
+        for name, arguments in (
+            ("queue_arguments", self.queue_arguments),
+            ("dead_letter_queue_arguments", self.dead_letter_arguments),
+        ):
+            if not isinstance(arguments, Mapping):
+                raise ConfigurationError(f"{owner}.{name} must be a mapping, not {arguments!r}")
+            if "x-queue-type" in arguments:
+                raise ConfigurationError(
+                    f"{owner}.{name} must not set x-queue-type; use queue_type"
+                )
         for binding in self.bindings:
             if not isinstance(binding, Binding):
                 raise ConfigurationError(
@@ -196,7 +204,10 @@ class Topology:
 
     def dead_letter_queue_arguments(self) -> dict[str, Any]:
         """Arguments of the dead-letter queue's declaration (same queue type)."""
-        return {"x-queue-type": "quorum"} if self.queue_type == "quorum" else {}
+        arguments = dict(self.dead_letter_arguments)
+        if self.queue_type == "quorum":
+            arguments["x-queue-type"] = "quorum"
+        return arguments
 
 
 def declare_topology(channel: Any, topology: Topology) -> None:
