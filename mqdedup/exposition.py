@@ -49,6 +49,11 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("mqdedup_database_retries", "Transactions retried for outages", "database_retries"),
     ("mqdedup_batches", "Batches processed", "batches"),
     ("mqdedup_batch_seconds", "Seconds spent processing batches", "batch_seconds"),
+    (
+        "mqdedup_channel_reopens",
+        "Consuming channels opened again after the broker closed them or the connection broke",
+        "channel_reopens",
+    ),
     ("mqdedup_outbox_published", "Outbox rows published", "published"),
     ("mqdedup_outbox_failed", "Outbox rows marked failed", "failed"),
 )
@@ -59,6 +64,11 @@ GAUGES: tuple[tuple[str, str, str], ...] = (
         "mqdedup_outbox_oldest_pending_seconds",
         "Age of the oldest pending outbox row",
         "oldest_pending_seconds",
+    ),
+    (
+        "mqdedup_consumer_attached",
+        "1 while a consumer is attached to the broker, 0 while detached",
+        "consumer_attached",
     ),
 )
 _LABELS = ["consumer", "process"]
@@ -91,7 +101,7 @@ class SnapshotCollector(Collector):
         snapshots = self._snapshots()
         shared = dict(self._shared()) if self._shared is not None else {}
         for name, help_text, key in COUNTERS:
-            rows = [(ident, snap[key]) for ident, snap in snapshots.items() if key in snap]
+            rows = _rows(snapshots, key)
             if rows:
                 family = CounterMetricFamily(name, help_text, labels=_LABELS)
                 for (consumer, process), value in rows:
@@ -108,7 +118,7 @@ class SnapshotCollector(Collector):
             if key in shared:
                 yield GaugeMetricFamily(name, help_text, value=float(shared[key]))
                 continue
-            rows = [(ident, snap[key]) for ident, snap in snapshots.items() if key in snap]
+            rows = _rows(snapshots, key)
             if rows:
                 family = GaugeMetricFamily(name, help_text, labels=_LABELS)
                 for (consumer, process), value in rows:
@@ -202,6 +212,13 @@ def render_snapshots(snapshots: Snapshots, shared: Mapping[str, float] | None = 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(lambda: snapshots, (lambda: shared) if shared else None))
     return render(registry).decode()
+
+
+def _rows(snapshots: Snapshots, key: str) -> list[tuple[tuple[str, str], float]]:
+    """``(ident, value)`` of every snapshot that reports ``key`` (booleans as 1 / 0)."""
+    return [
+        (ident, float(snap[key])) for ident, snap in snapshots.items() if snap.get(key) is not None
+    ]
 
 
 def _version() -> str:

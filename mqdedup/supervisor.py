@@ -46,8 +46,10 @@ class MetricsHolder:
         self.source = source
 
     def snapshot(self) -> dict[str, Any]:
-        """The source's current counters."""
-        return dict(self.source.snapshot())
+        """The source's current counters, with this process's CPU and memory figures."""
+        from mqdedup.exposition import process_stats
+
+        return {**self.source.snapshot(), "process": process_stats()}
 
 
 @dataclass(frozen=True)
