@@ -41,7 +41,11 @@ from mqdedup.errors import ConfigurationError
 
 DEFAULT_PREFIX = "mqdedup_"
 SCHEMA_VERSION = 1
-_PREFIX_PATTERN = re.compile(r"^[a-z_][a-z0-9_]{0,30}$")
+_PREFIX_PATTERN = re.compile(r"^[a-z_][a-z0-9_]*$")
+#: The longest identifier every supported database accepts: PostgreSQL's 63 bytes
+#: (MySQL/MariaDB allow 64; SQLite has no limit). Longer PostgreSQL names are silently
+#: truncated, so two of our names could collide.
+MAX_IDENTIFIER_BYTES = 63
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 # Timestamps with microseconds on MySQL/MariaDB too (plain DATETIME there keeps seconds).
@@ -108,15 +112,48 @@ class Schema:
     tokens: Table
     outbox: Table
     retention: Table
+    dead_letters: Table
 
 
 def validate_prefix(prefix: str) -> str:
-    """Return ``prefix`` if it is a safe SQL identifier prefix, else raise."""
-    if not _PREFIX_PATTERN.match(prefix):
+    """Return ``prefix`` if it is a safe SQL identifier prefix, else raise.
+
+    The characters are checked here; :func:`schema` also checks that every table,
+    index and constraint name derived from it fits :data:`MAX_IDENTIFIER_BYTES`.
+    """
+    if not isinstance(prefix, str) or not _PREFIX_PATTERN.match(prefix):
         raise ConfigurationError(
-            f"table prefix {prefix!r} must be lower-case letters, digits and underscores"
+            f"table prefix {prefix!r} must be lower-case letters, digits and underscores "
+            "(not starting with a digit)"
         )
     return prefix
+
+
+def _check_identifier_lengths(prefix: str, metadata: MetaData) -> None:
+    """Raise if a name built from ``prefix`` exceeds what the databases can hold."""
+    names = [
+        str(name)
+        for table in metadata.tables.values()
+        for name in (
+            table.name,
+            *(index.name for index in table.indexes),
+            *(constraint.name for constraint in table.constraints),
+            # PostgreSQL's names of an unnamed primary key and of a serial's sequence
+            f"{table.name}_pkey" if table.primary_key.name is None else None,
+            f"{table.name}_{table.autoincrement_column.name}_seq"
+            if table.autoincrement_column is not None
+            else None,
+        )
+        if name
+    ]
+    longest = max(names, key=lambda name: len(name.encode()))
+    if len(longest.encode()) > MAX_IDENTIFIER_BYTES:
+        room = MAX_IDENTIFIER_BYTES - (len(longest.encode()) - len(prefix.encode()))
+        raise ConfigurationError(
+            f"table prefix {prefix!r} is too long: it makes {longest!r} "
+            f"({len(longest.encode())} characters; PostgreSQL names hold "
+            f"{MAX_IDENTIFIER_BYTES}); use at most {room} characters"
+        )
 
 
 @lru_cache(maxsize=16)
@@ -172,6 +209,8 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         Column("purged_at", DateTime(timezone=True), nullable=False),
         **MYSQL_TABLE_OPTIONS,
     )
+    dead_letters = _dead_letters_table(prefix, metadata)
+    _check_identifier_lengths(prefix, metadata)
     return Schema(
         prefix=prefix,
         metadata=metadata,
@@ -180,6 +219,54 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         tokens=tokens,
         outbox=outbox,
         retention=retention,
+        dead_letters=dead_letters,
+    )
+
+
+def _dead_letters_table(prefix: str, metadata: MetaData) -> Table:
+    """``<prefix>dead_letters``: dead letters the broker refused, kept in the database.
+
+    A dead letter goes to the broker's dead-letter queue / topic. When the broker refuses
+    that one record for good (too large for the topic, rejected by a queue policy, not
+    authorised), the processor keeps the original message here instead, in a
+    transaction of its own, and then settles the delivery, so nothing behind it waits.
+    ``mqdedup dead-letters list | replay | delete`` work on these rows. Message ids are
+    unique per consumer (a redelivery parks nothing twice); messages without an id
+    (``message_id`` NULL) are kept as often as they were refused.
+    """
+    return Table(
+        f"{prefix}dead_letters",
+        metadata,
+        Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+        Column("consumer_name", KeyString(255), nullable=False),
+        Column("message_id", KeyString(255), nullable=True),
+        Column("source", Text, nullable=False),
+        Column("source_partition", Integer, nullable=True),
+        Column("source_offset", BigInteger, nullable=True),
+        Column(
+            "message_key",
+            LargeBinary().with_variant(MYSQL_LONGBLOB(), "mysql", "mariadb"),
+            nullable=True,
+        ),
+        # Header values as ``[name, "s" | "b" | "n", text | base64 | null]`` (Kafka
+        # header values are bytes); AMQP properties as JSON.
+        Column("headers", JSON, nullable=False),
+        Column("properties", JSON, nullable=True),
+        Column(
+            "body",
+            LargeBinary().with_variant(MYSQL_LONGBLOB(), "mysql", "mariadb"),
+            nullable=False,
+        ),
+        Column("reason", Text, nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("error_class", Text, nullable=True),
+        Column("error_message", Text, nullable=True),
+        #: Why the broker refused the dead letter.
+        Column("refusal", Text, nullable=False),
+        Column("parked_at", PreciseDateTime, nullable=False),
+        UniqueConstraint("consumer_name", "message_id", name=f"{prefix}dead_letters_id_key"),
+        Index(f"{prefix}dead_letters_parked_idx", "consumer_name", "id"),
+        **MYSQL_TABLE_OPTIONS,
     )
 
 
