@@ -26,9 +26,9 @@ from mqdedup.consumers.base import (
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
-from mqdedup.dedup.dead_letters import DeadLetterCause, DeadLetterTable
+from mqdedup.dedup.dead_letters import DeadLetterCause, DeadLetterTable, clean_text
 from mqdedup.dedup.ids import InvalidMessageIdError, check_message_id
-from mqdedup.dedup.store import DedupStore, storable_text
+from mqdedup.dedup.store import DedupStore
 from mqdedup.dialects import is_data_error, is_sqlite_lock_error, is_transient
 from mqdedup.errors import DeadLetterRefusedError, MessageError
 
@@ -530,9 +530,9 @@ class Processor:
 
     def _record_failure(self, delivery: Delivery, error: Exception) -> int:
         with self.sessions() as session, session.begin():
-            return self.store.record_failure(
-                session, self.name, str(delivery.message.id), f"{type(error).__name__}: {error}"
-            )
+            # The error text may carry NUL or a lone surrogate, which PostgreSQL refuses.
+            text = clean_text(f"{type(error).__name__}: {error}")
+            return self.store.record_failure(session, self.name, str(delivery.message.id), text)
 
     def _resolve_repeats(self, repeats: list[tuple[Delivery, str]], report: BatchReport) -> None:
         """A repeat inside the batch shares the fate of its first copy."""
@@ -697,11 +697,11 @@ class Processor:
             reason = f"handler failed after {attempts} attempts: {type(error).__name__}: {error}"
         # Header-safe and storable: an error text may carry NUL or a lone surrogate.
         return DeadLetter(
-            reason=storable_text(reason),
+            reason=clean_text(reason),
             consumer=self.name,
             attempts=attempts,
             error_class=f"{type(error).__module__}.{type(error).__qualname__}",
-            error_message=storable_text(str(error)),
+            error_message=clean_text(str(error)),
         )
 
     def _log_failure(self, delivery: Delivery | None, error: Exception) -> None:

@@ -19,22 +19,6 @@ log = logging.getLogger(__name__)
 ALL_CONSUMERS = "*"
 
 
-def storable_text(text: str) -> str:
-    """``text`` made storable in a text column of every database (for error texts).
-
-    A handler's exception text may carry a NUL character or a lone surrogate, which
-    PostgreSQL refuses (a failure that is not the database's); both become visible
-    escapes instead.
-    """
-    if "\x00" in text:
-        text = text.replace("\x00", "\\x00")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
-
-
 def utcnow() -> datetime:
     """The current time, timezone-aware (UTC)."""
     return datetime.now(UTC)
@@ -116,7 +100,7 @@ class DedupStore:
     def record_failure(self, session: Session, consumer: str, message_id: str, error: str) -> int:
         """Count one failed handler attempt; return the attempts so far (across redeliveries)."""
         return dialects.increment_attempts(
-            session, self._attempts, consumer, message_id, storable_text(error[:2000]), utcnow()
+            session, self._attempts, consumer, message_id, error[:2000], utcnow()
         )
 
     def purge(
