@@ -720,6 +720,10 @@ class Processor:
         self.metrics.batch_seconds += time.monotonic() - started
 
 
+#: Built once: ``json.dumps(..., allow_nan=False)`` would build an encoder per call.
+_STRICT_JSON = json.JSONEncoder(allow_nan=False)
+
+
 def _ensure_json(result: Any) -> None:
     """A handler's result must be strict JSON every database stores the same way.
 
@@ -731,7 +735,9 @@ def _ensure_json(result: Any) -> None:
     if result is None:
         return
     try:
-        text = json.dumps(result, allow_nan=False, ensure_ascii=False)
+        # ASCII output (the C encoder's fastest path): NUL shows as \u0000 and a
+        # surrogate as \udXXX, so two substring searches clear the common result.
+        text = _STRICT_JSON.encode(result)
     except TypeError as error:
         raise InvalidResultError(f"handler result is not JSON-serialisable: {error}") from None
     except ValueError as error:  # NaN, Infinity, a circular reference
@@ -740,13 +746,13 @@ def _ensure_json(result: Any) -> None:
         raise InvalidResultError("handler result is nested too deeply to store") from None
     if "\\u0000" in text and _has_nul(result):
         raise InvalidResultError("handler result contains a NUL character (\\u0000)")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise InvalidResultError(
-            "handler result is not valid Unicode: a lone surrogate at character "
-            f"{error.start} of its JSON"
-        ) from None
+    if "\\ud" in text or "\\uD" in text:  # surrogates: a valid pair or a lone one
+        try:
+            json.dumps(result, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidResultError(
+                "handler result is not valid Unicode: a string with a lone surrogate"
+            ) from None
 
 
 def _has_nul(value: Any) -> bool:
