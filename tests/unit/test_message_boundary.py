@@ -324,3 +324,29 @@ def test_a_dead_letter_reason_is_always_storable_text(sqlite_engine: Engine) -> 
     for text in (dead.record.reason, dead.record.error_message or ""):
         assert "\x00" not in text and text.encode("utf-8")
         assert "bad \\x00 and \\ud800" in text
+
+
+def test_data_errors_are_recognised_by_code_not_text() -> None:
+    import sqlite3
+
+    from mqdedup.dialects import is_data_error, is_sqlite_lock_error, is_transient
+
+    connection = sqlite3.connect(":memory:")
+    connection.execute("CREATE TABLE t (k TEXT PRIMARY KEY, n INTEGER NOT NULL)")
+    connection.execute("INSERT INTO t VALUES ('a', 1)")
+    with pytest.raises(sqlite3.IntegrityError) as duplicate:
+        connection.execute("INSERT INTO t VALUES ('a', 2)")
+    with pytest.raises(sqlite3.IntegrityError) as not_null:
+        connection.execute("INSERT INTO t VALUES ('b', NULL)")
+    with pytest.raises(UnicodeEncodeError) as surrogate:
+        connection.execute("INSERT INTO t VALUES (?, 1)", ("\ud800",))
+    connection.close()
+    for error in (duplicate.value, not_null.value, surrogate.value):
+        assert is_data_error(error) and not is_transient(error)
+    wrapped = RuntimeError("wrapped")
+    wrapped.__cause__ = duplicate.value
+    assert is_data_error(wrapped), "found along the cause chain"
+    assert not is_data_error(RuntimeError("NUL bytes: DataError 22021"))  # text is ignored
+    busy = sqlite3.OperationalError("database is locked")
+    busy.sqlite_errorcode = 5  # type: ignore[attr-defined]
+    assert is_sqlite_lock_error(busy) and not is_data_error(busy)
