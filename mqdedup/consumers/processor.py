@@ -744,8 +744,13 @@ def _ensure_json(result: Any) -> None:
         raise InvalidResultError(f"handler result is not strict JSON: {error}") from None
     except RecursionError:
         raise InvalidResultError("handler result is nested too deeply to store") from None
-    if "\\u0000" in text and _has_nul(result):
-        raise InvalidResultError("handler result contains a NUL character (\\u0000)")
+    if "\\u0000" in text:
+        try:
+            has_nul = _has_nul(result)
+        except RecursionError:
+            has_nul = True  # too deep to look through: refuse rather than guess
+        if has_nul:
+            raise InvalidResultError("handler result contains a NUL character (\\u0000)")
     if "\\ud" in text or "\\uD" in text:  # surrogates: a valid pair or a lone one
         try:
             json.dumps(result, ensure_ascii=False).encode("utf-8")
