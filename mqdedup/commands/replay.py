@@ -8,17 +8,18 @@ from typing import Any, TextIO
 
 from sqlalchemy import Engine
 
+from mqdedup.commands import RefusedError
 from mqdedup.commands.tables import render_table
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.stopping import StopToken
 from mqdedup.dedup.store import DedupStore
-from mqdedup.errors import ConfigurationError, MqdedupError
+from mqdedup.errors import ConfigurationError
 
 BEGINNING = ("beginning", "earliest", "start")
 END = ("end", "latest")
 
 
-class ReplayRefusedError(MqdedupError):
+class ReplayRefusedError(RefusedError):
     """The range reaches before the retention horizon (ids there may have been purged)."""
 
 
