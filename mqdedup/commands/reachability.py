@@ -19,7 +19,9 @@ def check_kafka_reachable(bootstrap: str, timeout: float = 3.0) -> None:
         raise ConfigurationError("Kafka bootstrap servers are empty")
     errors = []
     for server in servers:
-        host, _, port = server.rpartition(":")
+        # ``SASL_SSL://host:9093`` and ``[::1]:9092`` are valid bootstrap entries too.
+        host, _, port = server.rpartition("://")[2].rpartition(":")
+        host = host.strip("[]")
         if not host or not port.isdigit():
             raise ConfigurationError(
                 f"Kafka bootstrap server {mask_url(server)!r} must be host:port"
@@ -51,8 +53,14 @@ def consumer_broker(consumer: Any) -> tuple[str, str, float] | None:
     """``(broker, address, start-up timeout)`` of a Kafka or RabbitMQ consumer, else None.
 
     The timeout is the consumer's own: ``startup_timeout`` (RabbitMQ) or
-    ``connect_timeout`` (Kafka), 30 s by default for both.
+    ``connect_timeout`` (Kafka), 30 s by default for both. A RedisConsumer answers for
+    its ``source``.
     """
+    source_consumer = getattr(consumer, "source_consumer", None)
+    if callable(source_consumer):  # a RedisConsumer reads from its source's broker
+        consumer = source_consumer()
+        if consumer is None:
+            return None
     kafka_settings = getattr(consumer, "kafka_settings", None)
     if kafka_settings is not None:
         servers = ",".join(kafka_settings().bootstrap_servers)
