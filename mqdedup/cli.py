@@ -83,7 +83,9 @@ def parse_duration(text: str) -> Duration:
 
 def _json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--json", action="store_true", help="print JSON (stable keys, see docs/operations.md)"
+        "--json",
+        action="store_true",
+        help="print JSON (stable keys, listed in docs/guide.md, JSON output)",
     )
 
 
