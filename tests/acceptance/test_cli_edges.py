@@ -31,6 +31,9 @@ from mqdedup.dedup.store import utcnow
 from mqdedup.demo import demo_orders, run_demo
 from mqdedup.outbox.writer import OutboxWriter
 from mqdedup.schema import schema
+from tests.conftest import require_service
+from tests.integration.kafka.consumers import orders_table
+from tests.integration.kafka.helpers import KafkaHelper, Outgoing
 from tests.services import REPO, free_port
 
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
@@ -437,6 +440,61 @@ def test_demo_help_says_what_it_does_to_the_database() -> None:
 
 
 # -- replay report -----------------------------------------------------------------------
+
+
+def _report_count(output: str, label: str) -> int:
+    line = next(line for line in output.splitlines() if line.strip().startswith(label))
+    return int(line.split()[-1].replace(",", ""))
+
+
+@pytest.mark.integration
+def test_a_kafka_replay_counts_id_less_messages_as_dead_lettered_on_every_run(
+    tmp_path: Path,
+) -> None:
+    """Real Kafka: two id-less messages among three good ones, replayed twice."""
+    bootstrap = os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
+    if not bootstrap:
+        require_service("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
+    assert bootstrap is not None
+    try:
+        kafka = KafkaHelper(bootstrap)
+    except Exception as exc:  # any connection failure means "no Kafka"
+        require_service("Kafka", str(exc))
+    prefix = "edge_replay_"
+    url = f"sqlite:///{tmp_path / 'replay.db'}"
+    engine = create_engine(url)
+    try:
+        init_schema(engine, prefix)
+        orders_table(prefix).create(engine)
+        topic = kafka.create_topic(partitions=1, kind="edge-replay")
+        kafka.produce(
+            topic,
+            [Outgoing(f"m-{n}", b'{"n": 1}') for n in range(3)]
+            + [Outgoing(None, b'{"n": 2}'), Outgoing(None, b'{"n": 3}')],
+        )
+        env = {
+            "ACCEPT_PREFIX": prefix,
+            "ACCEPT_TOPIC": topic,
+            "ACCEPT_GROUP": f"group-{topic}",
+            "MQDEDUP_DATABASE_URL": url,
+            "MQDEDUP_KAFKA_BOOTSTRAP": bootstrap,
+        }
+        replay = ["replay", "tests.acceptance.cli_consumers:Orders", "--from", "beginning"]
+        for run, new in ((1, 3), (2, 0)):
+            result = cli(*replay, env=env, timeout=120)
+            assert result.returncode == exitcodes.OK, result.stderr
+            assert _report_count(result.stdout, "new (processed now)") == new
+            assert _report_count(result.stdout, "dead-lettered: without a message id") == 2
+            assert _report_count(result.stdout, "dead-lettered in total") == 2
+            assert "dead-lettered them again" in result.stdout
+            # What the report says happened: two more copies on the dead-letter topic.
+            assert len(kafka.read_all(f"{topic}.DLT", expected=2 * run)) == 2 * run
+        with engine.connect() as connection:
+            rows = connection.execute(select(func.count()).select_from(orders_table(prefix)))
+            assert rows.scalar_one() == 3
+    finally:
+        engine.dispose()
+        kafka.close()
 
 
 def test_replay_report_counts_id_less_messages_as_dead_lettered() -> None:
