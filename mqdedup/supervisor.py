@@ -302,11 +302,20 @@ class Supervisor:
     def _start_health(self) -> None:
         if self.health_port is None:
             return
+        from mqdedup.errors import ConfigurationError
         from mqdedup.health import HealthServer
 
-        self.health = HealthServer(
-            self.health_port, self.status, self.snapshots, self.shared_metrics
-        ).start()
+        try:
+            server = HealthServer(
+                self.health_port, self.status, self.snapshots, self.shared_metrics
+            )
+        except (OSError, OverflowError) as exc:  # port taken, not allowed, out of range
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise ConfigurationError(
+                f"cannot serve /healthz and /metrics on port {self.health_port}: {reason} "
+                "(choose another --health-port / MQDEDUP_HEALTH_PORT)"
+            ) from exc
+        self.health = server.start()
 
 
 # -- in the child ---------------------------------------------------------------------
