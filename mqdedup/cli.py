@@ -126,9 +126,15 @@ def _common_options(parser: argparse.ArgumentParser, *, top_level: bool) -> None
     parser.add_argument(
         "--log-level",
         type=_log_level,
-        default=default("WARNING"),
+        default=default(None),
         metavar="LEVEL",
-        help="DEBUG, INFO, WARNING (default), ERROR or CRITICAL",
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL" + env_help("log_level"),
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=default(None),
+        help="text (key=value context) or json (one object per line)" + env_help("log_format"),
     )
     parser.add_argument(
         "--config",
@@ -171,6 +177,12 @@ def _daemon_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="serve /healthz and /metrics" + env_help("health_port"),
     )
+    parser.add_argument(
+        "--health-host",
+        metavar="ADDRESS",
+        default=None,
+        help="address the health endpoint binds" + env_help("health_host"),
+    )
 
 
 def _broker_options(parser: argparse.ArgumentParser) -> None:
@@ -203,6 +215,9 @@ def _settings(args: argparse.Namespace, *names: str) -> dict[str, Any]:
         "processes": getattr(args, "processes", None),
         "shutdown_timeout": getattr(args, "shutdown_timeout", None),
         "health_port": getattr(args, "health_port", None),
+        "health_host": getattr(args, "health_host", None),
+        "log_level": getattr(args, "log_level", None),
+        "log_format": getattr(args, "log_format", None),
     }
     wanted = names or ("database_url", "table_prefix")
     settings = {name: resolve(name, flags.get(name), file_data) for name in wanted}
@@ -453,9 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
+        _configure_logging(args)
         return run(args)
     except MqdedupError as exc:
         if args.debug:
@@ -465,6 +480,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mqdedup: interrupted", file=sys.stderr)
         return exitcodes.INTERRUPTED
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """Log level and format: flag > ``MQDEDUP_LOG_LEVEL`` / ``_FORMAT`` > TOML > default.
+
+    The resolved values are written back to ``args`` so worker children get the same.
+    """
+    settings = _settings(args, "log_level", "log_format")
+    try:
+        args.log_level = _log_level(str(settings["log_level"]))
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigurationError(str(exc)) from None
+    args.log_format = str(settings["log_format"])
+    if args.log_format not in ("text", "json"):
+        raise ConfigurationError(f"unknown log format {args.log_format!r} (choose text or json)")
+    configure_logging(args.log_level, args.log_format)
 
 
 def _engine(args: argparse.Namespace, *, require_schema: bool = True) -> tuple[Engine, str]:
@@ -800,6 +831,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         "relay_batch_size",
         "shutdown_timeout",
         "health_port",
+        "health_host",
     )
     if settings["relay_processes"] < 1:
         raise ConfigurationError("--processes must be at least 1")
@@ -822,6 +854,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
             runner="mqdedup.runners:run_relay",
             options=settings,
             log_level=args.log_level,
+            log_format=args.log_format,
         )
         for index in range(settings["relay_processes"])
     ]
@@ -847,6 +880,7 @@ def _supervise(
         specs,
         shutdown_timeout=settings["shutdown_timeout"],
         health_port=settings["health_port"],
+        health_host=settings["health_host"],
         shared_metrics=gauges if outbox_gauges else None,
     )
     return supervisor.run()
@@ -867,6 +901,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         "processes",
         "shutdown_timeout",
         "health_port",
+        "health_host",
     )
     if settings["processes"] < 1:
         raise ConfigurationError("--processes must be at least 1")
@@ -900,6 +935,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                 "table_prefix": prefixes.get(reference, settings["table_prefix"]),
             },
             log_level=args.log_level,
+            log_format=args.log_format,
         )
         for reference, consumer in zip(args.consumers, consumers, strict=True)
         for index in range(settings["processes"])

@@ -58,6 +58,7 @@ SETTINGS: dict[str, Setting] = {
     "redis_url": Setting("mqdedup", "redis_url", "MQDEDUP_REDIS_URL", None),
     "table_prefix": Setting("mqdedup", "table_prefix", "MQDEDUP_TABLE_PREFIX", "mqdedup_"),
     "log_level": Setting("mqdedup", "log_level", "MQDEDUP_LOG_LEVEL", "WARNING"),
+    "log_format": Setting("mqdedup", "log_format", "MQDEDUP_LOG_FORMAT", "text"),
     "processes": Setting("worker", "processes", "MQDEDUP_PROCESSES", 1, int),
     "shutdown_timeout": Setting(
         "worker", "shutdown_timeout", "MQDEDUP_SHUTDOWN_TIMEOUT", 30.0, float
@@ -65,6 +66,9 @@ SETTINGS: dict[str, Setting] = {
     "health_port": Setting(
         "worker", "health_port", "MQDEDUP_HEALTH_PORT", None, int, bounds=(0, 65535)
     ),
+    # 0.0.0.0: probes and scrapers reach a pod on its own address; 127.0.0.1 keeps the
+    # endpoint on the machine.
+    "health_host": Setting("worker", "health_host", "MQDEDUP_HEALTH_HOST", "0.0.0.0"),  # noqa: S104
     "relay_processes": Setting("relay", "processes", "MQDEDUP_RELAY_PROCESSES", 1, int),
     "poll_interval": Setting("relay", "poll_interval", "MQDEDUP_POLL_INTERVAL", 1.0, float),
     "relay_batch_size": Setting("relay", "batch_size", "MQDEDUP_RELAY_BATCH_SIZE", 500, int),

@@ -59,7 +59,7 @@ def test_client_libraries_are_quiet_unless_debugging(capsys: pytest.CaptureFixtu
 
 
 def test_unknown_level_and_format_are_refused() -> None:
-    with pytest.raises(ValueError, match="BOGUS.*DEBUG, INFO"):
+    with pytest.raises(ValueError, match=r"BOGUS.*DEBUG, INFO"):
         configure("BOGUS")
     with pytest.raises(ValueError, match="xml"):
         configure("INFO", "xml")
