@@ -32,7 +32,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -109,9 +109,17 @@ class RecoveringProducer:
     sent one call at a time anyway).
     """
 
-    def __init__(self, config: Mapping[str, Any], *, name: str) -> None:
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        *,
+        name: str,
+        factory: Callable[..., Any] | None = None,
+    ) -> None:
         self.config = dict(config)
         self.name = name
+        #: Makes a producer from ``config`` (``kafka.KafkaProducer``; tests pass fakes).
+        self.factory: Callable[..., Any] = factory or kafka.KafkaProducer
         self.replacements = 0
         self._producer: Any = None
         self._lock = threading.Lock()  # guards _producer and _closed (held briefly)
@@ -126,7 +134,7 @@ class RecoveringProducer:
             if self._closed:
                 raise kafka_errors.IllegalStateError(f"the {self.name} producer is closed")
             if self._producer is None:
-                self._producer = kafka.KafkaProducer(**self.config)
+                self._producer = self.factory(**self.config)
             return self._producer
 
     def reset(self, reason: str) -> None:
