@@ -181,6 +181,30 @@ def build_parser() -> argparse.ArgumentParser:
     outbox_purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
     outbox_purge.set_defaults(run=_cmd_outbox_purge)
 
+    dead = commands.add_parser(
+        "dead-letters", help="dead letters the broker refused, kept in the database"
+    )
+    dead_commands = dead.add_subparsers(dest="dead_command", required=True, metavar="ACTION")
+    dead_list = dead_commands.add_parser("list", help="kept dead letters, oldest first")
+    _database_option(dead_list)
+    dead_list.add_argument("--consumer", default=None, help="only this consumer name")
+    dead_list.add_argument("--limit", type=int, default=100, help="at most N rows (default 100)")
+    dead_list.set_defaults(run=_cmd_dead_letters_list)
+    dead_replay = dead_commands.add_parser(
+        "replay", help="run the consumer over its kept dead letters again (after a fix)"
+    )
+    dead_replay.add_argument("consumer", help="module.path:ConsumerClass")
+    dead_replay.add_argument("--id", dest="ids", type=int, action="append", help="only this row")
+    _database_option(dead_replay)
+    _broker_options(dead_replay)
+    dead_replay.set_defaults(run=_cmd_dead_letters_replay)
+    dead_delete = dead_commands.add_parser("delete", help="delete kept dead letters")
+    _database_option(dead_delete)
+    dead_delete.add_argument("--consumer", required=True, help="the consumer name")
+    dead_delete.add_argument("--id", dest="ids", type=int, action="append", help="this row")
+    dead_delete.add_argument("--all", action="store_true", help="every row of the consumer")
+    dead_delete.set_defaults(run=_cmd_dead_letters_delete)
+
     relay = commands.add_parser("relay", help="publish committed outbox rows (a daemon)")
     _database_option(relay)
     _broker_options(relay)
@@ -406,6 +430,45 @@ def _cmd_outbox_purge(args: argparse.Namespace) -> int:
     engine, prefix = _engine(args)
     count = OutboxStore(prefix).purge(engine, args.older_than, chunk_size=args.chunk_size)
     print(f"deleted {count} published outbox row(s) older than {args.older_than}")
+    return exitcodes.OK
+
+
+def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
+    from mqdedup.commands.dead_letters import list_dead_letters
+
+    engine, prefix = _engine(args)
+    print(list_dead_letters(engine, prefix, args.consumer, args.limit))
+    return exitcodes.OK
+
+
+def _cmd_dead_letters_replay(args: argparse.Namespace) -> int:
+    from mqdedup.commands.dead_letters import replay_dead_letters
+    from mqdedup.consumers.stopping import ImmediateStop, StopToken, graceful_signals
+    from mqdedup.loading import load_consumer_class
+    from mqdedup.runners import _export_environment
+
+    settings = _settings(args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url")
+    _export_environment(settings)
+    consumer = load_consumer_class(args.consumer)()
+    consumer.validate()
+    engine, _ = _engine(args, require_schema=False)
+    _require_schema(engine, consumer.table_prefix)
+    stop = StopToken()
+    try:
+        with graceful_signals(stop):
+            outcome = replay_dead_letters(consumer, engine, ids=args.ids, stop=stop)
+    except ImmediateStop:
+        return exitcodes.INTERRUPTED
+    print(outcome)
+    return exitcodes.OK
+
+
+def _cmd_dead_letters_delete(args: argparse.Namespace) -> int:
+    from mqdedup.commands.dead_letters import delete_dead_letters
+
+    engine, prefix = _engine(args)
+    count = delete_dead_letters(engine, prefix, args.consumer, args.ids, args.all)
+    print(f"deleted {count} kept dead letter(s) of {args.consumer}")
     return exitcodes.OK
 
 

@@ -285,3 +285,22 @@ def latest_committed(statement: Select[Any]) -> Select[Any]:
     its writers are serialised already.
     """
     return statement.with_for_update(read=True)
+
+
+def insert_unless_present(session: Session, table: Table, values: dict[str, Any]) -> None:
+    """Insert one row unless it would repeat a unique key (then do nothing).
+
+    ``ON CONFLICT DO NOTHING`` on PostgreSQL and SQLite; a no-op ``ON DUPLICATE KEY
+    UPDATE`` on MySQL/MariaDB (``INSERT IGNORE`` would also hide data errors).
+    """
+    dialect = session.get_bind().dialect.name
+    if dialect in ("postgresql", "sqlite"):
+        module: Any = postgresql if dialect == "postgresql" else sqlite
+        session.execute(module.insert(table).values(values).on_conflict_do_nothing())
+        return
+    if dialect in MYSQL_DIALECTS:
+        primary = next(iter(table.primary_key.columns))
+        statement = mysql.insert(table).values(values)
+        session.execute(statement.on_duplicate_key_update({primary.name: primary}))
+        return
+    raise NotImplementedError(f"insert_unless_present is not implemented for {dialect!r}")

@@ -108,6 +108,7 @@ class Schema:
     tokens: Table
     outbox: Table
     retention: Table
+    dead_letters: Table
 
 
 def validate_prefix(prefix: str) -> str:
@@ -172,6 +173,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         Column("purged_at", DateTime(timezone=True), nullable=False),
         **MYSQL_TABLE_OPTIONS,
     )
+    dead_letters = _dead_letters_table(prefix, metadata)
     return Schema(
         prefix=prefix,
         metadata=metadata,
@@ -180,6 +182,54 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         tokens=tokens,
         outbox=outbox,
         retention=retention,
+        dead_letters=dead_letters,
+    )
+
+
+def _dead_letters_table(prefix: str, metadata: MetaData) -> Table:
+    """``<prefix>dead_letters``: dead letters the broker refused, kept in the database.
+
+    A dead letter goes to the broker's dead-letter queue / topic. When the broker refuses
+    that one record for good (too large for the topic, rejected by a queue policy, not
+    authorised), the processor keeps the original message here instead, in a
+    transaction of its own, and then settles the delivery, so nothing behind it waits.
+    ``mqdedup dead-letters list | replay | delete`` work on these rows. Message ids are
+    unique per consumer (a redelivery parks nothing twice); messages without an id
+    (``message_id`` NULL) are kept as often as they were refused.
+    """
+    return Table(
+        f"{prefix}dead_letters",
+        metadata,
+        Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+        Column("consumer_name", KeyString(255), nullable=False),
+        Column("message_id", KeyString(255), nullable=True),
+        Column("source", Text, nullable=False),
+        Column("source_partition", Integer, nullable=True),
+        Column("source_offset", BigInteger, nullable=True),
+        Column(
+            "message_key",
+            LargeBinary().with_variant(MYSQL_LONGBLOB(), "mysql", "mariadb"),
+            nullable=True,
+        ),
+        # Header values as ``[name, "s" | "b" | "n", text | base64 | null]`` (Kafka
+        # header values are bytes); AMQP properties as JSON.
+        Column("headers", JSON, nullable=False),
+        Column("properties", JSON, nullable=True),
+        Column(
+            "body",
+            LargeBinary().with_variant(MYSQL_LONGBLOB(), "mysql", "mariadb"),
+            nullable=False,
+        ),
+        Column("reason", Text, nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("error_class", Text, nullable=True),
+        Column("error_message", Text, nullable=True),
+        #: Why the broker refused the dead letter.
+        Column("refusal", Text, nullable=False),
+        Column("parked_at", PreciseDateTime, nullable=False),
+        UniqueConstraint("consumer_name", "message_id", name=f"{prefix}dead_letters_id_key"),
+        Index(f"{prefix}dead_letters_parked_idx", "consumer_name", "id"),
+        **MYSQL_TABLE_OPTIONS,
     )
 
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from sqlalchemy import Engine
 
+from mqdedup.commands.dead_letters import dead_letter_counts
 from mqdedup.commands.operations import dedup_stats, format_dedup_stats, format_outbox_status
 from mqdedup.commands.tables import render_table
 from mqdedup.consumers.base import Consumer
@@ -38,4 +39,13 @@ def status_screen(engine: Engine, prefix: str, consumers: Sequence[Consumer]) ->
         )
     sections.append("Dedup table\n" + format_dedup_stats(*dedup_stats(engine, prefix)))
     sections.append("Outbox\n" + format_outbox_status(engine, prefix))
+    sections.append("Dead letters kept in the database\n" + _kept_dead_letters(engine, prefix))
     return "\n\n".join(sections)
+
+
+def _kept_dead_letters(engine: Engine, prefix: str) -> str:
+    """Dead letters the broker refused, per consumer (``mqdedup dead-letters list``)."""
+    counts = dead_letter_counts(engine, prefix)
+    if not counts:
+        return "none"
+    return render_table(["consumer", "kept"], sorted(counts.items()))

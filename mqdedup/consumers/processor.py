@@ -18,9 +18,10 @@ from mqdedup.consumers.base import BatchContext, Consumer, Context
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
+from mqdedup.dedup.dead_letters import DeadLetterCause, DeadLetterTable
 from mqdedup.dedup.store import DedupStore
 from mqdedup.dialects import is_transient
-from mqdedup.errors import MessageError
+from mqdedup.errors import DeadLetterRefusedError, MessageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -132,6 +133,7 @@ class Processor:
         self.metrics = metrics or Metrics()
         self.stop = stop or StopToken()
         self.store = store or DedupStore(consumer.table_prefix)
+        self.dead_letters = DeadLetterTable(consumer.table_prefix)
         self.name = consumer.consumer_name
         self.policy = consumer.retry_policy
         self.per_message = consumer.failure_isolation == "transaction"
@@ -452,29 +454,70 @@ class Processor:
             self.transport.settle(committed)
 
     def _dead_letter(self, report: BatchReport) -> None:
-        """Store dead letters durably; one that cannot be stored stays unsettled."""
+        """Store dead letters durably; one that cannot be stored stays unsettled.
+
+        A dead letter the broker refuses for good (:class:`DeadLetterRefusedError`) is
+        kept in the database's dead-letter table instead, then settled like the others:
+        one record the broker will never take must not hold up what comes after it.
+        """
         kept: list[tuple[Delivery, DeadLetter]] = []
         for delivery, record in report.dead_lettered:
+            extra = {
+                "consumer": self.name,
+                "message_id": delivery.message.id,
+                "coordinates": delivery.message.coordinates,
+            }
             try:
                 self.transport.dead_letter(delivery, record)
-            except Exception:
-                log.exception(
-                    "dead-letter failed; the message stays unsettled",
-                    extra={"consumer": self.name, "coordinates": delivery.message.coordinates},
+            except DeadLetterRefusedError as refusal:
+                self.metrics.dead_letter_failures += 1
+                if not self._park(delivery, record, refusal):
+                    report.unsettled.append(delivery)
+                    continue
+                self.metrics.dead_letters_parked += 1
+                log.error(
+                    "the broker refused the dead letter; kept in the dead-letter table",
+                    extra={**extra, "reason": record.reason, "refusal": str(refusal)},
                 )
+            except Exception:
+                self.metrics.dead_letter_failures += 1
+                log.exception("dead-letter failed; the message stays unsettled", extra=extra)
                 report.unsettled.append(delivery)
                 continue
-            log.warning(
-                "dead-lettered",
-                extra={
-                    "consumer": self.name,
-                    "message_id": delivery.message.id,
-                    "reason": record.reason,
-                    "attempts": record.attempts,
-                },
-            )
+            else:
+                log.warning(
+                    "dead-lettered",
+                    extra={**extra, "reason": record.reason, "attempts": record.attempts},
+                )
             kept.append((delivery, record))
         report.dead_lettered = kept
+
+    def _park(self, delivery: Delivery, record: DeadLetter, refusal: Exception) -> bool:
+        """Keep a refused dead letter in the database; False if that failed too."""
+        cause = DeadLetterCause(
+            reason=record.reason,
+            attempts=record.attempts,
+            refusal=str(refusal),
+            error_class=record.error_class,
+            error_message=record.error_message,
+        )
+
+        def park() -> None:
+            with self.sessions() as session, session.begin():
+                self.dead_letters.park(session, self.name, delivery.message, cause)
+
+        try:
+            self._with_database_retry(park)
+        except BatchAbandonedError:
+            return False  # stopping while the database is down: the broker keeps it
+        except Exception:
+            log.exception(
+                "could not keep the refused dead letter in the database either; the "
+                "message stays unsettled",
+                extra={"consumer": self.name, "coordinates": delivery.message.coordinates},
+            )
+            return False
+        return True
 
     # -- infrastructure retry ------------------------------------------------------------
 
