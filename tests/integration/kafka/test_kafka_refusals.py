@@ -162,3 +162,30 @@ def test_partitions_added_under_a_steady_worker_are_consumed_within_the_bound(
     assert took < NEW_PARTITIONS_BOUND, f"new partitions consumed after {took:.1f} s"
     counts = row_counts(db.engine, db.prefix)
     assert len(counts) == 600 and set(counts.values()) == {1}
+
+
+def test_an_illegal_dead_letter_topic_name_is_a_refusal_kept_in_the_database(
+    kafka_helper: KafkaHelper, db: TestDatabase
+) -> None:
+    topic = kafka_helper.create_topic(partitions=1)
+    ids = ["m0", "m1", "poison", "m3", "m4"]
+    kafka_helper.produce(topic, [Outgoing(mid, mid.encode()) for mid in ids])
+    group = unique_name("group")
+    consumer = make_consumer(
+        topic=topic,
+        group=group,
+        prefix=db.prefix,
+        bootstrap=kafka_helper.bootstrap,
+        fail_ids=frozenset({"poison"}),
+        dead_letter_topic="not a topic!",
+        create_dead_letter_topics=False,
+    )
+    with running(consumer, db) as result:
+        wait_for(
+            lambda: kafka_helper.committed(group, topic) == {0: 5}, 60, "the offset past the poison"
+        )
+    with Session(db.engine) as session:
+        [kept] = DeadLetterTable(db.prefix).list(session)
+    assert kept.message.id == "poison" and "not a topic!" in kept.refusal
+    assert row_counts(db.engine, db.prefix) == {mid: 1 for mid in ids if mid != "poison"}
+    assert result[0].dead_letters_parked == 1
