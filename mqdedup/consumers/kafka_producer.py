@@ -164,27 +164,35 @@ class RecoveringProducer:
         """Send ``records`` in order, flush, and report each one's outcome.
 
         Records aborted because *another* record made the producer fatal are sent again
-        on a fresh producer (up to :data:`MAX_ROUNDS` rounds; what is still open after
-        that is ``UNAVAILABLE``). Never raises for broker failures.
+        on a fresh producer (up to :data:`MAX_ROUNDS` rounds, all within ``timeout``
+        seconds; what is still open after that is ``UNAVAILABLE``). Never raises for
+        broker failures.
         """
+        deadline = time.monotonic() + timeout
         with self._send_lock:
             results: list[Sent | None] = [None] * len(records)
             pending = list(range(len(records)))
             isolate = False
             for _ in range(MAX_ROUNDS):
-                if not pending:
+                if not pending or time.monotonic() >= deadline:
                     break
                 if isolate:  # the abort marker is unreadable: one record at a time
                     retry: list[int] = []
                     for index in pending:
-                        retry += self._round(records, [index], results, timeout)
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            retry.append(index)
+                            continue
+                        retry += self._round(records, [index], results, left)
                     pending = retry
                 else:
-                    pending, isolate = self._round_marked(records, pending, results, timeout)
+                    pending, isolate = self._round_marked(
+                        records, pending, results, deadline - time.monotonic()
+                    )
             for index in pending:
                 results[index] = Sent(
                     Outcome.UNAVAILABLE,
-                    f"aborted {MAX_ROUNDS} times by other records' producer failures",
+                    "aborted by another record's producer failure and not sent again in time",
                 )
             return [r if r is not None else Sent(Outcome.UNAVAILABLE, "not sent") for r in results]
 
