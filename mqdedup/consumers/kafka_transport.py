@@ -278,7 +278,7 @@ class KafkaTransport:
             sent = self._no_metadata(topic, sent)
         source = f"{token.partition[0]}/{token.partition[1]}/{token.offset}"
         if sent.outcome is Outcome.REFUSED:
-            log.error(
+            log.warning(
                 "the broker refused the dead letter",
                 extra={
                     "consumer": self.settings.consumer_name,
