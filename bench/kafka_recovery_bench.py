@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--kafka-config", default="{}", help="JSON merged into kafka_config")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)  # connection errors are expected
     extra = json.loads(args.kafka_config)
 
     with tempfile.TemporaryDirectory(prefix="mqdedup-recovery-") as tmp:
