@@ -20,7 +20,15 @@ from sqlalchemy import Engine
 from mqdedup import exitcodes
 from mqdedup.commands.operations import OutboxGauges
 from mqdedup.commands.replay import ReplayRefusedError
-from mqdedup.config import CONFIG_ENV, env_help, load_file, resolve
+from mqdedup.config import (
+    CONFIG_ENV,
+    consumer_table_prefix,
+    env_help,
+    load_file,
+    resolve,
+    resolve_with_source,
+    use_table_prefix,
+)
 from mqdedup.consumers.base import Consumer
 from mqdedup.db import check_connection, check_schema, create_engine, init_schema
 from mqdedup.errors import (
@@ -31,6 +39,7 @@ from mqdedup.errors import (
     MqdedupError,
 )
 from mqdedup.logs import configure as configure_logging
+from mqdedup.masking import mask_text
 
 log = logging.getLogger("mqdedup.cli")
 
@@ -114,7 +123,36 @@ def _settings(args: argparse.Namespace, *names: str) -> dict[str, Any]:
         "health_port": getattr(args, "health_port", None),
     }
     wanted = names or ("database_url", "table_prefix")
-    return {name: resolve(name, flags.get(name), file_data) for name in wanted}
+    settings = {name: resolve(name, flags.get(name), file_data) for name in wanted}
+    if "table_prefix" in settings:
+        settings["table_prefix"] = _table_prefix(args)[0]
+    return settings
+
+
+def _table_prefix(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The configured table prefix, validated, and where it came from (None: default).
+
+    A prefix the tables cannot hold (characters, identifier length) is refused here,
+    before anything connects.
+    """
+    from mqdedup.schema import schema
+
+    flag = getattr(args, "table_prefix", None)
+    file_data = load_file(getattr(args, "config", None))
+    prefix, source = resolve_with_source("table_prefix", flag, file_data)
+    try:
+        schema(prefix)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{source or 'default'}: {exc}") from None
+    return prefix, source
+
+
+def _consumer_prefix(args: argparse.Namespace, reference: str, consumer: Any) -> str:
+    """Give ``consumer`` the table prefix it runs with (see config.consumer_table_prefix)."""
+    configured, source = _table_prefix(args)
+    prefix = consumer_table_prefix(type(consumer), configured, source, reference)
+    use_table_prefix(consumer, prefix)
+    return prefix
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -317,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MqdedupError as exc:
         if args.debug:
             log.exception("failed")
-        print(f"mqdedup: error: {exc}", file=sys.stderr)
+        print(f"mqdedup: error: {mask_text(str(exc))}", file=sys.stderr)
         return exit_code_for(exc)
     except KeyboardInterrupt:
         print("mqdedup: interrupted", file=sys.stderr)
@@ -480,7 +518,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
     settings = _settings(args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url")
     _export_environment(settings)
     consumers = [load_consumer_class(reference)() for reference in args.consumers]
-    engine, prefix = _engine(args)
+    prefixes = {
+        _consumer_prefix(args, reference, consumer)
+        for reference, consumer in zip(args.consumers, consumers, strict=True)
+    }
+    engine, prefix = _engine(args, require_schema=False)
+    if len(prefixes) == 1:  # the consumers' own tables, when they all agree
+        prefix = prefixes.pop()
+    _require_schema(engine, prefix)
     print(status_screen(engine, prefix, consumers))
     return exitcodes.OK
 
@@ -502,6 +547,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     start = parse_position(args.start)
     end = parse_position(args.end, end=True)
     consumer = load_consumer_class(args.consumer)()
+    _consumer_prefix(args, args.consumer, consumer)
     consumer.validate()
     engine, _ = _engine(args, require_schema=False)
     _require_schema(engine, consumer.table_prefix)
@@ -605,15 +651,21 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     return _supervise(specs, settings)
 
 
-def _supervise(specs: list[Any], settings: dict[str, Any], *, outbox_gauges: bool = True) -> int:
+def _supervise(
+    specs: list[Any],
+    settings: dict[str, Any],
+    *,
+    outbox_gauges: bool = True,
+    prefix: str | None = None,
+) -> int:
     """Run ``specs`` under a supervisor with the health endpoint; return its exit code.
 
     ``outbox_gauges``: report the outbox backlog on /metrics (not for Redis-only workers,
-    which have no database).
+    which have no database). ``prefix``: the outbox's table prefix (default: the setting).
     """
     from mqdedup.supervisor import Supervisor
 
-    gauges = OutboxGauges(settings["database_url"], settings["table_prefix"])
+    gauges = OutboxGauges(settings["database_url"], prefix or settings["table_prefix"])
     supervisor = Supervisor(
         specs,
         shutdown_timeout=settings["shutdown_timeout"],
@@ -645,6 +697,11 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     consumers = [load_worker_class(reference)() for reference in args.consumers]
     # RedisConsumer classes keep their dedup records in Redis: they need no database.
     database_consumers = [c for c in consumers if not is_redis_consumer(c)]
+    prefixes = {
+        reference: _consumer_prefix(args, reference, consumer)
+        for reference, consumer in zip(args.consumers, consumers, strict=True)
+        if not is_redis_consumer(consumer)
+    }
     for consumer in consumers:
         consumer.validate()
     if database_consumers:
@@ -660,13 +717,23 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             name=consumer.consumer_name,
             index=index,
             runner="mqdedup.runners:run_consumer",
-            options={"consumer": reference, **settings},
+            options={
+                "consumer": reference,
+                **settings,
+                "table_prefix": prefixes.get(reference, settings["table_prefix"]),
+            },
             log_level=args.log_level,
         )
         for reference, consumer in zip(args.consumers, consumers, strict=True)
         for index in range(settings["processes"])
     ]
-    return _supervise(specs, settings, outbox_gauges=bool(database_consumers))
+    shared = set(prefixes.values())
+    return _supervise(
+        specs,
+        settings,
+        outbox_gauges=bool(database_consumers),
+        prefix=shared.pop() if len(shared) == 1 else None,
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -99,10 +99,26 @@ def resolve(
     environ: Mapping[str, str] | None = None,
 ) -> Any:
     """The value of setting ``name``: flag, else env, else file, else default."""
+    return resolve_with_source(name, flag_value, file_data, environ)[0]
+
+
+def resolve_with_source(
+    name: str,
+    flag_value: Any,
+    file_data: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    *,
+    flag: str | None = None,
+) -> tuple[Any, str | None]:
+    """The value of setting ``name`` and where it came from (``None``: the default).
+
+    The source reads like ``--table-prefix``, ``environment variable MQDEDUP_X`` or
+    ``config [mqdedup] x``, for error messages.
+    """
     setting = SETTINGS[name]
     environ = os.environ if environ is None else environ
     if flag_value is not None:
-        return flag_value
+        return flag_value, flag or f"--{name.replace('_', '-')}"
     raw: Any = None
     source = ""
     if setting.env and environ.get(setting.env):
@@ -113,10 +129,54 @@ def resolve(
             f"config [{setting.section}] {setting.key}",
         )
     if raw is None:
-        return setting.default
+        return setting.default, None
     try:
-        return setting.kind(raw)
+        return setting.kind(raw), source
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
             f"{source}: expected {setting.kind.__name__}, got {raw!r}"
         ) from exc
+
+
+def declared_table_prefix(consumer_class: type) -> str | None:
+    """The ``table_prefix`` the user's consumer class (or a user base class) sets, if any.
+
+    mqdedup's own base classes only carry the default, which configuration overrides.
+    """
+    for klass in consumer_class.__mro__:
+        if "table_prefix" in vars(klass):
+            if klass.__module__ == "mqdedup" or klass.__module__.startswith("mqdedup."):
+                return None
+            return str(vars(klass)["table_prefix"])
+    return None
+
+
+def consumer_table_prefix(
+    consumer_class: type, configured: str, source: str | None, reference: str
+) -> str:
+    """The table prefix a consumer runs with: one source of truth for its tables.
+
+    ``configured`` is the resolved ``table_prefix`` setting and ``source`` where it came
+    from (``None``: nobody set it, it is the default). The configured prefix
+    (``--table-prefix`` > ``MQDEDUP_TABLE_PREFIX`` > TOML) applies to consumer classes
+    that do not set ``table_prefix``; a class that sets it keeps it when nothing is
+    configured. When both are set and differ, the worker would write claims and outbox
+    rows to other tables than the relay and the other commands read: refused.
+    """
+    declared = declared_table_prefix(consumer_class)
+    if source is None:
+        return declared if declared is not None else configured
+    if declared is not None and declared != configured:
+        raise ConfigurationError(
+            f"{reference} sets table_prefix = {declared!r} but {source} says {configured!r}: "
+            "make them agree or remove one (the relay and the other commands use the "
+            "configured prefix)"
+        )
+    return configured
+
+
+def use_table_prefix(consumer: object, prefix: str) -> None:
+    """Make ``consumer`` (an instance) use the tables of ``prefix``."""
+    if getattr(consumer, "table_prefix", None) != prefix:
+        # An instance attribute shadows the class attribute for this consumer only.
+        object.__setattr__(consumer, "table_prefix", prefix)

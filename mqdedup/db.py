@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 from sqlalchemy import Engine, event, inspect
@@ -13,6 +14,8 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.errors import ConfigurationError, DatabaseUnavailableError
+from mqdedup.masking import mask_text
+from mqdedup.masking import mask_url as _mask_url
 from mqdedup.schema import DEFAULT_PREFIX, schema
 
 log = logging.getLogger(__name__)
@@ -29,9 +32,14 @@ def database_url_from_env(default: str = DEFAULT_DATABASE_URL) -> str:
 
 
 def parse_url(url: str | URL) -> URL:
-    """Parse and normalise a database URL; a malformed one raises ConfigurationError."""
+    """Parse and normalise a database URL; a malformed one raises ConfigurationError.
+
+    An unescaped ``@`` in the user name or password is read as part of it: the host
+    starts after the last ``@`` (SQLAlchemy alone would take the password's tail for
+    the host, and the driver's error would print it).
+    """
     try:
-        parsed = make_url(url)
+        parsed = make_url(_escape_user_info(url) if isinstance(url, str) else url)
     except (sa_exc.ArgumentError, ValueError) as exc:
         raise ConfigurationError(f"malformed database URL {mask_url(url)!r}") from exc
     driver = _DRIVER_ALIASES.get(parsed.drivername, parsed.drivername)
@@ -44,14 +52,24 @@ def parse_url(url: str | URL) -> URL:
 
 
 def mask_url(url: str | URL) -> str:
-    """The URL with its password replaced by ``***``, safe for logs and errors."""
-    if isinstance(url, URL):
-        return url.render_as_string(hide_password=True)
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (sa_exc.ArgumentError, ValueError):
-        # Unparseable: keep the scheme only, never the rest (it may hold a password).
-        return url.split("://", 1)[0] + "://***" if "://" in url else "***"
+    """The URL with its password and secret query parameters replaced by ``***``.
+
+    The same function as :func:`mqdedup.masking.mask_url` (kept here for importers).
+    """
+    return _mask_url(url)
+
+
+def _escape_user_info(url: str) -> str:
+    """``url`` with each ``@`` before the last one of its authority percent-encoded."""
+    scheme, separator, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not separator or not at or "@" not in userinfo or re.search(r"[/?#]", userinfo):
+        return url
+    return f"{scheme}://{userinfo.replace('@', '%40')}@{host}"
+
+
+#: Database drivers that come with an extra of mqdedup.
+_DRIVER_EXTRAS = {"psycopg": "postgresql", "pymysql": "mysql"}
 
 
 def create_engine(url: str | URL | None = None, **options: Any) -> Engine:
@@ -77,10 +95,22 @@ def create_engine(url: str | URL | None = None, **options: Any) -> Engine:
         connect_args.setdefault("application_name", "mqdedup")
     try:
         engine = sa_create_engine(parsed, **options)
+    except ModuleNotFoundError as exc:
+        extra = _DRIVER_EXTRAS.get(str(exc.name))
+        if extra is None:
+            raise ConfigurationError(
+                f"cannot use database URL {mask_url(parsed)!r}: "
+                f"{type(exc).__name__}: {mask_text(str(exc), parsed)}"
+            ) from None
+        raise ConfigurationError(
+            f"database URL {mask_url(parsed)!r} needs the {exc.name} driver, which is not "
+            f"installed: pip install 'mqdedup[{extra}]'"
+        ) from None
     except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ImportError) as exc:
         raise ConfigurationError(
-            f"cannot use database URL {mask_url(parsed)!r}: {type(exc).__name__}: {exc}"
-        ) from exc
+            f"cannot use database URL {mask_url(parsed)!r}: "
+            f"{type(exc).__name__}: {mask_text(str(exc), parsed)}"
+        ) from None
     if backend == "sqlite":
         _configure_sqlite(engine)
     return engine
@@ -114,9 +144,10 @@ def check_connection(engine: Engine) -> None:
             connection.exec_driver_sql("SELECT 1")
     except sa_exc.DBAPIError as exc:
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+        # Drivers may echo the DSN (or a password's tail as a host name): scrub it.
         raise DatabaseUnavailableError(
-            f"cannot connect to database {mask_url(engine.url)}: {reason}"
-        ) from exc
+            f"cannot connect to database {mask_url(engine.url)}: {mask_text(reason, engine.url)}"
+        ) from None
 
 
 def init_schema(engine: Engine, prefix: str = DEFAULT_PREFIX) -> list[str]:

@@ -10,104 +10,21 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from mqdedup.exposition import build_registry, render
+
 log = logging.getLogger(__name__)
 
-#: Metric name, Prometheus type, help text, and the snapshot key it comes from.
-COUNTERS: tuple[tuple[str, str, str, str], ...] = (
-    ("mqdedup_messages_delivered_total", "counter", "Deliveries fetched", "delivered"),
-    (
-        "mqdedup_messages_processed_total",
-        "counter",
-        "Messages whose handler committed",
-        "processed",
-    ),
-    (
-        "mqdedup_messages_duplicates_total",
-        "counter",
-        "Deliveries skipped as duplicates",
-        "duplicates",
-    ),
-    ("mqdedup_messages_dead_lettered_total", "counter", "Messages dead-lettered", "dead_lettered"),
-    (
-        "mqdedup_dead_letter_failures_total",
-        "counter",
-        "Dead-letter publishes the broker refused or could not take",
-        "dead_letter_failures",
-    ),
-    (
-        "mqdedup_dead_letters_parked_total",
-        "counter",
-        "Dead letters kept in the database because the broker refused them",
-        "dead_letters_parked",
-    ),
-    ("mqdedup_handler_retries_total", "counter", "Handler retries", "retries"),
-    (
-        "mqdedup_database_retries_total",
-        "counter",
-        "Transactions retried for outages",
-        "database_retries",
-    ),
-    ("mqdedup_batches_total", "counter", "Batches processed", "batches"),
-    ("mqdedup_batch_seconds_total", "counter", "Seconds spent processing batches", "batch_seconds"),
-    ("mqdedup_outbox_published_total", "counter", "Outbox rows published", "published"),
-    ("mqdedup_outbox_failed_total", "counter", "Outbox rows marked failed", "failed"),
-)
-GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("mqdedup_outbox_backlog", "Outbox rows waiting to be published", "backlog"),
-    (
-        "mqdedup_outbox_oldest_pending_seconds",
-        "Age of the oldest pending outbox row",
-        "oldest_pending_seconds",
-    ),
-)
 
+def snapshot_ready(snapshot: Mapping[str, Any]) -> bool:
+    """Whether one worker's metrics snapshot allows readiness.
 
-def _labels(labels: Mapping[str, str]) -> str:
-    inner = ",".join(
-        f'{key}="{str(value).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-        for key, value in sorted(labels.items())
-    )
-    return "{" + inner + "}" if inner else ""
-
-
-def render_prometheus(
-    snapshots: Mapping[tuple[str, str], Mapping[str, Any]],
-    shared: Mapping[str, float] | None = None,
-) -> str:
-    """Prometheus text for ``{(name, process): metrics snapshot}`` plus ``shared`` gauges
-    that belong to no process (e.g. the outbox backlog, read from the database)."""
-    lines: list[str] = []
-    for metric, help_text, key in GAUGES:
-        if shared and key in shared:
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
-            lines.append(f"{metric} {shared[key]}")
-    for metric, kind, help_text, key in COUNTERS:
-        rows = [(ident, snap[key]) for ident, snap in snapshots.items() if key in snap]
-        if not rows:
-            continue
-        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}"]
-        lines += [f"{metric}{_labels({'consumer': n, 'process': p})} {v}" for (n, p), v in rows]
-    for metric, help_text, key in GAUGES:
-        rows = [(ident, snap[key]) for ident, snap in snapshots.items() if key in snap]
-        if not rows or (shared and key in shared):
-            continue
-        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
-        lines += [f"{metric}{_labels({'consumer': n, 'process': p})} {v}" for (n, p), v in rows]
-    lag_rows = [
-        (ident, partition, value)
-        for ident, snap in snapshots.items()
-        for partition, value in (snap.get("lag") or {}).items()
-    ]
-    if lag_rows:
-        lines += [
-            "# HELP mqdedup_consumer_lag Messages behind the end of the partition",
-            "# TYPE mqdedup_consumer_lag gauge",
-        ]
-        lines += [
-            f"mqdedup_consumer_lag{_labels({'consumer': n, 'process': p, 'partition': part})} {v}"
-            for (n, p), part, v in lag_rows
-        ]
-    return "\n".join(lines) + "\n"
+    A transport that reports ``consumer_attached`` (RabbitMQ) is not ready while no
+    consumer is attached: the broker closed its channel or the connection is being
+    re-established, so nothing is consumed.
+    """
+    return snapshot.get("consumer_attached") is not False
 
 
 class HealthServer:
@@ -136,8 +53,7 @@ class HealthServer:
                 return
 
         self._status = status
-        self._snapshots = snapshots
-        self._shared = shared
+        self._registry = build_registry(snapshots, shared)
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.port = int(self.server.server_address[1])
         self._thread = threading.Thread(
@@ -158,9 +74,7 @@ class HealthServer:
     def _serve(self, request: BaseHTTPRequestHandler) -> None:
         path = request.path.split("?", 1)[0]
         if path == "/metrics":
-            shared = self._shared() if self._shared is not None else None
-            body = render_prometheus(self._snapshots(), shared).encode()
-            self._reply(request, 200, body, "text/plain; version=0.0.4; charset=utf-8")
+            self._reply(request, 200, render(self._registry), CONTENT_TYPE_LATEST)
             return
         if path in ("/healthz", "/healthz/live", "/healthz/ready"):
             live, ready, details = self._status()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
@@ -67,6 +68,12 @@ class Message:
             return json.loads(self.body)
         except (UnicodeDecodeError, ValueError) as exc:
             raise UndecodableMessageError(f"undecodable body: invalid JSON: {exc}") from exc
+        except RecursionError:
+            # A producer's body, not a handler bug: dead-letter it at once, never retry.
+            raise UndecodableMessageError(
+                "undecodable body: JSON nested too deeply for Python's parser "
+                f"(recursion limit {sys.getrecursionlimit()})"
+            ) from None
 
     def with_id(self, message_id: str) -> Message:
         """A copy carrying ``message_id``."""

@@ -4,7 +4,8 @@
 differ in ways that ``CREATE TABLE IF NOT EXISTS`` never touches:
 
 * an **index** added since (e.g. the outbox's claim indexes on MySQL/MariaDB): without
-  it queries are slower, not wrong;
+  it queries are slower, not wrong; or one made for another database (a migration
+  generated against another kind of database), which only costs writes;
 * on MySQL/MariaDB, a **key column's collation** (:class:`~mqdedup.schema.KeyString`
   columns get the server's binary NO PAD collation; an older outbox table has
   ``utf8mb4_bin``, which treats ``'id'`` and ``'id '`` as the same key).
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Engine, Index, Table, create_mock_engine, inspect, text
-from sqlalchemy.schema import CreateIndex
+from sqlalchemy.schema import CreateIndex, DropIndex
 
 from mqdedup.dialects import MYSQL_DIALECTS
 from mqdedup.schema import DEFAULT_PREFIX, KeyString, schema
@@ -36,8 +37,10 @@ class Drift:
 
     table: str
     description: str
-    #: The statement that removes it (run by :func:`upgrade_schema`).
+    #: The statement that removes it (run by :func:`upgrade_schema`): an index to
+    #: create (or, with ``drop``, to drop), or SQL.
     fix: Index | str
+    drop: bool = False
 
     def __str__(self) -> str:
         return f"table {self.table}: {self.description} (run `mqdedup db upgrade`)"
@@ -61,6 +64,12 @@ def schema_drift(engine: Engine, prefix: str = DEFAULT_PREFIX) -> list[Drift]:
             for index in sorted(table.indexes, key=lambda index: str(index.name))
             if index.name in expected_indexes and index.name not in live_indexes
         )
+        # Made for another database (e.g. a migration generated elsewhere): only costs.
+        drift.extend(
+            Drift(name, f"index {index.name} is not used on this database", index, drop=True)
+            for index in sorted(table.indexes, key=lambda index: str(index.name))
+            if index.name not in expected_indexes and index.name in live_indexes
+        )
         if engine.dialect.name in MYSQL_DIALECTS:
             drift.extend(_collation_drift(engine, inspector, table))
     return drift
@@ -71,7 +80,11 @@ def upgrade_schema(engine: Engine, prefix: str = DEFAULT_PREFIX) -> list[str]:
     done: list[str] = []
     for item in schema_drift(engine, prefix):
         with engine.begin() as connection:
-            if isinstance(item.fix, Index):
+            if isinstance(item.fix, Index) and item.drop:
+                # Executed directly: Index.drop() would honour ddl_if and skip it here.
+                connection.execute(DropIndex(item.fix))
+                action = f"dropped index {item.fix.name} on {item.table}"
+            elif isinstance(item.fix, Index):
                 item.fix.create(connection, checkfirst=True)
                 action = f"created index {item.fix.name} on {item.table}"
             else:

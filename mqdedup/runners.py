@@ -11,6 +11,7 @@ from mqdedup.supervisor import ChildSpec, MetricsHolder
 
 def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
     """Import the consumer, connect, and consume until the stop token is set."""
+    from mqdedup.config import use_table_prefix
     from mqdedup.db import check_connection, create_engine
     from mqdedup.loading import is_redis_consumer, load_worker_class
 
@@ -20,6 +21,8 @@ def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> No
     if is_redis_consumer(consumer):  # dedup records in Redis: no database
         consumer.run(None, stop=stop, metrics=metrics.source)
         return
+    # The supervisor resolved the consumer's table prefix (flag / env / TOML / class).
+    use_table_prefix(consumer, spec.options["table_prefix"])
     engine = create_engine(spec.options["database_url"])
     try:
         check_connection(engine)

@@ -41,7 +41,11 @@ from mqdedup.errors import ConfigurationError
 
 DEFAULT_PREFIX = "mqdedup_"
 SCHEMA_VERSION = 1
-_PREFIX_PATTERN = re.compile(r"^[a-z_][a-z0-9_]{0,30}$")
+_PREFIX_PATTERN = re.compile(r"^[a-z_][a-z0-9_]*$")
+#: The longest identifier every supported database accepts: PostgreSQL's 63 bytes
+#: (MySQL/MariaDB allow 64; SQLite has no limit). Longer PostgreSQL names are silently
+#: truncated, so two of our names could collide.
+MAX_IDENTIFIER_BYTES = 63
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 # Timestamps with microseconds on MySQL/MariaDB too (plain DATETIME there keeps seconds).
@@ -112,12 +116,44 @@ class Schema:
 
 
 def validate_prefix(prefix: str) -> str:
-    """Return ``prefix`` if it is a safe SQL identifier prefix, else raise."""
-    if not _PREFIX_PATTERN.match(prefix):
+    """Return ``prefix`` if it is a safe SQL identifier prefix, else raise.
+
+    The characters are checked here; :func:`schema` also checks that every table,
+    index and constraint name derived from it fits :data:`MAX_IDENTIFIER_BYTES`.
+    """
+    if not isinstance(prefix, str) or not _PREFIX_PATTERN.match(prefix):
         raise ConfigurationError(
-            f"table prefix {prefix!r} must be lower-case letters, digits and underscores"
+            f"table prefix {prefix!r} must be lower-case letters, digits and underscores "
+            "(not starting with a digit)"
         )
     return prefix
+
+
+def _check_identifier_lengths(prefix: str, metadata: MetaData) -> None:
+    """Raise if a name built from ``prefix`` exceeds what the databases can hold."""
+    names = [
+        str(name)
+        for table in metadata.tables.values()
+        for name in (
+            table.name,
+            *(index.name for index in table.indexes),
+            *(constraint.name for constraint in table.constraints),
+            # PostgreSQL's names of an unnamed primary key and of a serial's sequence
+            f"{table.name}_pkey" if table.primary_key.name is None else None,
+            f"{table.name}_{table.autoincrement_column.name}_seq"
+            if table.autoincrement_column is not None
+            else None,
+        )
+        if name
+    ]
+    longest = max(names, key=lambda name: len(name.encode()))
+    if len(longest.encode()) > MAX_IDENTIFIER_BYTES:
+        room = MAX_IDENTIFIER_BYTES - (len(longest.encode()) - len(prefix.encode()))
+        raise ConfigurationError(
+            f"table prefix {prefix!r} is too long: it makes {longest!r} "
+            f"({len(longest.encode())} characters; PostgreSQL names hold "
+            f"{MAX_IDENTIFIER_BYTES}); use at most {room} characters"
+        )
 
 
 @lru_cache(maxsize=16)
@@ -174,6 +210,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         **MYSQL_TABLE_OPTIONS,
     )
     dead_letters = _dead_letters_table(prefix, metadata)
+    _check_identifier_lengths(prefix, metadata)
     return Schema(
         prefix=prefix,
         metadata=metadata,

@@ -46,8 +46,10 @@ class MetricsHolder:
         self.source = source
 
     def snapshot(self) -> dict[str, Any]:
-        """The source's current counters."""
-        return dict(self.source.snapshot())
+        """The source's current counters, with this process's CPU and memory figures."""
+        from mqdedup.exposition import process_stats
+
+        return {**self.source.snapshot(), "process": process_stats()}
 
 
 @dataclass(frozen=True)
@@ -119,11 +121,15 @@ class Supervisor:
                 self.health.stop()
 
     def status(self) -> tuple[bool, bool, dict[str, Any]]:
-        """(live, ready, details) for ``/healthz``: ready when every child runs."""
+        """(live, ready, details) for ``/healthz``: ready when every child runs (and
+        none reports a detached consumer, see :func:`mqdedup.health.snapshot_ready`)."""
+        from mqdedup.health import snapshot_ready
+
         with self._lock:
             running = sum(
                 1 for c in self.children if c.process is not None and c.process.is_alive()
             )
+            detached = [c.spec.label for c in self.children if not snapshot_ready(c.snapshot)]
             details = {
                 "children": len(self.children),
                 "running": running,
@@ -134,8 +140,9 @@ class Supervisor:
                 ],
                 "restarts": sum(c.restarts for c in self.children),
                 "draining": self._draining_since is not None,
+                "detached": detached,
             }
-        ready = running == len(self.children) and self._draining_since is None
+        ready = running == len(self.children) and self._draining_since is None and not detached
         return True, ready, details
 
     def snapshots(self) -> dict[tuple[str, str], dict[str, Any]]:

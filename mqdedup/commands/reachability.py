@@ -7,6 +7,7 @@ import sys
 from urllib.parse import urlsplit
 
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.masking import mask_url
 
 
 def check_kafka_reachable(bootstrap: str, timeout: float = 3.0) -> None:
@@ -18,12 +19,14 @@ def check_kafka_reachable(bootstrap: str, timeout: float = 3.0) -> None:
     for server in servers:
         host, _, port = server.rpartition(":")
         if not host or not port.isdigit():
-            raise ConfigurationError(f"Kafka bootstrap server {server!r} must be host:port")
+            raise ConfigurationError(
+                f"Kafka bootstrap server {mask_url(server)!r} must be host:port"
+            )
         try:
             with socket.create_connection((host, int(port)), timeout=timeout):
                 return
         except OSError as exc:
-            errors.append(f"{server}: {exc.strerror or exc}")
+            errors.append(f"{mask_url(server)}: {exc.strerror or exc}")
     raise BrokerUnavailableError(f"cannot reach Kafka ({'; '.join(errors)})")
 
 

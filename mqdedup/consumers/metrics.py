@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from mqdedup.histograms import Histogram
 
 
 @dataclass
@@ -24,7 +27,31 @@ class Metrics:
     batches: int = 0
     batch_seconds: float = 0.0
     lag: dict[str, int] = field(default_factory=dict)
+    #: True while the transport has a consumer attached to the broker, False while it is
+    #: detached (reconnecting, channel closed by the broker); None: not reported.
+    consumer_attached: bool | None = None
+    #: How often the consuming channel was opened again after the broker closed it or the
+    #: connection was lost.
+    channel_reopens: int = 0
+    #: Latency histograms by name (:data:`mqdedup.histograms.HISTOGRAMS`).
+    histograms: dict[str, Histogram] = field(default_factory=dict, repr=False)
 
-    def snapshot(self) -> dict[str, Any]:
-        """A plain copy for logging and the metrics endpoint."""
-        return asdict(self)
+    def observe(self, name: str, seconds: float) -> None:
+        """Count one duration in the histogram ``name``."""
+        histogram = self.histograms.get(name)
+        if histogram is None:
+            histogram = self.histograms[name] = Histogram()
+        histogram.observe(seconds)
+
+    def snapshot(self, *, histograms: bool = True) -> dict[str, Any]:
+        """A plain copy for the metrics endpoint (``histograms=False``: for a log line)."""
+        data = {
+            item.name: copy.copy(getattr(self, item.name))
+            for item in fields(self)
+            if item.name != "histograms"
+        }
+        if histograms:
+            data["histograms"] = {
+                name: histogram.snapshot() for name, histogram in list(self.histograms.items())
+            }
+        return data

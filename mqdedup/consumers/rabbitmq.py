@@ -94,6 +94,10 @@ class RabbitMQConsumer(Consumer):
     dead_letter_exchange: ClassVar[str] = DEFAULT_DEAD_LETTER_EXCHANGE
     #: The dead-letter queue; ``None`` means ``<queue>.dlq``.
     dead_letter_queue: ClassVar[str | None] = None
+    #: Extra ``x-*`` arguments of the dead-letter queue's declaration, e.g.
+    #: ``{"x-max-length": 100_000, "x-overflow": "reject-publish"}``. Changing them for an
+    #: existing queue is a configuration error (406), as for ``queue_arguments``.
+    dead_letter_queue_arguments: ClassVar[Mapping[str, Any]] = {}
     #: Seconds to keep trying to reach the broker at start-up before giving up.
     startup_timeout: ClassVar[float] = 30.0
     #: Cap of the exponential backoff between reconnect attempts, in seconds.
@@ -126,6 +130,7 @@ class RabbitMQConsumer(Consumer):
             dead_letter_exchange=self.dead_letter_exchange,
             dead_letter_queue=self.dead_letter_queue or "",
             declare=self.declare,
+            dead_letter_arguments=dict(self.dead_letter_queue_arguments),
         )
 
     def validate(self) -> None:

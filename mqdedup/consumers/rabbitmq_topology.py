@@ -10,12 +10,13 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import pika
 import pika.exceptions
 
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.masking import mask_text, mask_url
 
 RABBITMQ_URL_ENV = "MQDEDUP_RABBITMQ_URL"
 DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -33,22 +34,8 @@ def rabbitmq_url_from_env(default: str = DEFAULT_RABBITMQ_URL) -> str:
 
 
 def mask_amqp_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (safe for logs and error messages)."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-        hostname = parts.hostname
-        port = parts.port
-    except ValueError:
-        return url.split("://", 1)[0] + "://***" if "://" in url else "***"
-    if password is None:
-        return url
-    user = quote(parts.username or "", safe="")
-    host = hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}" + (f":{port}" if port is not None else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """``url`` with its secrets replaced by ``***`` (:func:`mqdedup.masking.mask_url`)."""
+    return mask_url(url)
 
 
 def connection_parameters(url: str, connection_name: str) -> pika.URLParameters:
@@ -66,13 +53,11 @@ def connection_parameters(url: str, connection_name: str) -> pika.URLParameters:
             f"(set it with the consumer's `url` or {RABBITMQ_URL_ENV})"
         )
     try:
-        parameters = pika.URLParameters(url)
+        parameters = pika.URLParameters(_with_password(url))
     except (ValueError, TypeError, IndexError) as exc:
-        detail = str(exc)
-        password = _password(url)
-        if password:
-            detail = detail.replace(password, "***")
-        raise ConfigurationError(f"malformed RabbitMQ URL {masked!r}: {detail}") from exc
+        raise ConfigurationError(
+            f"malformed RabbitMQ URL {masked!r}: {mask_text(str(exc), url)}"
+        ) from None
     properties = dict(parameters.client_properties or {})
     properties["connection_name"] = connection_name
     parameters.client_properties = properties
@@ -105,11 +90,18 @@ def check_broker(url: str, timeout: float = 10.0) -> None:
     connection.close()
 
 
-def _password(url: str) -> str | None:
+def _with_password(url: str) -> str:
+    """``amqp://user@host/`` as ``amqp://user:@host/``: a user without a password means an
+    empty password (pika itself fails on it with a TypeError about ``None``)."""
     try:
-        return urlsplit(url).password
+        parts = urlsplit(url)
+        has_user_only = parts.username is not None and parts.password is None
     except ValueError:
-        return None
+        return url
+    if not has_user_only:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{userinfo}:@{host}"))
 
 
 def default_connection_name(consumer_name: str) -> str:
@@ -155,6 +147,8 @@ class Topology:
     dead_letter_exchange: str = DEFAULT_DEAD_LETTER_EXCHANGE
     dead_letter_queue: str = ""
     declare: bool = True
+    #: Extra ``x-*`` arguments of the dead-letter queue (e.g. ``x-max-length``).
+    dead_letter_arguments: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.dead_letter_queue:
@@ -184,10 +178,16 @@ class Topology:
             raise ConfigurationError(
                 f"{owner}.queue_type must be 'classic' or 'quorum', not {self.queue_type!r}"
             )
-        if "x-queue-type" in self.queue_arguments:
-            raise ConfigurationError(
-                f"{owner}.queue_arguments must not set x-queue-type; use queue_type"
-            )
+        for name, arguments in (
+            ("queue_arguments", self.queue_arguments),
+            ("dead_letter_queue_arguments", self.dead_letter_arguments),
+        ):
+            if not isinstance(arguments, Mapping):
+                raise ConfigurationError(f"{owner}.{name} must be a mapping, not {arguments!r}")
+            if "x-queue-type" in arguments:
+                raise ConfigurationError(
+                    f"{owner}.{name} must not set x-queue-type; use queue_type"
+                )
         for binding in self.bindings:
             if not isinstance(binding, Binding):
                 raise ConfigurationError(
@@ -204,7 +204,10 @@ class Topology:
 
     def dead_letter_queue_arguments(self) -> dict[str, Any]:
         """Arguments of the dead-letter queue's declaration (same queue type)."""
-        return {"x-queue-type": "quorum"} if self.queue_type == "quorum" else {}
+        arguments = dict(self.dead_letter_arguments)
+        if self.queue_type == "quorum":
+            arguments["x-queue-type"] = "quorum"
+        return arguments
 
 
 def declare_topology(channel: Any, topology: Topology) -> None:

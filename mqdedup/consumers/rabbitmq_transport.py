@@ -7,11 +7,20 @@ take. Acks, nacks and dead-letter publishes are handed to the I/O thread with
 ``add_callback_threadsafe``, the only pika call that is safe from another thread.
 
 Every connection gets a *generation* number and every delivery carries the generation
-it came from. When the connection or a channel dies, the I/O thread reconnects with
-backoff (tenacity), declares the topology again and starts a new generation; an ack for
-a delivery of an older generation is dropped, never sent (its tag would name another
+it came from. When the connection or the consuming channel dies (a connection loss,
+the broker closing the channel: ``consumer_timeout``, 403/404/406, or cancelling the
+consumer: queue deleted), the I/O thread notices it at once, reconnects with backoff
+(tenacity), declares the topology again and starts a new generation; an ack for a
+delivery of an older generation is dropped, never sent (its tag would name another
 message on the new channel): the broker redelivers that message and mqdedup's dedup
-skips it.
+skips it. While no consumer is attached, ``Metrics.consumer_attached`` is False (the
+worker is not ready). A topology the broker rejects when it is declared again (406
+``inequivalent arg``, 403, 404) is a configuration error after a reconnect as at start:
+the next ``fetch`` raises it and the worker stops.
+
+Dead letters go out on a publishing connection of their own
+(:class:`~mqdedup.consumers.rabbitmq_publishing.DeadLetterPublisher`, used from the
+worker thread), so a resource alarm that blocks publishers never blocks the acks.
 """
 
 from __future__ import annotations
@@ -42,10 +51,10 @@ from mqdedup.consumers.rabbitmq_codec import (
     plan_acks,
     to_message,
 )
+from mqdedup.consumers.rabbitmq_publishing import DeadLetterPublisher
 from mqdedup.consumers.rabbitmq_topology import (
     Topology,
     connection_parameters,
-    declare_dead_letter_topology,
     declare_topology,
     mask_amqp_url,
 )
@@ -77,6 +86,10 @@ class _ClosingError(Exception):
 
 class _ConsumerCancelledError(Exception):
     """Internal: the broker cancelled our consumer (queue deleted, node failover)."""
+
+
+class _ChannelLostError(Exception):
+    """Internal: the broker closed the consuming channel (e.g. consumer_timeout, 406)."""
 
 
 class _Command:
@@ -136,6 +149,7 @@ class RabbitMQTransport:
         linger: float = 0.02,
         command_timeout: float = 30.0,
         lag_interval: float = 15.0,
+        dead_letter_blocked_timeout: float = 1.0,
     ) -> None:
         self.topology = topology
         self.queue = topology.queue
@@ -151,6 +165,7 @@ class RabbitMQTransport:
         # The key exists before the I/O thread updates it, so that a snapshot taken on
         # another thread never iterates a dict that changes size.
         self.metrics.lag.setdefault(self.queue, 0)
+        self.metrics.consumer_attached = False
         self._startup_timeout = startup_timeout
         self._backoff_max = reconnect_backoff_max
         self._linger = linger
@@ -174,11 +189,13 @@ class RabbitMQTransport:
         self._startup_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        # A configuration error found after a reconnect: the next fetch raises it.
+        self._fatal_error: BaseException | None = None
 
         # I/O thread only.
         self._connection: Any = None
         self._channel: Any = None
-        self._publish_channel: Any = None
+        self._admin_channel: Any = None  # passive declares (queue depth); never publishes
         self._consumer_tag: str | None = None
         self._consuming = False
         self._broker_cancelled = False
@@ -186,8 +203,15 @@ class RabbitMQTransport:
         self._outstanding: set[int] = set()
         self._next_lag_update = 0.0
 
-        # Worker thread only: (generation, tag) of deliveries handed out, not yet settled.
+        # Worker thread only: (generation, tag) of deliveries handed out, not yet settled,
+        # and the publishing connection of dead letters.
         self._handed_out: dict[tuple[int, int], None] = {}
+        self._dead_letters = DeadLetterPublisher(
+            url,
+            topology,
+            connection_name=f"{connection_name}:dead-letters",
+            blocked_timeout=dead_letter_blocked_timeout,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -235,11 +259,18 @@ class RabbitMQTransport:
                     "RabbitMQ I/O thread did not stop in time; abandoning it",
                     extra={"queue": self.queue},
                 )
+        self._dead_letters.close()
 
     # -- Transport protocol --------------------------------------------------------------
 
     def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
-        """Up to ``max_messages`` deliveries, waiting at most ``timeout`` seconds."""
+        """Up to ``max_messages`` deliveries, waiting at most ``timeout`` seconds.
+
+        Raises :class:`ConfigurationError` when the broker rejected the topology on a
+        reconnect (the worker stops with it).
+        """
+        self._raise_if_fatal()
+        self._dead_letters.service()
         self._release_unsettled()
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -256,7 +287,12 @@ class RabbitMQTransport:
                         or now - self._last_arrival >= self._linger
                     ):
                         break
-                    if now >= deadline or self._closed or self._stop_requested():
+                    if (
+                        now >= deadline
+                        or self._closed
+                        or self._stop_requested()
+                        or self._fatal_error is not None
+                    ):
                         break
                     wait = deadline - now
                     if available:
@@ -322,10 +358,14 @@ class RabbitMQTransport:
     def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
         """Publish the original message with the reason headers to the dead-letter queue.
 
-        Uses publisher confirms and ``mandatory``; returns only once the broker has
-        confirmed the copy, raises otherwise (the processor then leaves the delivery
-        unsettled).
+        Uses publisher confirms and ``mandatory`` on the worker's publishing connection
+        (not the consuming one); returns only once the broker has confirmed the copy.
+        Raises :class:`DeadLetterRefusedError` with the broker's reason when the broker
+        refuses this record (nack, unroutable, channel closed for it), and
+        :class:`BrokerUnavailableError` for an outage or a resource alarm; the
+        processor then leaves the delivery unsettled or keeps it elsewhere.
         """
+        self._raise_if_fatal()
         token: AmqpToken = delivery.token
         live = self.live_generation
         if live is None or token.generation != live:
@@ -339,19 +379,7 @@ class RabbitMQTransport:
             source_queue=self.queue,
             message_id=delivery.message.id,
         )
-        command = self._submit(
-            functools.partial(self._publish_dead_letter, delivery.message.body, properties),
-            live,
-            "dead-letter publish",
-        )
-        if command is None:
-            raise BrokerUnavailableError("connection to RabbitMQ lost before dead-lettering")
-        if not command.done.wait(self._command_timeout):
-            raise BrokerUnavailableError(
-                f"dead-letter publish not confirmed within {self._command_timeout:.0f}s"
-            )
-        if command.error is not None:
-            raise command.error
+        self._dead_letters.publish(delivery.message.body, properties)
 
     def keepalive(self) -> None:
         """Nothing to do: the I/O thread answers heartbeats all the time."""
@@ -376,6 +404,11 @@ class RabbitMQTransport:
         return self.live_generation is not None
 
     @property
+    def fatal_error(self) -> BaseException | None:
+        """The configuration error that stopped the transport after a reconnect, if any."""
+        return self._fatal_error
+
+    @property
     def reconnects(self) -> int:
         """How often the transport had to reconnect after losing its connection."""
         with self._lock:
@@ -385,6 +418,10 @@ class RabbitMQTransport:
 
     def _stop_requested(self) -> bool:
         return self._stop is not None and self._stop.requested
+
+    def _raise_if_fatal(self) -> None:
+        if self._fatal_error is not None:
+            raise self._fatal_error
 
     def _submit(
         self,
@@ -434,8 +471,11 @@ class RabbitMQTransport:
             except _ClosingError:
                 break
             except Exception as error:
-                # Only the first connection gives up (a worker that never started).
-                self._startup_error = self._startup_failure(error)
+                if first:
+                    # The first connection gives up (a worker that never started).
+                    self._startup_error = self._startup_failure(error)
+                else:
+                    self._fail_after_reconnect(error)
                 break
             if first:
                 first = False
@@ -447,7 +487,7 @@ class RabbitMQTransport:
             except Exception as error:
                 if not self._closing.is_set():
                     log.warning(
-                        "RabbitMQ connection lost; reconnecting",
+                        "RabbitMQ consumer detached; reconnecting",
                         extra={
                             "queue": self.queue,
                             "connection_name": self.connection_name,
@@ -463,6 +503,19 @@ class RabbitMQTransport:
         self._teardown()
         self._ready.set()
 
+    def _fail_after_reconnect(self, error: BaseException) -> None:
+        """A reconnect found a configuration error: stop, and let ``fetch`` raise it."""
+        failure = self._startup_failure(error)
+        if not isinstance(failure, ConfigurationError):
+            failure = ConfigurationError(str(failure))
+        log.error(
+            "RabbitMQ rejected the consumer's configuration on reconnect; stopping",
+            extra={"queue": self.queue, "error": str(failure)},
+        )
+        with self._lock:
+            self._fatal_error = failure
+            self._lock.notify_all()
+
     def _retrying(self, first: bool) -> Retrying:
         """Backoff for (re)connecting: bounded by ``startup_timeout`` only the first time."""
         return Retrying(
@@ -477,7 +530,11 @@ class RabbitMQTransport:
     def _retry_connect(self, error: BaseException, first: bool) -> bool:
         if isinstance(error, _ClosingError):
             return False
-        return not (first and _is_configuration_error(error))
+        if first:
+            return not _is_configuration_error(error)
+        # After a reconnect a refused login may be a broker still booting: retried. A
+        # topology the broker rejects will not change by itself: a configuration error.
+        return not _is_topology_error(error)
 
     def _sleep_unless_closing(self, seconds: float) -> None:
         if self._closing.wait(seconds):
@@ -535,8 +592,7 @@ class RabbitMQTransport:
             declare_topology(channel, self.topology)
             channel.basic_qos(prefetch_count=self.prefetch)
             channel.add_on_cancel_callback(self._on_broker_cancel)
-            publish_channel = connection.channel()
-            publish_channel.confirm_delivery()
+            admin_channel = connection.channel()
             with self._lock:
                 self._generation += 1
                 generation = self._generation
@@ -545,7 +601,7 @@ class RabbitMQTransport:
             self._broker_cancelled = False
             self._connection = connection
             self._channel = channel
-            self._publish_channel = publish_channel
+            self._admin_channel = admin_channel
             self._consumer_tag = channel.basic_consume(
                 queue=self.queue, on_message_callback=self._on_message, auto_ack=False
             )
@@ -558,6 +614,9 @@ class RabbitMQTransport:
             self._live_generation = generation
             self._live_connection = connection
             self._last_arrival = time.monotonic()
+        self.metrics.consumer_attached = True
+        if generation > 1:
+            self.metrics.channel_reopens += 1
         log.info(
             "consuming from RabbitMQ",
             extra={
@@ -582,11 +641,21 @@ class RabbitMQTransport:
                     f"the broker cancelled the consumer of {self.queue!r}"
                 )
             connection.process_data_events(time_limit=0.2)
+            channel = self._channel
+            if channel is not None and channel.is_closed:
+                # Closed by the broker (consumer_timeout, 403/404/406): pika only logs it,
+                # and acks on a closed channel would be dropped silently.
+                reason = getattr(channel, "_closing_reason", None)
+                raise _ChannelLostError(
+                    "the broker closed the consuming channel: "
+                    + (_describe(reason) if reason is not None else "no reason given")
+                )
             if self._lag_interval > 0 and time.monotonic() >= self._next_lag_update:
                 self._update_lag()
 
     def _teardown(self) -> None:
         """Forget the connection: buffered deliveries and pending commands die with it."""
+        self.metrics.consumer_attached = False
         with self._lock:
             self._live_generation = None
             self._live_connection = None
@@ -606,7 +675,7 @@ class RabbitMQTransport:
             )
         connection, self._connection = self._connection, None
         self._channel = None
-        self._publish_channel = None
+        self._admin_channel = None
         if connection is not None:
             _close_quietly(connection)
 
@@ -679,46 +748,17 @@ class RabbitMQTransport:
             extra={"queue": self.queue, "returned": len(unfetched)},
         )
 
-    def _publish_channel_open(self) -> Any:
-        channel = self._publish_channel
+    def _admin_channel_open(self) -> Any:
+        channel = self._admin_channel
         if channel is None or not channel.is_open:
             channel = self._connection.channel()
-            channel.confirm_delivery()
-            self._publish_channel = channel
+            self._admin_channel = channel
         return channel
-
-    def _publish_dead_letter(self, body: bytes, properties: pika.BasicProperties) -> None:
-        topology = self.topology
-        for attempt in (1, 2):
-            channel = self._publish_channel_open()
-            try:
-                channel.basic_publish(
-                    exchange=topology.dead_letter_exchange,
-                    routing_key=topology.dead_letter_routing_key,
-                    body=body,
-                    properties=properties,
-                    mandatory=True,
-                )
-                return
-            except (
-                pika.exceptions.UnroutableError,
-                pika.exceptions.ChannelClosedByBroker,
-            ) as error:
-                if attempt == 2:
-                    raise BrokerUnavailableError(
-                        f"dead-letter queue {topology.dead_letter_queue!r} did not accept the "
-                        f"message: {_describe(error)}"
-                    ) from error
-                log.warning(
-                    "dead-letter publish failed; declaring the dead-letter queue again",
-                    extra={"queue": self.queue, "error": _describe(error)},
-                )
-                declare_dead_letter_topology(self._publish_channel_open(), topology)
 
     def _update_lag(self) -> None:
         self._next_lag_update = time.monotonic() + self._lag_interval
         try:
-            frame = self._publish_channel_open().queue_declare(queue=self.queue, passive=True)
+            frame = self._admin_channel_open().queue_declare(queue=self.queue, passive=True)
         except pika.exceptions.ChannelClosedByBroker as error:
             log.warning(
                 "queue depth unavailable", extra={"queue": self.queue, "error": _describe(error)}
@@ -749,6 +789,14 @@ def _is_configuration_error(error: BaseException) -> bool:
     ):
         return True
     return (
+        isinstance(error, pika.exceptions.ChannelClosedByBroker)
+        and error.reply_code in _CONFIGURATION_REPLY_CODES
+    )
+
+
+def _is_topology_error(error: BaseException) -> bool:
+    """The broker rejected a declaration (mismatch 406, not allowed 403, missing 404)."""
+    return isinstance(error, ConfigurationError) or (
         isinstance(error, pika.exceptions.ChannelClosedByBroker)
         and error.reply_code in _CONFIGURATION_REPLY_CODES
     )

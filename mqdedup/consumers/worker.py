@@ -78,7 +78,10 @@ class Worker:
             self.transport.close()
         log.info(
             "worker stopped",
-            extra={"consumer": self.consumer.consumer_name, **self.metrics.snapshot()},
+            extra={
+                "consumer": self.consumer.consumer_name,
+                **self.metrics.snapshot(histograms=False),
+            },
         )
         return self.metrics
 
@@ -88,7 +91,10 @@ class Worker:
             self._last_log = now
             log.info(
                 "consumer metrics",
-                extra={"consumer": self.consumer.consumer_name, **self.metrics.snapshot()},
+                extra={
+                    "consumer": self.consumer.consumer_name,
+                    **self.metrics.snapshot(histograms=False),
+                },
             )
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 from redis import exceptions as redis_errors
 
 from mqdedup.errors import ConfigurationError, DatabaseUnavailableError
+from mqdedup.masking import mask_text, mask_url
 
 REDIS_URL_ENV = "MQDEDUP_REDIS_URL"
 _SCHEMES = ("redis", "rediss", "unix")
@@ -19,16 +20,8 @@ class RedisUnavailableError(DatabaseUnavailableError):
 
 
 def mask_redis_url(url: str) -> str:
-    """``url`` without its password, safe for logs and errors."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "***"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + netloc))
+    """``url`` with its secrets replaced by ``***`` (:func:`mqdedup.masking.mask_url`)."""
+    return mask_url(url)
 
 
 def redis_url_from_env() -> str:
@@ -60,7 +53,9 @@ def redis_client(client: redis.Redis | str | None = None, *, timeout: float = 5.
             health_check_interval=30,
         )
     except ValueError as exc:
-        raise ConfigurationError(f"malformed Redis URL {mask_redis_url(url)!r}: {exc}") from exc
+        raise ConfigurationError(
+            f"malformed Redis URL {mask_redis_url(url)!r}: {mask_text(str(exc), url)}"
+        ) from None
 
 
 def is_transient_redis_error(error: BaseException) -> bool:

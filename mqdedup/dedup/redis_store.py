@@ -7,6 +7,12 @@ cheaper judge. Each message id of a consumer has one key::
     <namespace>{<consumer name>}:m:<message id>  =  P|<worker>      (claimed, leased)
                                                   =  D|<json result> (done, kept)
 
+In keys the consumer name has ``%``, ``{`` and ``}`` percent-escaped (``%25``, ``%7B``,
+``%7D``), so the ``{…}`` Redis Cluster hash tag ends exactly after the name and no
+(consumer, id) pair can spell another pair's key (consumer ``a}:m:b`` with id ``c`` and
+consumer ``a`` with id ``b}:m:c`` were one key before). Names without those characters
+keep their keys.
+
 * **claim**: ``SET key P|<worker> NX PX <lease>``. Only one worker wins; the others see
   ``D|…`` (a duplicate: skip it, and ``on_duplicate`` gets the stored result) or another
   worker's ``P|…`` (busy: wait until it is done or its lease runs out).
@@ -65,6 +71,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_NAMESPACE = "mqdedup:dedup:"
+#: The longest lease or retention accepted (10 years): Redis expiries are finite.
+MAX_EXPIRY_SECONDS = 10 * 365 * 24 * 3600.0
 _DEFAULT_IDS = from_header()
 
 # KEYS: claim keys. ARGV[1] worker, ARGV[2] lease ms.
@@ -169,6 +177,11 @@ class RedisDedupStore:
         lease: timedelta | float = 60.0,
         retention: timedelta | float = timedelta(days=7),
     ) -> None:
+        if "{" in namespace or "}" in namespace:
+            raise ConfigurationError(
+                f"Redis dedup namespace {namespace!r} must not contain '{{' or '}}' "
+                "(the consumer name is the keys' Redis Cluster hash tag)"
+            )
         self.redis: redis.Redis = redis_client(client)
         self.namespace = namespace
         self.lease = _seconds(lease, "lease")
@@ -184,11 +197,11 @@ class RedisDedupStore:
 
     def key(self, consumer: str, message_id: str) -> str:
         """The claim key of one message id (``{consumer}`` is a Redis Cluster hash tag)."""
-        return f"{self.namespace}{{{consumer}}}:m:{message_id}"
+        return f"{self.namespace}{{{scope_tag(consumer)}}}:m:{message_id}"
 
     def attempts_key(self, consumer: str, message_id: str) -> str:
         """The failed-attempt counter of one message id."""
-        return f"{self.namespace}{{{consumer}}}:a:{message_id}"
+        return f"{self.namespace}{{{scope_tag(consumer)}}}:a:{message_id}"
 
     def _keys(self, consumer: str, ids: Iterable[str]) -> list[str]:
         return [self.key(consumer, i) for i in ids]
@@ -267,6 +280,17 @@ class RedisDedupStore:
         return int(self.redis.delete(*keys))
 
 
+def scope_tag(consumer: str) -> str:
+    """``consumer`` as the text of a key's hash tag: ``%``, ``{`` and ``}`` escaped.
+
+    Without a ``}`` inside, the tag ends right after the name: keys are unambiguous and
+    all keys of one consumer stay in one Redis Cluster slot.
+    """
+    if "%" not in consumer and "{" not in consumer and "}" not in consumer:
+        return consumer
+    return consumer.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+
+
 def _as_source(cls: type[Consumer]) -> type[Consumer]:
     """``cls`` with a handler that refuses: a source only lends its broker settings."""
 
@@ -288,8 +312,11 @@ def _load_result(raw: str) -> Any:
 
 def _seconds(value: timedelta | float, what: str) -> float:
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not seconds > 0:
-        raise ConfigurationError(f"Redis dedup {what} must be positive, got {value!r}")
+    if not 0 < seconds <= MAX_EXPIRY_SECONDS:
+        raise ConfigurationError(
+            f"Redis dedup {what} must be positive and at most {MAX_EXPIRY_SECONDS:.0f} "
+            f"seconds (10 years), got {value!r}"
+        )
     return seconds
 
 
@@ -805,6 +832,9 @@ class RedisWorker:
             self.transport.close()
         log.info(
             "redis worker stopped",
-            extra={"consumer": self.consumer.consumer_name, **self.metrics.snapshot()},
+            extra={
+                "consumer": self.consumer.consumer_name,
+                **self.metrics.snapshot(histograms=False),
+            },
         )
         return self.metrics

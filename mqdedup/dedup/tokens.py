@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 MAX_OWNER_LENGTH = 255
 #: Tokens longer than this are not ours: answered ``unknown`` without a query.
 MAX_TOKEN_LENGTH = 512
+#: The longest ttl accepted (10 years): expiries must stay representable everywhere.
+MAX_TTL_SECONDS = 10 * 365 * 24 * 3600.0
 _TOKEN_BYTES = 32  # 256 bits of randomness, 43 URL-safe characters
 _ISSUE_ATTEMPTS = 3
 
@@ -90,25 +92,52 @@ def token_hash(token: str) -> str:
 
 
 def check_owner(owner: str) -> str:
-    """Return ``owner`` if usable, else raise ValueError naming the problem."""
+    """Return ``owner`` if usable, else raise ValueError naming the problem.
+
+    Checked before any database or Redis sees it, so every backend gives the same
+    answer (PostgreSQL alone would refuse a NUL with a raw DataError).
+    """
     if not isinstance(owner, str) or not owner:
         raise ValueError("token owner must be a non-empty string")
     if len(owner) > MAX_OWNER_LENGTH:
         raise ValueError(f"token owner longer than {MAX_OWNER_LENGTH} characters")
+    if "\x00" in owner:
+        raise ValueError("token owner must not contain NUL (\\x00) characters")
+    try:
+        owner.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"token owner is not valid Unicode text (a lone surrogate at {exc.start})"
+        ) from None
     return owner
 
 
 def ttl_seconds(ttl: timedelta | float) -> float:
-    """``ttl`` in seconds; raise ValueError unless it is positive."""
-    seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else float(ttl)
-    if not seconds > 0:
-        raise ValueError(f"token ttl must be positive, got {ttl!r}")
+    """``ttl`` in seconds; raise ValueError unless it is positive and at most 10 years."""
+    try:
+        seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else float(ttl)
+    except (TypeError, ValueError):
+        raise ValueError(f"token ttl must be seconds or a timedelta, got {ttl!r}") from None
+    if not 0 < seconds <= MAX_TTL_SECONDS:
+        raise ValueError(
+            f"token ttl must be positive and at most {MAX_TTL_SECONDS:.0f} seconds "
+            f"(10 years), got {ttl!r}"
+        )
     return seconds
 
 
 def plausible_token(token: object) -> bool:
-    """False for values that cannot be a token we issued (no lookup needed)."""
-    return isinstance(token, str) and 0 < len(token) <= MAX_TOKEN_LENGTH
+    """False for values that cannot be a token we issued (no lookup needed).
+
+    Issued tokens are URL-safe ASCII: anything else (NUL, surrogates, other text) is
+    ``unknown`` on every backend without reaching it.
+    """
+    return (
+        isinstance(token, str)
+        and 0 < len(token) <= MAX_TOKEN_LENGTH
+        and token.isascii()
+        and "\x00" not in token
+    )
 
 
 def utcnow() -> datetime:

@@ -21,13 +21,19 @@ import zlib
 from collections.abc import Iterable
 from typing import Any
 
-from psycopg import sql
 from sqlalchemy import Engine
+from sqlalchemy.dialects import postgresql
 
 from mqdedup.errors import ConfigurationError
 from mqdedup.outbox.store import ShardFilter
 
 log = logging.getLogger(__name__)
+_PREPARER: Any = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+
+
+def _quote_identifier(name: str) -> str:
+    """``name`` as a PostgreSQL identifier (no psycopg import: SQLite users load this too)."""
+    return str(_PREPARER.quote_identifier(name))
 
 MAX_MEMBERS = 1024
 _CURRENT_DATABASE = (
@@ -87,7 +93,7 @@ class ControlConnection:
         self._raw, self._conn = raw, conn
         try:
             if self.listen:
-                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                conn.execute(f"LISTEN {_quote_identifier(self.channel)}")
             self._join()
             self._check_config()
         except BaseException:

@@ -61,7 +61,6 @@ def reconnect(transport: RabbitMQTransport, generation: int) -> FakeChannel:
     transport._io_generation = generation
     transport._generation = generation
     transport._channel = channel
-    transport._publish_channel = FakeChannel()
     transport._live_generation = generation
     transport._live_connection = FakeConnection()
     transport._connection = None
@@ -139,8 +138,10 @@ def test_dead_letter_publishes_a_confirmed_copy_to_the_dlq() -> None:
     deliver(transport, 1)
     [delivery] = transport.fetch(1, timeout=0)
     delivery = type(delivery)(delivery.message.with_id("m1"), delivery.token)
+    publish_channel = FakeChannel()  # the dead-letter connection's channel (not the consumer's)
+    transport._dead_letters._open_channel = lambda: publish_channel  # type: ignore[method-assign]
     transport.dead_letter(delivery, DeadLetter("bad", "orders", 3, "builtins.ValueError", "x"))
-    [(kind, publish)] = transport._publish_channel.frames
+    [(kind, publish)] = publish_channel.frames
     assert kind == "publish"
     assert publish["exchange"] == "mqdedup.dead-letter"
     assert publish["routing_key"] == "orders.dlq"
