@@ -61,6 +61,13 @@ PRODUCER_STATE_ERRORS: tuple[type[BaseException], ...] = (
     kafka_errors.InvalidProducerEpochError,
     kafka_errors.ProducerFencedError,
 )
+#: Refusals of the *producer* (not of a record): the client may not write at all, e.g.
+#: no IdempotentWrite permission. Every record would fail alike, so they are outages to
+#: fix in the configuration, never a record's fate.
+PRODUCER_REFUSED_ERRORS: tuple[type[BaseException], ...] = (
+    kafka_errors.ClusterAuthorizationFailedError,
+    kafka_errors.TransactionalIdAuthorizationFailedError,
+)
 #: Rounds of "send, replace the fatal producer, send the aborted records again" per call.
 #: Every round settles at least the record that made the producer fatal.
 MAX_ROUNDS = 6
@@ -331,6 +338,8 @@ def _has_fatal_error(producer: Any) -> bool:
 def _classify(error: BaseException | None) -> Sent:
     """A failed record: refused for its own reason, else unavailable."""
     text = _describe(error)
+    if isinstance(error, PRODUCER_REFUSED_ERRORS):
+        return Sent(Outcome.UNAVAILABLE, text, error)
     if isinstance(error, REFUSAL_ERRORS):
         return Sent(Outcome.REFUSED, text, error)
     if isinstance(error, kafka_errors.BrokerResponseError) and not error.retriable:

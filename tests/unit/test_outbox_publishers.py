@@ -196,3 +196,10 @@ def test_unreachable_cluster_makes_every_record_unavailable() -> None:
 def test_empty_bootstrap_is_a_configuration_error() -> None:
     with pytest.raises(ConfigurationError, match="bootstrap servers are empty"):
         KafkaPublisher(" , ")
+
+
+def test_a_producer_that_may_not_write_at_all_is_an_outage_not_the_records_fault() -> None:
+    denied = FakeFuture(kafka_errors.ClusterAuthorizationFailedError())
+    publisher, _ = publisher_with({b"x": denied})
+    [result] = publisher.publish_batch([record(1)])
+    assert result.outcome is Outcome.UNAVAILABLE
