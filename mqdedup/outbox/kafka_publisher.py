@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mqdedup.consumers.kafka_producer import Outcome, ProducerRecord, RecoveringProducer
@@ -74,10 +74,13 @@ class KafkaPublisher:
             "bootstrap_timeout_ms": int(connect_timeout * 1000),
             "request_timeout_ms": int(min(flush_timeout, 30.0) * 1000),
             "delivery_timeout_ms": int(max(flush_timeout * 2, 30.0) * 1000),
+            "reconnect_backoff_max_ms": 1000,  # back within a second of the broker
             **(producer_config or {}),
         }
         self._producer = RecoveringProducer(self.config, name=client_id)
         self._last_ack = 0.0
+        #: ``topic -> exists?`` (None: the cluster did not answer); replaceable in tests.
+        self.topic_exists: Callable[[str], bool | None] = self._ask_cluster
 
     def publish_batch(self, records: Sequence[OutboxRecord]) -> list[PublishResult]:
         """Send every record, flush once, and report each record's outcome."""
@@ -122,6 +125,37 @@ class KafkaPublisher:
     # -- internals -------------------------------------------------------------------------
 
     def _metadata_failure(self, topic: str, error: str | None) -> PublishResult:
-        if time.monotonic() - self._last_ack < _REACHABLE_FOR:
+        """No metadata for ``topic`` within ``metadata_timeout``: a missing topic the
+        broker does not create (the row's fault), or an outage?"""
+        exists = self.topic_exists(topic)
+        if exists is False:
+            return PublishResult.rejected(
+                f"topic {topic!r} does not exist and the broker does not create it"
+            )
+        if exists is None and time.monotonic() - self._last_ack < _REACHABLE_FOR:
             return PublishResult.rejected(f"unknown or unavailable topic {topic!r}: {error}")
         return PublishResult.unavailable(error or f"no metadata for topic {topic!r}")
+
+    def _ask_cluster(self, topic: str) -> bool | None:
+        """Whether ``topic`` exists, from an admin client (None: no answer)."""
+        import kafka
+
+        config = {
+            k: v for k, v in self.config.items() if k in kafka.KafkaAdminClient.DEFAULT_CONFIG
+        }
+        config["bootstrap_timeout_ms"] = min(int(config.get("bootstrap_timeout_ms", 5000)), 5000)
+        try:
+            admin = kafka.KafkaAdminClient(**config)
+        except Exception as error:
+            log.warning("cannot ask Kafka for its topics", extra={"error": str(error)})
+            return None
+        try:
+            return topic in set(admin.list_topics())
+        except Exception as error:
+            log.warning("cannot ask Kafka for its topics", extra={"error": str(error)})
+            return None
+        finally:
+            try:
+                admin.close()
+            except Exception:
+                log.debug("admin client close failed", exc_info=True)

@@ -91,6 +91,7 @@ def publisher_with(*plans: dict[bytes, Any]) -> tuple[KafkaPublisher, list[FakeP
         return made[-1]
 
     publisher._producer.factory = factory
+    publisher.topic_exists = lambda topic: None  # "the cluster did not answer"
     return publisher, made
 
 
@@ -203,3 +204,12 @@ def test_a_producer_that_may_not_write_at_all_is_an_outage_not_the_records_fault
     publisher, _ = publisher_with({b"x": denied})
     [result] = publisher.publish_batch([record(1)])
     assert result.outcome is Outcome.UNAVAILABLE
+
+
+def test_a_topic_the_cluster_says_does_not_exist_is_refused_at_once() -> None:
+    timeout = kafka_errors.KafkaTimeoutError("Failed to update metadata after 10.0 secs.")
+    publisher, _ = publisher_with({b"lost": timeout})
+    publisher.topic_exists = lambda topic: topic != "missing"
+    [result] = publisher.publish_batch([record(1, topic="missing", payload=b"lost")])
+    assert result.outcome is Outcome.REJECTED
+    assert "'missing' does not exist" in str(result.error)

@@ -5,7 +5,8 @@ One broker for the module (``KAFKA_AUTO_CREATE_TOPICS=false`` of scripts/service
 * a dead-letter topic that does not exist and may not be created: a clear error naming
   the topic, the message kept in the database, the others processed;
 * kill -9 of the broker for 20 s mid-consume: consumption resumes within seconds of the
-  broker being ready again.
+  broker being ready again;
+* relay rows for a topic that does not exist fail alone, with that reason.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from mqdedup import RetryPolicy
 from mqdedup.dedup.dead_letters import DeadLetterTable
+from mqdedup.outbox import OutboxStore, OutboxWriter, Relay, RelayConfig
+from mqdedup.outbox.kafka_publisher import KafkaPublisher
 from tests.integration.kafka.conftest import TestDatabase
 from tests.integration.kafka.consumers import make_consumer
 from tests.integration.kafka.helpers import (
@@ -150,3 +154,43 @@ def test_consumption_resumes_within_seconds_of_a_killed_broker_being_ready_again
     counts = row_counts(db.engine, db.prefix)
     assert len(counts) == 3_030 and set(counts.values()) == {1}
     assert result[0].dead_lettered == 0  # an outage never poisons messages
+
+
+def test_relay_rows_for_a_topic_that_does_not_exist_fail_alone(
+    strict_kafka: StrictBroker, db: TestDatabase
+) -> None:
+    helper = KafkaHelper(strict_kafka.bootstrap)
+    try:
+        topic = helper.create_topic(partitions=2)
+        missing = unique_name("missing")
+        with Session(db.engine) as session, session.begin():
+            writer = OutboxWriter(session, prefix=db.prefix)
+            good = [writer.publish({"n": n}, topic=topic, key=f"k{n}") for n in range(20)]
+            lost = writer.publish({"n": "lost"}, topic=missing, key="elsewhere")
+        relay = Relay(
+            db.engine,
+            {"kafka": KafkaPublisher(strict_kafka.bootstrap, metadata_timeout=2.0)},
+            prefix=db.prefix,
+            config=RelayConfig(max_attempts=2, initial_backoff=0.05, max_backoff=0.1),
+        )
+        try:
+            wait_for(
+                lambda: relay.drain(timeout=30) is not None and relay.status().failed == 1,
+                60,
+                "the row for the missing topic to fail",
+            )
+        finally:
+            relay.close()
+        status = relay.status()
+        assert (status.published, status.failed, status.pending) == (20, 1, 0)
+        table = OutboxStore(db.prefix).table
+        with db.engine.connect() as connection:
+            [(message_id, error)] = connection.execute(
+                select(table.c.message_id, table.c.last_error).where(table.c.state == "failed")
+            ).all()
+        assert message_id == lost and f"'{missing}' does not exist" in error
+        records = helper.read_all(topic, expected=20, timeout=20)
+        assert {dict(r.headers)["message-id"].decode() for r in records} == set(good)
+        assert missing not in set(helper.admin.list_topics())
+    finally:
+        helper.close()
