@@ -97,13 +97,18 @@ class KafkaPublisher:
         if any(result.ok for result in sent):
             self._last_ack = time.monotonic()
         results: list[PublishResult] = []
+        missing: dict[str, PublishResult] = {}  # one question to the cluster per topic
         for record, result in zip(records, sent, strict=True):
             if result.outcome is Outcome.PUBLISHED:
                 results.append(PUBLISHED)
             elif result.outcome is Outcome.REFUSED:
                 results.append(PublishResult.rejected(result.error or "refused"))
             elif result.outcome is Outcome.NO_METADATA:
-                results.append(self._metadata_failure(record.destination, result.error))
+                if record.destination not in missing:
+                    missing[record.destination] = self._metadata_failure(
+                        record.destination, result.error
+                    )
+                results.append(missing[record.destination])
             else:
                 results.append(PublishResult.unavailable(result.error or "unavailable"))
         return results

@@ -213,3 +213,15 @@ def test_a_topic_the_cluster_says_does_not_exist_is_refused_at_once() -> None:
     [result] = publisher.publish_batch([record(1, topic="missing", payload=b"lost")])
     assert result.outcome is Outcome.REJECTED
     assert "'missing' does not exist" in str(result.error)
+
+
+def test_the_cluster_is_asked_once_per_missing_topic_and_batch() -> None:
+    timeout = kafka_errors.KafkaTimeoutError("Failed to update metadata after 10.0 secs.")
+    publisher, _ = publisher_with({b"lost": timeout})
+    asked: list[str] = []
+    publisher.topic_exists = lambda topic: asked.append(topic) or False
+    results = publisher.publish_batch(
+        [record(n, topic="missing", payload=b"lost") for n in range(5)]
+    )
+    assert {r.outcome for r in results} == {Outcome.REJECTED}
+    assert asked == ["missing"]
