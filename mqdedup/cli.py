@@ -816,7 +816,7 @@ def _broker_kind(consumer: Consumer) -> str | None:
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
-    from mqdedup.commands.reachability import check_kafka_reachable, check_rabbitmq_reachable
+    from mqdedup.commands.reachability import check_relay_brokers
     from mqdedup.outbox.relay import create_publishers
     from mqdedup.supervisor import ChildSpec
 
@@ -843,10 +843,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         kafka_bootstrap=settings["kafka_bootstrap"], rabbitmq_url=settings["rabbitmq_url"]
     ).values():
         publisher.close()  # validates the configuration; connections open lazily
-    if settings["kafka_bootstrap"]:
-        check_kafka_reachable(settings["kafka_bootstrap"])
-    if settings["rabbitmq_url"]:
-        check_rabbitmq_reachable(settings["rabbitmq_url"])
+    check_relay_brokers(settings["kafka_bootstrap"], settings["rabbitmq_url"])
     specs = [
         ChildSpec(
             name="relay",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -108,3 +109,36 @@ def wait_for_consumer_broker(
                 say(f"waiting up to {timeout:g}s for {kind}: {exc}")
                 announced = True
             time.sleep(min(poll, remaining))
+
+
+def check_relay_brokers(kafka_bootstrap: str | None, rabbitmq_url: str | None) -> list[str]:
+    """The configured brokers that answer now; a relay needs only one of them.
+
+    An unreachable broker is reported on stderr (its rows wait: the relay retries it
+    with backoff while the other broker's rows flow). Raises BrokerUnavailableError
+    only when no configured broker answers.
+    """
+    checks = {
+        "kafka": (kafka_bootstrap, check_kafka_reachable),
+        "rabbitmq": (rabbitmq_url, check_rabbitmq_reachable),
+    }
+    reachable: list[str] = []
+    down: list[str] = []
+    for name, (target, check) in checks.items():
+        if not target:
+            continue
+        try:
+            check(target)
+        except BrokerUnavailableError as exc:
+            down.append(str(exc))
+            continue
+        reachable.append(name)
+    if not reachable:
+        raise BrokerUnavailableError("; ".join(down) or "no broker configured")
+    for problem in down:
+        print(
+            f"mqdedup: warning: {problem}; its outbox rows wait (retried with backoff), "
+            f"relaying to {' and '.join(reachable)} meanwhile",
+            file=sys.stderr,
+        )
+    return reachable

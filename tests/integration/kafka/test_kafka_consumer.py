@@ -188,9 +188,14 @@ def test_failed_dead_letter_publish_keeps_the_offset_before_the_message(
     topic = kafka_helper.create_topic(partitions=1)
     ids = ["m0", "m1", "m2", "poison", "m4", "m5", "m6"]
     kafka_helper.produce(topic, [Outgoing(mid, mid.encode()) for mid in ids])
-    # An illegal topic name: every dead-letter publish fails.
+    # The dead-letter producer cannot reach any broker: every dead-letter publish fails
+    # as an outage (a refusal, such as an illegal topic name, is kept in the database).
     consumer = consumer_for(
-        kafka_helper, db, topic, fail_ids=["poison"], dead_letter_topic="not a topic!"
+        kafka_helper,
+        db,
+        topic,
+        fail_ids=["poison"],
+        producer_config={"bootstrap_servers": ["127.0.0.1:1"], "bootstrap_timeout_ms": 300},
     )
     group = consumer.group_id or ""
     with running(consumer, db) as metrics:
