@@ -74,7 +74,7 @@ def partition_key(topic_partition: Any) -> PartitionKey:
     return (str(topic_partition.topic), int(topic_partition.partition))
 
 
-def to_message(record: Any) -> Message:
+def to_message(record: Any, redelivered: bool = False) -> Message:
     """The :class:`Message` of one kafka-python ``ConsumerRecord``."""
     headers: dict[str, HeaderValue] = {}
     for name, value in record.headers or ():
@@ -92,6 +92,7 @@ def to_message(record: Any) -> Message:
         partition=record.partition,
         offset=record.offset,
         timestamp=timestamp,
+        redelivered=redelivered,
     )
 
 
@@ -131,7 +132,9 @@ class KafkaTransport:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.group = group
-        self.tracker = OffsetTracker()
+        # Possibly redelivered after an assignment: the batch a dead previous owner was
+        # handling plus the batches it settled since its last commit (see the tracker).
+        self.tracker = OffsetTracker(redelivery_window=settings.max_buffered if group else 0)
         self._client: Any = None
         self._owner: threading.Thread | None = None
         self._producer: Any = None
@@ -338,11 +341,15 @@ class KafkaTransport:
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
             for record in records:
-                epoch = self.tracker.track(key, record.offset)
-                if epoch is None:
+                tracked = self.tracker.track_redelivered(key, record.offset)
+                if tracked is None:
                     continue  # its partition is being rewound; it will come again
+                epoch, redelivered = tracked
                 deliveries.append(
-                    Delivery(to_message(record), KafkaToken(key, record.offset, epoch, record))
+                    Delivery(
+                        to_message(record, redelivered),
+                        KafkaToken(key, record.offset, epoch, record),
+                    )
                 )
         return deliveries
 
