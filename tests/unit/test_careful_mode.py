@@ -227,9 +227,7 @@ def test_redelivered_duplicates_are_settled_with_one_read_and_record_nothing(
     broker = InMemoryBroker()
     publish_orders(broker, 100)
     with pytest.raises(SimulatedCrash):
-        Worker(CrashBeforeSettle(), broker.transport("orders"), sqlite_engine).run(
-            until_idle=True
-        )
+        Worker(CrashBeforeSettle(), broker.transport("orders"), sqlite_engine).run(until_idle=True)
     statements.clear()
 
     metrics = run_until_idle(CrashBeforeSettle(), broker.transport("orders"), sqlite_engine)
