@@ -45,6 +45,8 @@ class _Partition:
     last_tracked: int | None = None
     #: Records below this offset may have been handed out before (careful mode).
     redelivered_below: int | None = None
+    #: Lowest offset rewound to (its delivery could not be settled) in this assignment.
+    rewound_to: int | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,34 @@ class OffsetTracker:
         state.last_tracked = offset
         return state.epoch
 
+    def expect_clean(self, key: PartitionKey) -> None:
+        """The previous owner of ``key`` stopped cleanly: nothing to mark as redelivered.
+
+        Called before the first record of a fresh assignment is tracked.
+        """
+        with self._lock:
+            state = self._partitions.get(key)
+            if state is not None and state.last_tracked is None and state.redelivered_below is None:
+                state.redelivered_below = 0
+
+    def clean_offsets(self) -> dict[PartitionKey, int]:
+        """At a graceful stop: the offset of each partition whose next owner needs no care.
+
+        That is every partition with a known offset and no unsettled rewound delivery
+        below it (a message whose dead letter failed ran its handler: it must come back
+        in careful mode).
+        """
+        with self._lock:
+            clean: dict[PartitionKey, int] = {}
+            for key, state in self._partitions.items():
+                offset = state.committable if state.committable is not None else state.committed
+                if offset is None:
+                    continue
+                if state.rewound_to is not None and offset <= state.rewound_to:
+                    continue
+                clean[key] = offset
+            return clean
+
     def is_current(self, key: PartitionKey, epoch: int) -> bool:
         """True while deliveries of ``epoch`` still belong to this worker."""
         with self._lock:
@@ -184,6 +214,7 @@ class OffsetTracker:
             state.epoch = next(self._epochs)
             if state.last_tracked is not None:  # what is fetched again was handed out
                 state.redelivered_below = max(state.last_tracked + 1, state.redelivered_below or 0)
+            state.rewound_to = offset if state.rewound_to is None else min(offset, state.rewound_to)
             kept = [o for o in state.pending if o < offset]
             state.pending = deque(kept)
             state.outstanding = set(kept)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -56,6 +56,9 @@ DEAD_LETTER_PREFIX = "x-mqdedup-"
 REBALANCE_POLL = 1.0
 #: A join still not complete after this many seconds is started again.
 REJOIN_AFTER = 5.0
+#: Offset-commit metadata of a graceful stop: the next owner of the partition need not
+#: treat its first records as possibly redelivered (careful mode).
+CLEAN_STOP_METADATA = "mqdedup:clean-stop"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -147,6 +150,8 @@ class KafkaTransport:
         self._rebalancing_since: float | None = None
         self._closed = False
         self._high_water: dict[PartitionKey, int] = {}
+        #: Freshly assigned partitions whose previous owner's stop is not checked yet.
+        self._unchecked: set[PartitionKey] = set()
         #: Committed offsets of assigned partitions nothing was seen of (for the lag).
         self._idle_committed: dict[PartitionKey, int] = {}
 
@@ -203,7 +208,8 @@ class KafkaTransport:
             if commit and self.group:
                 assigned = {partition_key(tp) for tp in client.assignment() or ()}
                 offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
-                self._commit(client, offsets, timeout)
+                clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in assigned}
+                self._commit(client, {**clean, **offsets}, timeout, clean=set(clean))
             try:
                 client.close(autocommit=False, timeout_ms=int(timeout * 1000))
             except Exception as error:
@@ -340,6 +346,8 @@ class KafkaTransport:
         deliveries: list[Delivery] = []
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
+            if key in self._unchecked:
+                self._check_previous_stop(key, topic_partition)
             for record in records:
                 tracked = self.tracker.track_redelivered(key, record.offset)
                 if tracked is None:
@@ -352,6 +360,17 @@ class KafkaTransport:
                     )
                 )
         return deliveries
+
+    def _check_previous_stop(self, key: PartitionKey, topic_partition: Any) -> None:
+        """Careful mode is not needed after a graceful stop of the previous owner."""
+        with self._rebalance_lock:
+            self._unchecked.discard(key)
+        try:
+            committed = self.client.committed(topic_partition, metadata=True, timeout_ms=5000)
+        except kafka_errors.KafkaError:
+            return  # unknown: keep the careful window
+        if committed is not None and committed.metadata == CLEAN_STOP_METADATA:
+            self.tracker.expect_clean(key)
 
     def current(self, deliveries: Iterable[Delivery]) -> list[Delivery]:
         """The deliveries whose partition epoch is still current (others were dropped)."""
@@ -620,6 +639,8 @@ class KafkaTransport:
             tracked = set(self.tracker.partitions)
             fresh = sorted((set(keys) - revoking) | (assigned - tracked))
             self.tracker.assign(fresh)
+            self._unchecked.difference_update(gone)
+            self._unchecked.update(fresh)
         kept = sorted(assigned - set(fresh))
         return gone, fresh, kept
 
@@ -635,12 +656,21 @@ class KafkaTransport:
     def _on_owner_thread(self) -> bool:
         return self._owner is threading.current_thread()
 
-    def _commit(self, client: Any, offsets: Mapping[PartitionKey, int], timeout: float) -> bool:
+    def _commit(
+        self,
+        client: Any,
+        offsets: Mapping[PartitionKey, int],
+        timeout: float,
+        *,
+        clean: Collection[PartitionKey] = (),
+    ) -> bool:
         if not offsets:
             return True
         request = {
-            TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
-            for (topic, partition), offset in offsets.items()
+            TopicPartition(*key): OffsetAndMetadata(
+                offset, CLEAN_STOP_METADATA if key in clean else "", -1
+            )
+            for key, offset in offsets.items()
         }
         try:
             client.commit(request, timeout_ms=int(timeout * 1000))

@@ -64,3 +64,36 @@ def test_without_a_window_nothing_is_marked() -> None:
     tracker = OffsetTracker()
     tracker.assign([P0])
     assert marks(tracker, P0, range(0, 50)) == []
+
+
+def test_after_a_clean_stop_nothing_is_marked() -> None:
+    tracker = OffsetTracker(redelivery_window=5)
+    tracker.assign([P0])
+    tracker.expect_clean(P0)
+    assert marks(tracker, P0, range(0, 10)) == []
+    # expect_clean only applies before the first record of an assignment
+    tracker.revoke([P0])
+    tracker.assign([P0])
+    assert marks(tracker, P0, range(10, 12)) == [10, 11]
+    tracker.expect_clean(P0)
+    assert marks(tracker, P0, range(12, 20)) == [12, 13, 14]
+
+
+def test_a_graceful_stop_is_clean_unless_a_rewound_delivery_is_unsettled() -> None:
+    tracker = OffsetTracker()
+    tracker.assign([P0, P1])
+    epochs = {}
+    for key in (P0, P1):
+        for offset in range(5):
+            tracked = tracker.track_redelivered(key, offset)
+            assert tracked is not None
+            epochs[key] = tracked[0]
+    for offset in range(5):
+        tracker.settle(P0, offset, epochs[P0])
+    for offset in range(2):
+        tracker.settle(P1, offset, epochs[P1])
+    # P1's offset 2 could not be dead-lettered: rewound, unsettled at the stop
+    assert tracker.request_rewind(P1, 2, epochs[P1])
+    assert tracker.clean_offsets() == {P0: 5}
+    tracker.committed({P0: 5})
+    assert tracker.clean_offsets() == {P0: 5}  # committed already: still reported clean
