@@ -56,8 +56,9 @@ DEAD_LETTER_PREFIX = "x-mqdedup-"
 REBALANCE_POLL = 1.0
 #: A join still not complete after this many seconds is started again.
 REJOIN_AFTER = 5.0
-#: Offset-commit metadata of a graceful stop: the next owner of the partition need not
-#: treat its first records as possibly redelivered (careful mode).
+#: Offset-commit metadata of a graceful stop or hand-over (close, revoke): the next owner
+#: of the partition need not treat its first records as possibly redelivered (careful
+#: mode). The next owner first commits its start offset without it.
 CLEAN_STOP_METADATA = "mqdedup:clean-stop"
 
 
@@ -346,8 +347,8 @@ class KafkaTransport:
         deliveries: list[Delivery] = []
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
-            if key in self._unchecked:
-                self._check_previous_stop(key, topic_partition)
+            if key in self._unchecked and records:
+                self._check_previous_owner(key, topic_partition, records[0].offset)
             for record in records:
                 tracked = self.tracker.track_redelivered(key, record.offset)
                 if tracked is None:
@@ -361,15 +362,27 @@ class KafkaTransport:
                 )
         return deliveries
 
-    def _check_previous_stop(self, key: PartitionKey, topic_partition: Any) -> None:
-        """Careful mode is not needed after a graceful stop of the previous owner."""
+    def _check_previous_owner(self, key: PartitionKey, topic_partition: Any, start: int) -> None:
+        """Before the first records of a fresh assignment: is the careful window needed?
+
+        Not when the previous owner stopped gracefully (its last commit carries
+        ``CLEAN_STOP_METADATA``) nor when nobody ever committed (nothing can have died on
+        these records). Either way the start offset is first committed *without* the
+        marker, so a death from now on leaves a trace for the next owner; if that
+        commit fails, the window stays.
+        """
         with self._rebalance_lock:
             self._unchecked.discard(key)
+        client = self.client
         try:
-            committed = self.client.committed(topic_partition, metadata=True, timeout_ms=5000)
+            committed = client.committed(
+                topic_partition, metadata=True, timeout_ms=int(self.settings.commit_timeout * 1000)
+            )
         except kafka_errors.KafkaError:
             return  # unknown: keep the careful window
-        if committed is not None and committed.metadata == CLEAN_STOP_METADATA:
+        if committed is not None and committed.metadata != CLEAN_STOP_METADATA:
+            return  # the previous owner may have died on these records
+        if self._commit(client, {key: start}, self.settings.commit_timeout):
             self.tracker.expect_clean(key)
 
     def current(self, deliveries: Iterable[Delivery]) -> list[Delivery]:
@@ -617,7 +630,8 @@ class KafkaTransport:
         wanted = set(keys)
         self._forget_idle(keys)
         uncommitted = {k: v for k, v in self.tracker.to_commit().items() if k in wanted}
-        self._commit_on_revoke(uncommitted)
+        clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in wanted}
+        self._commit_on_revoke({**clean, **uncommitted}, clean=set(clean))
         with self._rebalance_lock:
             self._revoking.update(keys)
         return uncommitted
@@ -694,7 +708,9 @@ class KafkaTransport:
         self.tracker.committed(dict(offsets))
         return True
 
-    def _commit_on_revoke(self, offsets: Mapping[PartitionKey, int]) -> None:
+    def _commit_on_revoke(
+        self, offsets: Mapping[PartitionKey, int], *, clean: Collection[PartitionKey] = ()
+    ) -> None:
         """Best-effort commit from the rebalance listener (kafka-python's IO thread).
 
         A blocking commit is not allowed there; the asynchronous commit is queued before
@@ -704,8 +720,10 @@ class KafkaTransport:
         if client is None or not offsets:
             return
         request = {
-            TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
-            for (topic, partition), offset in offsets.items()
+            TopicPartition(*key): OffsetAndMetadata(
+                offset, CLEAN_STOP_METADATA if key in clean else "", -1
+            )
+            for key, offset in offsets.items()
         }
         try:
             client.commit_async(request, callback=self._revoke_commit_done)
