@@ -32,7 +32,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -63,6 +63,10 @@ DEAD_LETTER_PREFIX = "x-mqdedup-"
 REBALANCE_POLL = 1.0
 #: A join still not complete after this many seconds is started again.
 REJOIN_AFTER = 5.0
+#: Offset-commit metadata of a graceful stop or hand-over (close, revoke): the next owner
+#: of the partition need not treat its first records as possibly redelivered (careful
+#: mode). The next owner first commits its start offset without it.
+CLEAN_STOP_METADATA = "mqdedup:clean-stop"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -81,7 +85,7 @@ def partition_key(topic_partition: Any) -> PartitionKey:
     return (str(topic_partition.topic), int(topic_partition.partition))
 
 
-def to_message(record: Any) -> Message:
+def to_message(record: Any, redelivered: bool = False) -> Message:
     """The :class:`Message` of one kafka-python ``ConsumerRecord``."""
     headers: dict[str, HeaderValue] = {}
     for name, value in record.headers or ():
@@ -99,6 +103,7 @@ def to_message(record: Any) -> Message:
         partition=record.partition,
         offset=record.offset,
         timestamp=timestamp,
+        redelivered=redelivered,
     )
 
 
@@ -138,7 +143,9 @@ class KafkaTransport:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.group = group
-        self.tracker = OffsetTracker()
+        # Possibly redelivered after an assignment: the batch a dead previous owner was
+        # handling plus the batches it settled since its last commit (see the tracker).
+        self.tracker = OffsetTracker(redelivery_window=settings.max_buffered if group else 0)
         self._client: Any = None
         self._owner: threading.Thread | None = None
         self._producer = RecoveringProducer(
@@ -154,6 +161,8 @@ class KafkaTransport:
         self._rebalancing_since: float | None = None
         self._closed = False
         self._high_water: dict[PartitionKey, int] = {}
+        #: Freshly assigned partitions whose previous owner's stop is not checked yet.
+        self._unchecked: set[PartitionKey] = set()
         #: Committed offsets of assigned partitions nothing was seen of (for the lag).
         self._idle_committed: dict[PartitionKey, int] = {}
 
@@ -210,7 +219,8 @@ class KafkaTransport:
             if commit and self.group:
                 assigned = {partition_key(tp) for tp in client.assignment() or ()}
                 offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
-                self._commit(client, offsets, timeout)
+                clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in assigned}
+                self._commit(client, {**clean, **offsets}, timeout, clean=set(clean))
             try:
                 client.close(autocommit=False, timeout_ms=int(timeout * 1000))
             except Exception as error:
@@ -367,14 +377,43 @@ class KafkaTransport:
         deliveries: list[Delivery] = []
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
+            if key in self._unchecked and records:
+                self._check_previous_owner(key, topic_partition, records[0].offset)
             for record in records:
-                epoch = self.tracker.track(key, record.offset)
-                if epoch is None:
+                tracked = self.tracker.track_redelivered(key, record.offset)
+                if tracked is None:
                     continue  # its partition is being rewound; it will come again
+                epoch, redelivered = tracked
                 deliveries.append(
-                    Delivery(to_message(record), KafkaToken(key, record.offset, epoch, record))
+                    Delivery(
+                        to_message(record, redelivered),
+                        KafkaToken(key, record.offset, epoch, record),
+                    )
                 )
         return deliveries
+
+    def _check_previous_owner(self, key: PartitionKey, topic_partition: Any, start: int) -> None:
+        """Before the first records of a fresh assignment: is the careful window needed?
+
+        Not when the previous owner stopped gracefully (its last commit carries
+        ``CLEAN_STOP_METADATA``) nor when nobody ever committed (nothing can have died on
+        these records). Either way the start offset is first committed *without* the
+        marker, so a death from now on leaves a trace for the next owner; if that
+        commit fails, the window stays.
+        """
+        with self._rebalance_lock:
+            self._unchecked.discard(key)
+        client = self.client
+        try:
+            committed = client.committed(
+                topic_partition, metadata=True, timeout_ms=int(self.settings.commit_timeout * 1000)
+            )
+        except kafka_errors.KafkaError:
+            return  # unknown: keep the careful window
+        if committed is not None and committed.metadata != CLEAN_STOP_METADATA:
+            return  # the previous owner may have died on these records
+        if self._commit(client, {key: start}, self.settings.commit_timeout):
+            self.tracker.expect_clean(key)
 
     def current(self, deliveries: Iterable[Delivery]) -> list[Delivery]:
         """The deliveries whose partition epoch is still current (others were dropped)."""
@@ -621,7 +660,8 @@ class KafkaTransport:
         wanted = set(keys)
         self._forget_idle(keys)
         uncommitted = {k: v for k, v in self.tracker.to_commit().items() if k in wanted}
-        self._commit_on_revoke(uncommitted)
+        clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in wanted}
+        self._commit_on_revoke({**clean, **uncommitted}, clean=set(clean))
         with self._rebalance_lock:
             self._revoking.update(keys)
         return uncommitted
@@ -643,6 +683,8 @@ class KafkaTransport:
             tracked = set(self.tracker.partitions)
             fresh = sorted((set(keys) - revoking) | (assigned - tracked))
             self.tracker.assign(fresh)
+            self._unchecked.difference_update(gone)
+            self._unchecked.update(fresh)
         kept = sorted(assigned - set(fresh))
         return gone, fresh, kept
 
@@ -658,12 +700,21 @@ class KafkaTransport:
     def _on_owner_thread(self) -> bool:
         return self._owner is threading.current_thread()
 
-    def _commit(self, client: Any, offsets: Mapping[PartitionKey, int], timeout: float) -> bool:
+    def _commit(
+        self,
+        client: Any,
+        offsets: Mapping[PartitionKey, int],
+        timeout: float,
+        *,
+        clean: Collection[PartitionKey] = (),
+    ) -> bool:
         if not offsets:
             return True
         request = {
-            TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
-            for (topic, partition), offset in offsets.items()
+            TopicPartition(*key): OffsetAndMetadata(
+                offset, CLEAN_STOP_METADATA if key in clean else "", -1
+            )
+            for key, offset in offsets.items()
         }
         try:
             client.commit(request, timeout_ms=int(timeout * 1000))
@@ -687,7 +738,9 @@ class KafkaTransport:
         self.tracker.committed(dict(offsets))
         return True
 
-    def _commit_on_revoke(self, offsets: Mapping[PartitionKey, int]) -> None:
+    def _commit_on_revoke(
+        self, offsets: Mapping[PartitionKey, int], *, clean: Collection[PartitionKey] = ()
+    ) -> None:
         """Best-effort commit from the rebalance listener (kafka-python's IO thread).
 
         A blocking commit is not allowed there; the asynchronous commit is queued before
@@ -697,8 +750,10 @@ class KafkaTransport:
         if client is None or not offsets:
             return
         request = {
-            TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
-            for (topic, partition), offset in offsets.items()
+            TopicPartition(*key): OffsetAndMetadata(
+                offset, CLEAN_STOP_METADATA if key in clean else "", -1
+            )
+            for key, offset in offsets.items()
         }
         try:
             client.commit_async(request, callback=self._revoke_commit_done)
