@@ -19,7 +19,7 @@ no-op and nothing else changes: headers are passed on as they came.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from mqdedup.message import HeaderValue, Message
@@ -75,6 +75,52 @@ def consume_span(consumer: str, message: Message) -> Iterator[None]:
         return
     parent = propagate.extract(message.headers, getter=_GETTER)
     tracer = trace.get_tracer(_INSTRUMENTATION)
+    attributes = _attributes(consumer, message)
+    with (
+        tracer.start_as_current_span(
+            f"process {message.source}",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            attributes=attributes,
+        ),
+        tracer.start_as_current_span("mqdedup transaction", kind=SpanKind.INTERNAL),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def batch_span(consumer: str, messages: Sequence[Message]) -> Iterator[None]:
+    """``handle_batch``: a consumer span per message, ended together, and one transaction
+    span (child of the first message's span, linked to the others) as the current span."""
+    if trace is None or not messages:
+        yield
+        return
+    tracer = trace.get_tracer(_INSTRUMENTATION)
+    spans = [
+        tracer.start_span(
+            f"process {message.source}",
+            context=propagate.extract(message.headers, getter=_GETTER),
+            kind=SpanKind.CONSUMER,
+            attributes=_attributes(consumer, message),
+        )
+        for message in messages
+    ]
+    links = [trace.Link(span.get_span_context()) for span in spans[1:]]
+    try:
+        with tracer.start_as_current_span(
+            "mqdedup transaction",
+            context=trace.set_span_in_context(spans[0]),
+            kind=SpanKind.INTERNAL,
+            links=links,
+            attributes={"mqdedup.batch_size": len(messages)},
+        ):
+            yield
+    finally:
+        for span in spans:
+            span.end()
+
+
+def _attributes(consumer: str, message: Message) -> dict[str, Any]:
     attributes: dict[str, Any] = {
         "messaging.operation.type": "process",
         "messaging.destination.name": message.source,
@@ -86,16 +132,7 @@ def consume_span(consumer: str, message: Message) -> Iterator[None]:
         attributes["messaging.destination.partition.id"] = str(message.partition)
     if message.offset is not None:
         attributes["messaging.kafka.offset"] = message.offset
-    with (
-        tracer.start_as_current_span(
-            f"process {message.source}",
-            context=parent,
-            kind=SpanKind.CONSUMER,
-            attributes=attributes,
-        ),
-        tracer.start_as_current_span("mqdedup transaction", kind=SpanKind.INTERNAL),
-    ):
-        yield
+    return attributes
 
 
 def trace_headers() -> dict[str, str]:
