@@ -493,7 +493,12 @@ class Relay:
         results: list[PublishResult] = [PUBLISHED] * len(records)
         for broker, indexes in by_broker.items():
             traces = [
-                PublishTrace(records[i].destination, records[i].message_id, records[i].headers)
+                PublishTrace(
+                    # The default exchange routes by key: name the queue then.
+                    records[i].destination or records[i].routing_key or "(default exchange)",
+                    records[i].message_id,
+                    records[i].headers,
+                )
                 for i in indexes
             ]
             batch = [
