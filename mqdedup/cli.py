@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import re
 import sys
@@ -17,9 +18,9 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from mqdedup import exitcodes
+from mqdedup import __version__, exitcodes
+from mqdedup.commands import RefusedError
 from mqdedup.commands.operations import OutboxGauges
-from mqdedup.commands.replay import ReplayRefusedError
 from mqdedup.config import (
     CONFIG_ENV,
     consumer_table_prefix,
@@ -48,24 +49,111 @@ _EXIT_CODES: dict[type[MqdedupError], int] = {
     ConsumerImportError: exitcodes.CONSUMER_IMPORT,
     DatabaseUnavailableError: exitcodes.DATABASE_UNAVAILABLE,
     BrokerUnavailableError: exitcodes.BROKER_UNAVAILABLE,
-    ReplayRefusedError: exitcodes.CHECK_FAILED,
+    RefusedError: exitcodes.CHECK_FAILED,
 }
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def parse_duration(text: str) -> timedelta:
-    """``90s``, ``15m``, ``12h``, ``7d``, ``2w`` → timedelta."""
+#: ``dedup purge`` asks for confirmation (or ``--yes``) below this horizon: redeliveries
+#: after an outage and replays of recent history rely on the claims of the last day.
+PURGE_CONFIRM_BELOW = timedelta(days=1)
+_PURGE_CONFIRM_TEXT = "1d"
+
+
+class Duration(timedelta):
+    """A timedelta that prints as the user wrote it (``7d``, not ``7 days, 0:00:00``)."""
+
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def parse_duration(text: str) -> Duration:
+    """``90s``, ``15m``, ``12h``, ``7d``, ``2w`` → a timedelta that prints as given."""
     match = _DURATION.match(text.strip())
     if not match:
         raise argparse.ArgumentTypeError(f"invalid duration {text!r} (examples: 90s, 15m, 12h, 7d)")
-    return timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+    duration = Duration(**{_UNITS[match.group(2)]: float(match.group(1))})
+    duration.text = text.strip()
+    return duration
+
+
+def _json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON (stable keys, listed in docs/guide.md, JSON output)",
+    )
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (exit code 2)."""
+
+    def error(self, message: str) -> Any:
+        self.exit(exitcodes.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _log_level(text: str) -> str:
+    """A logging level name (DEBUG, INFO, WARNING, ERROR, CRITICAL), upper-cased."""
+    level = text.strip().upper()
+    if level not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {text!r} (choose from {', '.join(_LOG_LEVELS)})"
+        )
+    return level
+
+
+def _common_options(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
+    """``--debug``, ``--log-level`` and ``--config``, accepted before and after a command.
+
+    Only the top-level parser holds the defaults: a sub-command's copy is SUPPRESSed when
+    absent, so it never overwrites what was given before the command.
+    """
+
+    def default(value: Any) -> Any:
+        return value if top_level else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--debug", action="store_true", default=default(False), help="show tracebacks on errors"
+    )
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=default(None),
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL" + env_help("log_level"),
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=default(None),
+        help="text (key=value context) or json (one object per line)" + env_help("log_format"),
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=default(None),
+        help=f"TOML config file (env {CONFIG_ENV})",
+    )
+
+
+def _add_common_options_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Give every sub-command (at any depth) the common options."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _common_options(sub, top_level=False)
+                _add_common_options_everywhere(sub)
 
 
 def _database_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config", metavar="FILE", default=None, help=f"TOML config file (env {CONFIG_ENV})"
-    )
     parser.add_argument(
         "--database", metavar="URL", default=None, help="database URL" + env_help("database_url")
     )
@@ -88,6 +176,12 @@ def _daemon_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="serve /healthz and /metrics" + env_help("health_port"),
+    )
+    parser.add_argument(
+        "--health-host",
+        metavar="ADDRESS",
+        default=None,
+        help="address the health endpoint binds" + env_help("health_host"),
     )
 
 
@@ -121,6 +215,9 @@ def _settings(args: argparse.Namespace, *names: str) -> dict[str, Any]:
         "processes": getattr(args, "processes", None),
         "shutdown_timeout": getattr(args, "shutdown_timeout", None),
         "health_port": getattr(args, "health_port", None),
+        "health_host": getattr(args, "health_host", None),
+        "log_level": getattr(args, "log_level", None),
+        "log_format": getattr(args, "log_format", None),
     }
     wanted = names or ("database_url", "table_prefix")
     settings = {name: resolve(name, flags.get(name), file_data) for name in wanted}
@@ -157,11 +254,9 @@ def _consumer_prefix(args: argparse.Namespace, reference: str, consumer: Any) ->
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
-    parser = argparse.ArgumentParser(
-        prog="mqdedup", description="Effectively-once Kafka and RabbitMQ consumers."
-    )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    parser.add_argument("--log-level", default="WARNING", help="log level (default WARNING)")
+    parser = _Parser(prog="mqdedup", description="Effectively-once Kafka and RabbitMQ consumers.")
+    parser.add_argument("--version", action="version", version=f"mqdedup {__version__}")
+    _common_options(parser, top_level=True)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser("demo", help="run the effectively-once demo (SQLite + memory)")
@@ -172,7 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--crash-rate", type=float, default=0.05, help="crashes per batch (0.05)")
     demo.add_argument("--seed", type=int, default=7, help="random seed (7)")
     demo.add_argument(
-        "--database", metavar="URL", default=None, help="database URL (default: a temp SQLite file)"
+        "--database",
+        metavar="URL",
+        default=None,
+        help="database URL (default: a temporary SQLite file). In that database the demo DROPS "
+        "and recreates the table demo_orders and deletes the claims of consumer 'demo-orders'",
+    )
+    demo.add_argument(
+        "--force",
+        action="store_true",
+        help="with --database: go on even if demo_orders already holds rows",
     )
     demo.set_defaults(run=_cmd_demo)
 
@@ -198,15 +302,26 @@ def build_parser() -> argparse.ArgumentParser:
     purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
     purge.add_argument("--consumer", default=None, help="only this consumer name")
     purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
+    purge.add_argument(
+        "--dry-run", action="store_true", help="print how many records would be deleted"
+    )
+    purge.add_argument(
+        "--yes",
+        action="store_true",
+        help=f"no confirmation for --older-than below {_PURGE_CONFIRM_TEXT} (asked on a terminal, "
+        "refused otherwise)",
+    )
     purge.set_defaults(run=_cmd_dedup_purge)
     stats = dedup_commands.add_parser("stats", help="dedup records per consumer, oldest, size")
     _database_option(stats)
+    _json_option(stats)
     stats.set_defaults(run=_cmd_dedup_stats)
 
     outbox = commands.add_parser("outbox", help="inspect and repair the outbox")
     outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
     outbox_status = outbox_commands.add_parser("status", help="pending / failed / published rows")
     _database_option(outbox_status)
+    _json_option(outbox_status)
     outbox_status.set_defaults(run=_cmd_outbox_status)
     retry = outbox_commands.add_parser("retry-failed", help="put failed rows back to pending")
     _database_option(retry)
@@ -217,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     _database_option(outbox_purge)
     outbox_purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
     outbox_purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
+    outbox_purge.add_argument(
+        "--dry-run", action="store_true", help="print how many rows would be deleted"
+    )
     outbox_purge.set_defaults(run=_cmd_outbox_purge)
 
     dead = commands.add_parser(
@@ -309,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _database_option(status)
     _broker_options(status)
+    _json_option(status)
     status.set_defaults(run=_cmd_status)
 
     worker = commands.add_parser(
@@ -333,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _daemon_options(worker)
     worker.set_defaults(run=_cmd_worker)
+    _add_common_options_everywhere(parser)
     return parser
 
 
@@ -348,9 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
+        _configure_logging(args)
         return run(args)
     except MqdedupError as exc:
         if args.debug:
@@ -360,6 +480,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mqdedup: interrupted", file=sys.stderr)
         return exitcodes.INTERRUPTED
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    """Log level and format: flag > ``MQDEDUP_LOG_LEVEL`` / ``_FORMAT`` > TOML > default.
+
+    The resolved values are written back to ``args`` so worker children get the same.
+    """
+    settings = _settings(args, "log_level", "log_format")
+    try:
+        args.log_level = _log_level(str(settings["log_level"]))
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigurationError(str(exc)) from None
+    args.log_format = str(settings["log_format"])
+    if args.log_format not in ("text", "json"):
+        raise ConfigurationError(f"unknown log format {args.log_format!r} (choose text or json)")
+    configure_logging(args.log_level, args.log_format)
 
 
 def _engine(args: argparse.Namespace, *, require_schema: bool = True) -> tuple[Engine, str]:
@@ -386,7 +522,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if not 0 <= args.duplicates <= 1 or not 0 <= args.crash_rate < 1:
         raise ConfigurationError("--duplicates must be in [0, 1] and --crash-rate in [0, 1)")
     if args.database:
-        check_connection(create_engine(args.database))
+        from mqdedup.demo import existing_demo_rows
+
+        engine = create_engine(args.database)
+        check_connection(engine)
+        rows = existing_demo_rows(engine)
+        engine.dispose()
+        if rows and not args.force:
+            raise RefusedError(
+                f"demo_orders in {mask_text(args.database)} holds {rows:,} row(s): the demo "
+                "drops and recreates it; pass --force to go on, or use another database"
+            )
     if args.log_level.upper() == "WARNING":  # dead letters are listed in the summary instead
         logging.getLogger("mqdedup").setLevel(logging.ERROR)
     result = run_demo(
@@ -429,27 +575,56 @@ def _cmd_db_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_dedup_purge(args: argparse.Namespace) -> int:
+    from mqdedup.commands.operations import count_purgeable_claims
     from mqdedup.dedup.store import DedupStore
 
     engine, prefix = _engine(args)
+    scope = f" of consumer {args.consumer!r}" if args.consumer else ""
+    if args.dry_run:
+        count = count_purgeable_claims(engine, prefix, args.older_than, args.consumer)
+        print(f"would delete {count} dedup records{scope} older than {args.older_than} (dry run)")
+        return exitcodes.OK
+    if args.older_than < PURGE_CONFIRM_BELOW and not args.yes:
+        _confirm_short_purge(args.older_than, scope)
     deleted = DedupStore(prefix).purge(
         engine, args.older_than, consumer=args.consumer, chunk_size=args.chunk_size
     )
-    print(f"deleted {deleted} dedup records older than {args.older_than}")
+    print(f"deleted {deleted} dedup records{scope} older than {args.older_than}")
     return exitcodes.OK
 
 
-def _cmd_dedup_stats(args: argparse.Namespace) -> int:
-    from mqdedup.commands.operations import dedup_stats, format_dedup_stats
+def _confirm_short_purge(older_than: timedelta, scope: str) -> None:
+    """Ask on a terminal, refuse otherwise: a short horizon removes recent claims that
+    redeliveries and replays rely on (messages of that window could be applied twice)."""
+    risk = (
+        f"--older-than {older_than} is below {_PURGE_CONFIRM_TEXT}: redeliveries and replays "
+        f"of messages newer than {_PURGE_CONFIRM_TEXT} rely on these claims{scope}"
+    )
+    if not sys.stdin.isatty():
+        raise RefusedError(f"{risk}; nothing deleted (pass --yes to confirm, --dry-run to count)")
+    answer = input(f"{risk}. Delete them? [y/N] ")
+    if answer.strip().lower() not in ("y", "yes"):
+        raise RefusedError("not confirmed; nothing deleted")
 
-    print(format_dedup_stats(*dedup_stats(*_engine(args))))
+
+def _cmd_dedup_stats(args: argparse.Namespace) -> int:
+    from mqdedup.commands.operations import dedup_stats, dedup_stats_data, format_dedup_stats
+
+    stats = dedup_stats(*_engine(args))
+    if args.json:
+        _print_json(dedup_stats_data(*stats))
+    else:
+        print(format_dedup_stats(*stats))
     return exitcodes.OK
 
 
 def _cmd_outbox_status(args: argparse.Namespace) -> int:
-    from mqdedup.commands.operations import format_outbox_status
+    from mqdedup.commands.operations import format_outbox_status, outbox_status_data
 
-    print(format_outbox_status(*_engine(args)))
+    if args.json:
+        _print_json(outbox_status_data(*_engine(args)))
+    else:
+        print(format_outbox_status(*_engine(args)))
     return exitcodes.OK
 
 
@@ -463,9 +638,16 @@ def _cmd_outbox_retry(args: argparse.Namespace) -> int:
 
 
 def _cmd_outbox_purge(args: argparse.Namespace) -> int:
+    from mqdedup.commands.operations import count_purgeable_outbox_rows
     from mqdedup.outbox.store import OutboxStore
 
     engine, prefix = _engine(args)
+    if args.dry_run:
+        count = count_purgeable_outbox_rows(engine, prefix, args.older_than)
+        print(
+            f"would delete {count} published outbox row(s) older than {args.older_than} (dry run)"
+        )
+        return exitcodes.OK
     count = OutboxStore(prefix).purge(engine, args.older_than, chunk_size=args.chunk_size)
     print(f"deleted {count} published outbox row(s) older than {args.older_than}")
     return exitcodes.OK
@@ -482,12 +664,12 @@ def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
 def _cmd_dead_letters_replay(args: argparse.Namespace) -> int:
     from mqdedup.commands.dead_letters import replay_dead_letters
     from mqdedup.consumers.stopping import ImmediateStop, StopToken, graceful_signals
-    from mqdedup.loading import load_consumer_class
+    from mqdedup.loading import create_consumer
     from mqdedup.runners import _export_environment
 
     settings = _settings(args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url")
     _export_environment(settings)
-    consumer = load_consumer_class(args.consumer)()
+    consumer = create_consumer(args.consumer)
     consumer.validate()
     engine, _ = _engine(args, require_schema=False)
     _require_schema(engine, consumer.table_prefix)
@@ -511,13 +693,13 @@ def _cmd_dead_letters_delete(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from mqdedup.commands.status import status_screen
-    from mqdedup.loading import load_consumer_class
+    from mqdedup.commands.status import status_data, status_screen
+    from mqdedup.loading import create_consumer
     from mqdedup.runners import _export_environment
 
     settings = _settings(args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url")
     _export_environment(settings)
-    consumers = [load_consumer_class(reference)() for reference in args.consumers]
+    consumers = [create_consumer(reference) for reference in args.consumers]
     prefixes = {
         _consumer_prefix(args, reference, consumer)
         for reference, consumer in zip(args.consumers, consumers, strict=True)
@@ -526,7 +708,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if len(prefixes) == 1:  # the consumers' own tables, when they all agree
         prefix = prefixes.pop()
     _require_schema(engine, prefix)
-    print(status_screen(engine, prefix, consumers))
+    data = status_data(engine, prefix, consumers)
+    if args.json:
+        _print_json(data)
+    else:
+        print(status_screen(data))
+    unreachable = [e for e in data["consumers"] if e["unreachable"]]
+    if unreachable:  # the screen is printed; the exit code and one line say what is missing
+        names = ", ".join(sorted({e["consumer"] for e in unreachable}))
+        print(f"mqdedup: error: {unreachable[0]['error']} (lag unknown: {names})", file=sys.stderr)
+        return exitcodes.BROKER_UNAVAILABLE
     return exitcodes.OK
 
 
@@ -539,14 +730,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         requeue_from_dlq,
     )
     from mqdedup.consumers.stopping import ImmediateStop, StopToken, graceful_signals
-    from mqdedup.loading import load_consumer_class
+    from mqdedup.loading import create_consumer
     from mqdedup.runners import _export_environment
 
     settings = _settings(args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url")
     _export_environment(settings)
     start = parse_position(args.start)
     end = parse_position(args.end, end=True)
-    consumer = load_consumer_class(args.consumer)()
+    consumer = create_consumer(args.consumer)
     _consumer_prefix(args, args.consumer, consumer)
     consumer.validate()
     engine, _ = _engine(args, require_schema=False)
@@ -555,7 +746,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.from_dlq:
         if kind != "rabbitmq":
             raise ConfigurationError("--from-dlq is for RabbitMQ consumers")
-        consumer.check_connection()
+        _connect_broker(consumer)
         print(requeue_from_dlq(consumer, engine, args.limit))
         return exitcodes.OK
     if kind is None:
@@ -563,7 +754,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             f"{args.consumer} is neither a KafkaConsumer nor a RabbitMQConsumer: "
             "replay needs a broker to read from"
         )
-    consumer.check_connection()
+    _connect_broker(consumer)
     stop = StopToken()
     try:
         with graceful_signals(stop):
@@ -596,6 +787,20 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
+def _connect_broker(consumer: Any) -> None:
+    """Wait for the consumer's broker up to its start-up timeout, then check it once.
+
+    Kafka and RabbitMQ behave the same: an unreachable broker is awaited (one line says
+    so) for ``connect_timeout`` / ``startup_timeout`` seconds, then the command exits
+    with BROKER_UNAVAILABLE; a broker that answers but refuses (login, topology) fails
+    at once with the consumer's own check.
+    """
+    from mqdedup.commands.reachability import wait_for_consumer_broker
+
+    wait_for_consumer_broker(consumer, lambda line: print(f"mqdedup: {line}", file=sys.stderr))
+    consumer.check_connection()
+
+
 def _broker_kind(consumer: Consumer) -> str | None:
     for module, name, kind in (
         ("mqdedup.consumers.kafka", "KafkaConsumer", "kafka"),
@@ -611,7 +816,7 @@ def _broker_kind(consumer: Consumer) -> str | None:
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
-    from mqdedup.commands.reachability import check_kafka_reachable, check_rabbitmq_reachable
+    from mqdedup.commands.reachability import check_relay_brokers
     from mqdedup.outbox.relay import create_publishers
     from mqdedup.supervisor import ChildSpec
 
@@ -626,6 +831,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         "relay_batch_size",
         "shutdown_timeout",
         "health_port",
+        "health_host",
     )
     if settings["relay_processes"] < 1:
         raise ConfigurationError("--processes must be at least 1")
@@ -637,10 +843,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
         kafka_bootstrap=settings["kafka_bootstrap"], rabbitmq_url=settings["rabbitmq_url"]
     ).values():
         publisher.close()  # validates the configuration; connections open lazily
-    if settings["kafka_bootstrap"]:
-        check_kafka_reachable(settings["kafka_bootstrap"])
-    if settings["rabbitmq_url"]:
-        check_rabbitmq_reachable(settings["rabbitmq_url"])
+    check_relay_brokers(settings["kafka_bootstrap"], settings["rabbitmq_url"])
     specs = [
         ChildSpec(
             name="relay",
@@ -648,6 +851,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
             runner="mqdedup.runners:run_relay",
             options=settings,
             log_level=args.log_level,
+            log_format=args.log_format,
         )
         for index in range(settings["relay_processes"])
     ]
@@ -673,13 +877,14 @@ def _supervise(
         specs,
         shutdown_timeout=settings["shutdown_timeout"],
         health_port=settings["health_port"],
+        health_host=settings["health_host"],
         shared_metrics=gauges if outbox_gauges else None,
     )
     return supervisor.run()
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from mqdedup.loading import is_redis_consumer, load_worker_class
+    from mqdedup.loading import create_consumer, is_redis_consumer
     from mqdedup.runners import _export_environment
     from mqdedup.supervisor import ChildSpec
 
@@ -693,11 +898,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         "processes",
         "shutdown_timeout",
         "health_port",
+        "health_host",
     )
     if settings["processes"] < 1:
         raise ConfigurationError("--processes must be at least 1")
     _export_environment(settings)
-    consumers = [load_worker_class(reference)() for reference in args.consumers]
+    consumers = [create_consumer(reference, worker=True) for reference in args.consumers]
     # RedisConsumer classes keep their dedup records in Redis: they need no database.
     database_consumers = [c for c in consumers if not is_redis_consumer(c)]
     prefixes = {
@@ -714,7 +920,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             _require_schema(engine, database_consumer.table_prefix)
         engine.dispose()
     for consumer in consumers:
-        consumer.check_connection()
+        _connect_broker(consumer)
     specs = [
         ChildSpec(
             name=consumer.consumer_name,
@@ -726,6 +932,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                 "table_prefix": prefixes.get(reference, settings["table_prefix"]),
             },
             log_level=args.log_level,
+            log_format=args.log_format,
         )
         for reference, consumer in zip(args.consumers, consumers, strict=True)
         for index in range(settings["processes"])

@@ -23,6 +23,7 @@ Precedence: flag > environment variable > config file > default. Example file::
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Mapping
@@ -44,6 +45,8 @@ class Setting:
     env: str | None
     default: Any
     kind: type = str
+    #: Inclusive bounds of a number (``None``: any).
+    bounds: tuple[int, int] | None = None
 
 
 SETTINGS: dict[str, Setting] = {
@@ -55,11 +58,17 @@ SETTINGS: dict[str, Setting] = {
     "redis_url": Setting("mqdedup", "redis_url", "MQDEDUP_REDIS_URL", None),
     "table_prefix": Setting("mqdedup", "table_prefix", "MQDEDUP_TABLE_PREFIX", "mqdedup_"),
     "log_level": Setting("mqdedup", "log_level", "MQDEDUP_LOG_LEVEL", "WARNING"),
+    "log_format": Setting("mqdedup", "log_format", "MQDEDUP_LOG_FORMAT", "text"),
     "processes": Setting("worker", "processes", "MQDEDUP_PROCESSES", 1, int),
     "shutdown_timeout": Setting(
         "worker", "shutdown_timeout", "MQDEDUP_SHUTDOWN_TIMEOUT", 30.0, float
     ),
-    "health_port": Setting("worker", "health_port", "MQDEDUP_HEALTH_PORT", None, int),
+    "health_port": Setting(
+        "worker", "health_port", "MQDEDUP_HEALTH_PORT", None, int, bounds=(0, 65535)
+    ),
+    # 0.0.0.0: probes and scrapers reach a pod on its own address; 127.0.0.1 keeps the
+    # endpoint on the machine.
+    "health_host": Setting("worker", "health_host", "MQDEDUP_HEALTH_HOST", "0.0.0.0"),  # noqa: S104
     "relay_processes": Setting("relay", "processes", "MQDEDUP_RELAY_PROCESSES", 1, int),
     "poll_interval": Setting("relay", "poll_interval", "MQDEDUP_POLL_INTERVAL", 1.0, float),
     "relay_batch_size": Setting("relay", "batch_size", "MQDEDUP_RELAY_BATCH_SIZE", 500, int),
@@ -85,11 +94,40 @@ def load_file(path: str | None) -> dict[str, Any]:
         raise ConfigurationError(f"config file {path} does not exist") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigurationError(f"config file {path} is not valid TOML: {exc}") from exc
-    known_sections = {s.section for s in SETTINGS.values()}
-    unknown = sorted(set(data) - known_sections)
-    if unknown:
-        raise ConfigurationError(f"config file {path}: unknown section(s) {', '.join(unknown)}")
+    check_keys(data, path)
     return data
+
+
+def check_keys(data: Mapping[str, Any], path: str) -> None:
+    """Refuse unknown sections and keys (a typo would silently fall back to a default)."""
+    sections: dict[str, set[str]] = {}
+    for setting in SETTINGS.values():
+        sections.setdefault(setting.section, set()).add(setting.key)
+    for name, value in data.items():
+        if name not in sections:
+            owner = [s.section for s in SETTINGS.values() if s.key == name]
+            if owner and not isinstance(value, dict):
+                raise ConfigurationError(
+                    f"setting {name!r} outside a section in {path} (put it under [{owner[0]}])"
+                )
+            raise ConfigurationError(
+                f"unknown section [{name}] in {path}{_did_you_mean(name, sections, '[{}]')}"
+            )
+        if not isinstance(value, dict):
+            raise ConfigurationError(f"[{name}] in {path} must be a section (a TOML table)")
+        for key in value:
+            if key not in sections[name]:
+                raise ConfigurationError(
+                    f"unknown setting {key!r} in [{name}] of {path}"
+                    f"{_did_you_mean(key, sections[name], '{!r}')}"
+                )
+
+
+def _did_you_mean(word: str, choices: Any, form: str) -> str:
+    close = difflib.get_close_matches(word, sorted(choices), n=1)
+    if close:
+        return f" (did you mean {form.format(close[0])}?)"
+    return f" (known: {', '.join(form.format(c) for c in sorted(choices))})"
 
 
 def resolve(
@@ -118,7 +156,8 @@ def resolve_with_source(
     setting = SETTINGS[name]
     environ = os.environ if environ is None else environ
     if flag_value is not None:
-        return flag_value, flag or f"--{name.replace('_', '-')}"
+        source = flag or f"--{name.replace('_', '-')}"
+        return check_bounds(name, flag_value, source), source
     raw: Any = None
     source = ""
     if setting.env and environ.get(setting.env):
@@ -131,11 +170,22 @@ def resolve_with_source(
     if raw is None:
         return setting.default, None
     try:
-        return setting.kind(raw), source
+        value = setting.kind(raw)
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
             f"{source}: expected {setting.kind.__name__}, got {raw!r}"
         ) from exc
+    return check_bounds(name, value, source), source
+
+
+def check_bounds(name: str, value: Any, source: str) -> Any:
+    """``value`` if setting ``name`` accepts it, else ConfigurationError naming ``source``."""
+    bounds = SETTINGS[name].bounds
+    if bounds is not None and value is not None and not bounds[0] <= value <= bounds[1]:
+        raise ConfigurationError(
+            f"{source}: {value} is out of range for {name} ({bounds[0]}-{bounds[1]})"
+        )
+    return value
 
 
 def declared_table_prefix(consumer_class: type) -> str | None:

@@ -41,7 +41,11 @@ def parse_url(url: str | URL) -> URL:
     try:
         parsed = make_url(_escape_user_info(url) if isinstance(url, str) else url)
     except (sa_exc.ArgumentError, ValueError) as exc:
-        raise ConfigurationError(f"malformed database URL {mask_url(url)!r}") from exc
+        raise ConfigurationError(
+            f"malformed database URL {mask_url(url)!r}: expected e.g. "
+            "postgresql://user@host:5432/dbname (a password goes as user:password@) "
+            "or sqlite:///path.db"
+        ) from exc
     driver = _DRIVER_ALIASES.get(parsed.drivername, parsed.drivername)
     if parsed.get_backend_name() not in SUPPORTED_DIALECTS:
         raise ConfigurationError(

@@ -15,12 +15,23 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, insert, select
+from sqlalchemy import (
+    Column,
+    Engine,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    func,
+    insert,
+    inspect,
+    select,
+)
 
 from mqdedup.consumers.base import Consumer, Context
 from mqdedup.consumers.memory import InMemoryBroker, MemoryTransport
@@ -48,10 +59,16 @@ class DemoOrderConsumer(Consumer):
     batch_size = 50
     poll_timeout = 0.01
 
-    def __init__(self, crash_rate: float, rng: random.Random) -> None:
+    def __init__(
+        self,
+        crash_rate: float,
+        rng: random.Random,
+        on_batch: Callable[[], None] | None = None,
+    ) -> None:
         self.crash_rate = crash_rate
         self.rng = rng
         self.crashes = 0
+        self.on_batch = on_batch
 
     def handle(self, message: Message, ctx: Context) -> Any:
         order = message.json()
@@ -63,6 +80,8 @@ class DemoOrderConsumer(Consumer):
         return {"order_id": order["order_id"], "status": "stored"}
 
     def after_commit(self, messages: Sequence[Message]) -> None:
+        if self.on_batch is not None:
+            self.on_batch()
         if self.rng.random() < self.crash_rate:
             self.crashes += 1
             raise SimulatedCrash("worker died after commit, before the ack")
@@ -150,9 +169,12 @@ def _run(
     expected_dead = 2
     delivered_total = broker.pending(QUEUE)
 
-    consumer = DemoOrderConsumer(crash_rate, rng)
-    delivered = processed = duplicates = 0
     bar = _ProgressBar(delivered_total, progress)
+    # Moves once per committed batch (the count settled so far, this batch not yet acked).
+    consumer = DemoOrderConsumer(
+        crash_rate, rng, on_batch=lambda: bar.update(broker.settled_count.get(QUEUE, 0))
+    )
+    delivered = processed = duplicates = 0
     while broker.pending(QUEUE):
         transport: MemoryTransport = broker.transport(QUEUE)
         worker = Worker(consumer, transport, engine)
@@ -184,11 +206,26 @@ def _run(
     )
 
 
+def existing_demo_rows(engine: Engine) -> int:
+    """Rows in ``demo_orders`` of that database (0 if the table does not exist)."""
+    if not inspect(engine).has_table(demo_orders.name):
+        return 0
+    with engine.connect() as connection:
+        return int(connection.execute(select(func.count()).select_from(demo_orders)).scalar_one())
+
+
 class _ProgressBar:
+    """A bar redrawn per batch on a terminal; elsewhere a plain line every quarter."""
+
+    #: Without a terminal, one line each time this share of the messages is settled.
+    LINE_STEP = 25
+
     def __init__(self, total: int, stream: TextIO | None) -> None:
         self.total = max(total, 1)
-        self.stream = stream if stream is not None and stream.isatty() else None
+        self.stream = stream
+        self.tty = stream is not None and stream.isatty()
         self._last = -1
+        self._last_line = 0
 
     def update(self, done: int) -> None:
         if self.stream is None:
@@ -197,16 +234,26 @@ class _ProgressBar:
         if percent == self._last:
             return
         self._last = percent
-        filled = percent * 30 // 100
-        self.stream.write(
-            f"\r[{'#' * filled}{'.' * (30 - filled)}] {percent:3d}%  {done}/{self.total}"
-        )
+        if self.tty:
+            filled = percent * 30 // 100
+            self.stream.write(
+                f"\r[{'#' * filled}{'.' * (30 - filled)}] {percent:3d}%  {done}/{self.total}"
+            )
+        elif percent >= self._last_line + self.LINE_STEP:
+            self._last_line = percent - percent % self.LINE_STEP
+            self.stream.write(f"demo: {done}/{self.total} deliveries settled ({percent}%)\n")
+        else:
+            return
         self.stream.flush()
 
     def done(self) -> None:
-        if self.stream is not None:
+        if self.stream is None:
+            return
+        if self.tty:
             self.stream.write("\n")
-            self.stream.flush()
+        elif self._last_line < 100:
+            self.stream.write(f"demo: {self.total}/{self.total} deliveries settled (100%)\n")
+        self.stream.flush()
 
 
 def format_summary(result: DemoResult) -> str:

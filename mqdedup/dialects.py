@@ -4,7 +4,8 @@
   SQLSTATE / driver error code / exception class, never by the text of a message;
 * the claim statement (``INSERT … ON CONFLICT DO NOTHING RETURNING``; on MySQL/MariaDB
   ``INSERT IGNORE``, see :func:`claim_ids`);
-* the attempt-counter upsert (``ON CONFLICT DO UPDATE`` / ``ON DUPLICATE KEY UPDATE``);
+* the attempt-counter upserts (``ON CONFLICT DO UPDATE`` / ``ON DUPLICATE KEY UPDATE``),
+  including the conditional one that counts an attempt before it runs;
 * how a unique-key violation is recognised (SQLSTATE 23505, SQLite extended codes,
   MySQL error 1062), and the locking read used to see the latest committed row;
 * which errors belong to the data of one message (:func:`is_data_error`: SQLSTATE
@@ -322,6 +323,60 @@ def increment_attempts(
             )
         )
         return int(counted.scalar_one())
+    raise NotImplementedError(f"attempt counting is not implemented for the {dialect!r} database")
+
+
+def start_attempt(
+    session: Session,
+    table: Table,
+    consumer: str,
+    message_id: str,
+    marker: str,
+    max_attempts: int,
+    now: datetime,
+) -> tuple[int, str | None, bool]:
+    """Count one more attempt *before* it runs, unless ``max_attempts`` is reached.
+
+    Returns ``(attempts, last_error, started)``: with ``started`` the count includes
+    the attempt about to run and ``last_error`` is ``marker`` (it stays so until the
+    attempt's outcome is recorded); otherwise nothing was written and the row's stored
+    count and last error are returned. PostgreSQL and SQLite: one conditional upsert
+    (plus a read only when the limit was reached); MySQL/MariaDB: a locking read, then
+    the upsert.
+    """
+    dialect = session.get_bind().dialect.name
+    key = (table.c.consumer_name == consumer, table.c.message_id == message_id)
+    if dialect in ("postgresql", "sqlite"):
+        module: Any = postgresql if dialect == "postgresql" else sqlite
+        insert_stmt = module.insert(table).values(
+            consumer_name=consumer,
+            message_id=message_id,
+            attempts=1,
+            last_error=marker,
+            updated_at=now,
+        )
+        upsert = insert_stmt.on_conflict_do_update(
+            index_elements=[table.c.consumer_name, table.c.message_id],
+            set_={
+                "attempts": table.c.attempts + 1,
+                "last_error": insert_stmt.excluded.last_error,
+                "updated_at": insert_stmt.excluded.updated_at,
+            },
+            where=table.c.attempts < max_attempts,
+        ).returning(table.c.attempts)
+        counted = session.execute(upsert).scalar_one_or_none()
+        if counted is not None:
+            return int(counted), marker, True
+        stored = session.execute(select(table.c.attempts, table.c.last_error).where(*key)).one()
+        return int(stored.attempts), stored.last_error, False
+    if dialect in MYSQL_DIALECTS:
+        row = session.execute(
+            select(table.c.attempts, table.c.last_error).where(*key).with_for_update()
+        ).first()
+        if row is not None and row.attempts >= max_attempts:
+            return int(row.attempts), row.last_error, False
+        counted = increment_attempts(session, table, consumer, message_id, marker, now)
+        return counted, marker, True
     raise NotImplementedError(f"attempt counting is not implemented for the {dialect!r} database")
 
 

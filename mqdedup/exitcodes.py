@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 OK = 0
-#: A check failed (``demo`` found a broken promise, ``db check`` found schema drift).
+#: A check failed (``demo`` found a broken promise, ``db check`` found schema drift), or a
+#: safety check refused to go on (a replay before the retention horizon, ``dedup purge``
+#: below one day without ``--yes``, ``demo`` over a non-empty ``demo_orders`` without
+#: ``--force``).
 CHECK_FAILED = 1
-#: Wrong command-line usage (argparse).
+#: Wrong command-line usage (argparse): unknown flag or log level, malformed duration.
 USAGE = 2
-#: A setting is missing or malformed (database URL, consumer attribute, flag value).
+#: A setting is missing, malformed or unknown (database URL, consumer attribute, flag value,
+#: a key of the TOML file, a health port out of range or in use).
 CONFIGURATION = 3
-#: A ``module:Class`` consumer reference could not be imported or is not a consumer.
+#: A ``module:Class`` consumer reference could not be imported, is not a consumer, or cannot
+#: be created without arguments.
 CONSUMER_IMPORT = 4
 #: The database could not be reached.
 DATABASE_UNAVAILABLE = 5
-#: The broker could not be reached.
+#: The broker could not be reached (after the consumer's start-up timeout).
 BROKER_UNAVAILABLE = 6
 #: Stopped by a second SIGINT/SIGTERM.
 INTERRUPTED = 130

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from typing import TYPE_CHECKING, Any
 
 from mqdedup.consumers.base import Consumer
-from mqdedup.errors import ConsumerImportError
+from mqdedup.errors import ConsumerImportError, MqdedupError
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -29,6 +30,33 @@ def load_worker_class(reference: str) -> type[Consumer] | type[RedisConsumer]:
     if isinstance(target, type) and (issubclass(target, Consumer) or _is_redis_consumer(target)):
         return target
     raise ConsumerImportError(f"{reference!r} is not a mqdedup Consumer or RedisConsumer subclass")
+
+
+def create_consumer(reference: str, *, worker: bool = False) -> Any:
+    """Load ``module.path:ClassName`` and create the consumer (its ``__init__`` takes none).
+
+    ``worker``: accept what ``mqdedup worker`` runs (RedisConsumer classes too). A class
+    whose ``__init__`` needs arguments, or that raises while being created, is refused
+    with one line naming it.
+    """
+    cls = load_worker_class(reference) if worker else load_consumer_class(reference)
+    try:
+        inspect.signature(cls).bind()
+    except TypeError as exc:
+        raise ConsumerImportError(
+            f"{reference} cannot be created without arguments: {exc} "
+            "(the CLI creates consumers as ClassName())"
+        ) from None
+    except ValueError:  # no signature to inspect (a C type): just try
+        pass
+    try:
+        return cls()
+    except MqdedupError:
+        raise
+    except Exception as exc:
+        raise ConsumerImportError(
+            f"creating {reference} failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def is_redis_consumer(consumer: object) -> TypeIs[RedisConsumer]:

@@ -13,10 +13,10 @@ def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> No
     """Import the consumer, connect, and consume until the stop token is set."""
     from mqdedup.config import use_table_prefix
     from mqdedup.db import check_connection, create_engine
-    from mqdedup.loading import is_redis_consumer, load_worker_class
+    from mqdedup.loading import create_consumer, is_redis_consumer
 
     _export_environment(spec.options)
-    consumer = load_worker_class(spec.options["consumer"])()
+    consumer = create_consumer(spec.options["consumer"], worker=True)
     consumer.validate()
     if is_redis_consumer(consumer):  # dedup records in Redis: no database
         consumer.run(None, stop=stop, metrics=metrics.source)

@@ -61,6 +61,7 @@ class ChildSpec:
     runner: str
     options: Mapping[str, Any] = field(default_factory=dict)
     log_level: str = "WARNING"
+    log_format: str = "text"
 
     @property
     def label(self) -> str:
@@ -89,12 +90,14 @@ class Supervisor:
         *,
         shutdown_timeout: float = 30.0,
         health_port: int | None = None,
+        health_host: str = "0.0.0.0",  # noqa: S104 - probes come from outside the pod
         shared_metrics: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         self._context = multiprocessing.get_context("spawn")
         self.children = [_Child(spec) for spec in specs]
         self.shutdown_timeout = shutdown_timeout
         self.health_port = health_port
+        self.health_host = health_host
         self.shared_metrics = shared_metrics
         self._draining_since: float | None = None
         self._kill_now = False
@@ -302,11 +305,24 @@ class Supervisor:
     def _start_health(self) -> None:
         if self.health_port is None:
             return
+        from mqdedup.errors import ConfigurationError
         from mqdedup.health import HealthServer
 
-        self.health = HealthServer(
-            self.health_port, self.status, self.snapshots, self.shared_metrics
-        ).start()
+        try:
+            server = HealthServer(
+                self.health_port,
+                self.status,
+                self.snapshots,
+                self.shared_metrics,
+                host=self.health_host,
+            )
+        except (OSError, OverflowError) as exc:  # port taken, not allowed, out of range
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise ConfigurationError(
+                f"cannot serve /healthz and /metrics on port {self.health_port}: {reason} "
+                "(choose another --health-port / MQDEDUP_HEALTH_PORT)"
+            ) from exc
+        self.health = server.start()
 
 
 # -- in the child ---------------------------------------------------------------------
@@ -321,7 +337,7 @@ def child_main(spec: ChildSpec, connection: Connection) -> None:
     from mqdedup.errors import MqdedupError
     from mqdedup.logs import configure
 
-    configure(spec.log_level)
+    configure(spec.log_level, spec.log_format)
     # The supervisor forwards signals; a terminal's SIGINT to the whole group is ignored
     # so that it does not count as a second (immediate) stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -12,7 +12,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-RUNTIME_EXTRAS = ("postgresql", "kafka", "rabbitmq", "redis", "mysql")
+RUNTIME_EXTRAS = ("postgresql", "kafka", "rabbitmq", "redis", "mysql", "otel")
 _REQUIREMENT = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+(?:\[[^\]]+\])?)\s*(?P<spec>.*)$")
 
 

@@ -15,7 +15,8 @@
 # MQDEDUP_CACHE_DIR (downloads, default /var/cache/mqdedup), PG_PORT (5432),
 # RABBITMQ_PORT (5672; node rabbit-<port>@localhost, Erlang dist port <port>+20000 if free),
 # REDIS_PORT (6379), KAFKA_PORT (9092; controller KAFKA_PORT+1 or next free), MARIADB_PORT (3306),
-# KAFKA_VERSION (4.1.1), KAFKA_HEAP_OPTS ("-Xmx512m -Xms256m"), MQDEDUP_START_TIMEOUT (120 s).
+# KAFKA_VERSION (4.1.1), KAFKA_HEAP_OPTS ("-Xmx512m -Xms256m"), MQDEDUP_START_TIMEOUT (120 s),
+# KAFKA_AUTO_CREATE_TOPICS (true; "false" starts the broker with auto.create.topics.enable=false).
 # Every instance lives in "$MQDEDUP_STATE_DIR/<service>-<port>", so a test can run a private
 # instance next to the shared one by changing the state dir and/or the port.
 # See scripts/README-services.md.
@@ -40,6 +41,11 @@ KAFKA_CONTROLLER_PORT=${KAFKA_CONTROLLER_PORT:-} # default KAFKA_PORT+1, see kaf
 MARIADB_PORT=${MARIADB_PORT:-3306}
 KAFKA_VERSION=${KAFKA_VERSION:-4.1.1}
 KAFKA_HEAP_OPTS=${KAFKA_HEAP_OPTS:--Xmx512m -Xms256m}
+KAFKA_AUTO_CREATE_TOPICS=${KAFKA_AUTO_CREATE_TOPICS:-true}
+case $KAFKA_AUTO_CREATE_TOPICS in
+true | false) ;;
+*) echo "services.sh: KAFKA_AUTO_CREATE_TOPICS must be 'true' or 'false', not '$KAFKA_AUTO_CREATE_TOPICS'" >&2; exit 2 ;;
+esac
 
 RABBITMQ_NODE="rabbit-${RABBITMQ_PORT}@localhost"
 RABBIT_DIST_PORT=${RABBITMQ_DIST_PORT:-} # chosen by rmq_pick_dist_port when unset
@@ -761,7 +767,7 @@ log.dirs=$KAFKA_INST/data
 num.partitions=1
 default.replication.factor=1
 min.insync.replicas=1
-auto.create.topics.enable=true
+auto.create.topics.enable=$KAFKA_AUTO_CREATE_TOPICS
 delete.topic.enable=true
 offsets.topic.replication.factor=1
 offsets.topic.min.isr=1

@@ -46,6 +46,7 @@ BEHAVIOURS = (
     "ok",
     "json",
     "raise",
+    "raise_nul",
     "message_error",
     "flaky",
     "end:commit",
@@ -176,6 +177,8 @@ def consumer_class(name: str, prefix: str, scenario: Scenario) -> type[Consumer]
             )
             if behaviour == "raise":
                 raise RuntimeError("handler failed")
+            if behaviour == "raise_nul":  # an error text no database stores as it is
+                raise RuntimeError("handler failed: \x00 \ud800")
             if behaviour == "message_error":
                 raise MessageError("the handler refused this message")
             if behaviour == "flaky" and message.id not in failed_once:

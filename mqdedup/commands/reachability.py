@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
@@ -16,7 +20,9 @@ def check_kafka_reachable(bootstrap: str, timeout: float = 3.0) -> None:
         raise ConfigurationError("Kafka bootstrap servers are empty")
     errors = []
     for server in servers:
-        host, _, port = server.rpartition(":")
+        # ``SASL_SSL://host:9093`` and ``[::1]:9092`` are valid bootstrap entries too.
+        host, _, port = server.rpartition("://")[2].rpartition(":")
+        host = host.strip("[]")
         if not host or not port.isdigit():
             raise ConfigurationError(
                 f"Kafka bootstrap server {mask_url(server)!r} must be host:port"
@@ -42,3 +48,97 @@ def check_rabbitmq_reachable(url: str, timeout: float = 3.0) -> None:
         raise BrokerUnavailableError(
             f"cannot reach RabbitMQ at {parts.hostname}:{port}: {exc.strerror or exc}"
         ) from exc
+
+
+def consumer_broker(consumer: Any) -> tuple[str, str, float] | None:
+    """``(broker, address, start-up timeout)`` of a Kafka or RabbitMQ consumer, else None.
+
+    The timeout is the consumer's own: ``startup_timeout`` (RabbitMQ) or
+    ``connect_timeout`` (Kafka), 30 s by default for both. A RedisConsumer answers for
+    its ``source``.
+    """
+    source_consumer = getattr(consumer, "source_consumer", None)
+    if callable(source_consumer):  # a RedisConsumer reads from its source's broker
+        consumer = source_consumer()
+        if consumer is None:
+            return None
+    kafka_settings = getattr(consumer, "kafka_settings", None)
+    if kafka_settings is not None:
+        servers = ",".join(kafka_settings().bootstrap_servers)
+        return "Kafka", servers, float(getattr(consumer, "connect_timeout", 30.0))
+    url = getattr(consumer, "broker_url", None)
+    if isinstance(url, str) and hasattr(consumer, "startup_timeout"):
+        return "RabbitMQ", url, float(consumer.startup_timeout)
+    return None
+
+
+def check_consumer_broker(consumer: Any, timeout: float = 3.0) -> None:
+    """One TCP check of the consumer's broker (nothing to check for other consumers)."""
+    broker = consumer_broker(consumer)
+    if broker is None:
+        return
+    kind, address, _ = broker
+    check = check_kafka_reachable if kind == "Kafka" else check_rabbitmq_reachable
+    check(address, timeout=timeout)
+
+
+def wait_for_consumer_broker(
+    consumer: Any, say: Callable[[str], None] | None = None, *, poll: float = 0.5
+) -> None:
+    """Wait until the consumer's broker accepts connections, up to its start-up timeout.
+
+    ``say`` gets one line when the first attempt fails, naming what is awaited; after the
+    timeout BrokerUnavailableError says how long it waited. Kafka and RabbitMQ workers
+    behave the same (docs/guide.md, "Start-up").
+    """
+    broker = consumer_broker(consumer)
+    if broker is None:
+        return
+    kind, _, timeout = broker
+    deadline = time.monotonic() + timeout
+    announced = False
+    while True:
+        try:
+            check_consumer_broker(consumer, timeout=min(3.0, max(timeout, 0.1)))
+            return
+        except BrokerUnavailableError as exc:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BrokerUnavailableError(f"{exc} (waited {timeout:g}s)") from None
+            if not announced and say is not None:
+                say(f"waiting up to {timeout:g}s for {kind}: {exc}")
+                announced = True
+            time.sleep(min(poll, remaining))
+
+
+def check_relay_brokers(kafka_bootstrap: str | None, rabbitmq_url: str | None) -> list[str]:
+    """The configured brokers that answer now; a relay needs only one of them.
+
+    An unreachable broker is reported on stderr (its rows wait: the relay retries it
+    with backoff while the other broker's rows flow). Raises BrokerUnavailableError
+    only when no configured broker answers.
+    """
+    checks = {
+        "kafka": (kafka_bootstrap, check_kafka_reachable),
+        "rabbitmq": (rabbitmq_url, check_rabbitmq_reachable),
+    }
+    reachable: list[str] = []
+    down: list[str] = []
+    for name, (target, check) in checks.items():
+        if not target:
+            continue
+        try:
+            check(target)
+        except BrokerUnavailableError as exc:
+            down.append(str(exc))
+            continue
+        reachable.append(name)
+    if not reachable:
+        raise BrokerUnavailableError("; ".join(down) or "no broker configured")
+    for problem in down:
+        print(
+            f"mqdedup: warning: {problem}; its outbox rows wait (retried with backoff), "
+            f"relaying to {' and '.join(reachable)} meanwhile",
+            file=sys.stderr,
+        )
+    return reachable

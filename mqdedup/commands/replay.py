@@ -8,17 +8,18 @@ from typing import Any, TextIO
 
 from sqlalchemy import Engine
 
+from mqdedup.commands import RefusedError
 from mqdedup.commands.tables import render_table
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.stopping import StopToken
 from mqdedup.dedup.store import DedupStore
-from mqdedup.errors import ConfigurationError, MqdedupError
+from mqdedup.errors import ConfigurationError
 
 BEGINNING = ("beginning", "earliest", "start")
 END = ("end", "latest")
 
 
-class ReplayRefusedError(MqdedupError):
+class ReplayRefusedError(RefusedError):
     """The range reaches before the retention horizon (ids there may have been purged)."""
 
 
@@ -140,18 +141,32 @@ def _progress(replay: Any, done: threading.Event, stream: TextIO | None) -> None
 
 
 def format_replay_report(report: Any) -> str:
-    """The final summary table."""
+    """The final summary table.
+
+    Messages without a message id are dead-lettered (dedup cannot recognise them), and
+    counted as such: a replay over the same range dead-letters them again each time.
+    """
     title = "Replay (dry run: nothing written)" if report.dry_run else "Replay"
+    would = " (would be)" if report.dry_run else ""
     rows = [
         ("messages read", report.total),
         ("new" + (" (would be processed)" if report.dry_run else " (processed now)"), report.new),
         ("duplicates (already processed)", report.duplicates),
-        ("without a message id", report.without_id),
-        ("dead-lettered", report.dead_lettered),
+        (f"dead-lettered{would}: without a message id", report.without_id),
+        ("dead-lettered: handler kept failing", report.dead_lettered),
+        ("dead-lettered in total" + would, report.without_id + report.dead_lettered),
         ("unsettled", report.unsettled),
     ]
     ranges = ", ".join(f"{k} [{a}, {b})" for k, (a, b) in sorted(report.ranges.items()))
-    return f"{title}\n{render_table(['', 'count'], rows)}\nranges: {ranges or '-'}"
+    text = f"{title}\n{render_table(['', 'count'], rows)}\nranges: {ranges or '-'}"
+    if report.without_id:
+        text += (
+            f"\nnote: {report.without_id} message(s) carry no message id, so dedup cannot "
+            f"recognise them: {'a replay would dead-letter' if report.dry_run else 'dead-lettered'}"
+            " them again (every replay over this range does); give the consumer a message-id "
+            "fallback to process them instead (docs/guide.md, Replays)"
+        )
+    return text
 
 
 def requeue_from_dlq(consumer: Consumer, engine: Engine, limit: int | None) -> str:

@@ -76,6 +76,18 @@ _SHARED_KEYS = frozenset(
     }
 )
 
+#: kafka-python settings mqdedup changes for every client (consumer, dead-letter producer,
+#: admin) so that a broker restart is followed within seconds: reconnect at most 1 s
+#: apart (kafka-python's default backs off up to 30 s) and give up on a request to a
+#: dead broker after 10 s (default 30 s). ``kafka_config`` overrides them.
+RECOVERY_DEFAULTS: dict[str, int] = {
+    "reconnect_backoff_max_ms": 1000,
+    "request_timeout_ms": 10_000,
+}
+#: Longest wait (seconds) for the dead-letter topic's metadata before a publish is
+#: given up (missing topic or outage; see ``KafkaTransport.dead_letter``).
+DEAD_LETTER_METADATA_WAIT = 5.0
+
 
 @dataclass(frozen=True)
 class KafkaSettings:
@@ -147,6 +159,10 @@ class KafkaConsumer(Consumer):
     prefetch_batches: ClassVar[int] = 2
     #: Seconds between the periodic metrics log lines.
     metrics_interval: ClassVar[float] = 30.0
+    #: Seconds between metadata refreshes (kafka-python's ``metadata_max_age_ms``): new
+    #: partitions of a subscribed topic, and new topics of a ``topic_pattern``, are
+    #: noticed within this bound (then a rebalance of a few seconds assigns them).
+    metadata_refresh: ClassVar[float] = 10.0
 
     def default_name(self) -> str:
         """The dedup scope when ``name`` is not set: the consumer group."""
@@ -185,7 +201,12 @@ class KafkaConsumer(Consumer):
             )
         if cls.auto_offset_reset not in ("earliest", "latest"):
             raise ConfigurationError(f"{label}.auto_offset_reset must be 'earliest' or 'latest'")
-        for attribute in ("commit_timeout", "dead_letter_timeout", "connect_timeout"):
+        for attribute in (
+            "commit_timeout",
+            "dead_letter_timeout",
+            "connect_timeout",
+            "metadata_refresh",
+        ):
             if getattr(cls, attribute) <= 0:
                 raise ConfigurationError(f"{label}.{attribute} must be positive")
         if cls.commit_interval < 0:
@@ -262,6 +283,8 @@ class KafkaConsumer(Consumer):
             "auto_offset_reset": cls.auto_offset_reset,
             "max_poll_records": max(cls.batch_size, 1),
             "bootstrap_timeout_ms": int(cls.connect_timeout * 1000),
+            **RECOVERY_DEFAULTS,
+            "metadata_max_age_ms": int(cls.metadata_refresh * 1000),
         }
         consumer_config.update(self.kafka_config)
         producer_config: dict[str, Any] = {
@@ -270,6 +293,9 @@ class KafkaConsumer(Consumer):
             "acks": "all",
             "enable_idempotence": True,
             "bootstrap_timeout_ms": int(cls.connect_timeout * 1000),
+            **RECOVERY_DEFAULTS,
+            # A missing dead-letter topic or an outage shows within this wait for metadata.
+            "max_block_ms": int(min(cls.dead_letter_timeout, DEAD_LETTER_METADATA_WAIT) * 1000),
         }
         producer_config.update(
             {k: v for k, v in shared.items() if k in kafka.KafkaProducer.DEFAULT_CONFIG}
@@ -278,6 +304,8 @@ class KafkaConsumer(Consumer):
         admin_config: dict[str, Any] = {
             "bootstrap_servers": list(bootstrap),
             "client_id": f"mqdedup-{self.consumer_name}-admin",
+            **RECOVERY_DEFAULTS,
+            "bootstrap_timeout_ms": int(min(cls.connect_timeout, 10.0) * 1000),
         }
         admin_config.update(
             {k: v for k, v in shared.items() if k in kafka.KafkaAdminClient.DEFAULT_CONFIG}

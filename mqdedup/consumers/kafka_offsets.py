@@ -43,6 +43,10 @@ class _Partition:
     committed: int | None = None
     #: Highest offset handed out in this epoch.
     last_tracked: int | None = None
+    #: Records below this offset may have been handed out before (careful mode).
+    redelivered_below: int | None = None
+    #: Lowest offset rewound to (its delivery could not be settled) in this assignment.
+    rewound_to: int | None = None
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,10 @@ class Rewind:
 class OffsetTracker:
     """Per-partition contiguous-settlement bookkeeping (see the module docs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, redelivery_window: int = 0) -> None:
+        #: After a (re)assignment, the first ``redelivery_window`` records from the
+        #: starting offset count as possibly redelivered (see :meth:`track_redelivered`).
+        self.redelivery_window = redelivery_window
         self._lock = threading.Lock()
         self._partitions: dict[PartitionKey, _Partition] = {}
         self._epochs = itertools.count(1)
@@ -106,19 +113,69 @@ class OffsetTracker:
         reset): everything after it comes again, so the partition starts a new epoch.
         """
         with self._lock:
-            if key in self._rewinds:
+            return self._track(key, offset)
+
+    def track_redelivered(self, key: PartitionKey, offset: int) -> tuple[int, bool] | None:
+        """:meth:`track`, plus whether the record may have been handed out before.
+
+        Kafka has no redelivered flag. A record counts as possibly redelivered when it
+        is among the first ``redelivery_window`` records from where a fresh assignment
+        started (the previous owner may have been handling them when it died), or when
+        it is fetched again after a rewind or a reset of the fetch position.
+        """
+        with self._lock:
+            epoch = self._track(key, offset)
+            if epoch is None:
                 return None
+            below = self._partitions[key].redelivered_below
+            return epoch, below is not None and offset < below
+
+    def _track(self, key: PartitionKey, offset: int) -> int | None:
+        if key in self._rewinds:
+            return None
+        state = self._partitions.get(key)
+        if state is None:
+            state = self._partitions[key] = _Partition(epoch=next(self._epochs))
+        elif state.last_tracked is not None and offset <= state.last_tracked:
+            state = self._partitions[key] = _Partition(
+                epoch=next(self._epochs),
+                committed=state.committed,
+                redelivered_below=max(state.last_tracked + 1, state.redelivered_below or 0),
+            )
+        if state.redelivered_below is None:  # the first record of a fresh assignment
+            state.redelivered_below = offset + self.redelivery_window
+        state.pending.append(offset)
+        state.outstanding.add(offset)
+        state.last_tracked = offset
+        return state.epoch
+
+    def expect_clean(self, key: PartitionKey) -> None:
+        """The previous owner of ``key`` stopped cleanly: nothing to mark as redelivered.
+
+        Called before the first record of a fresh assignment is tracked.
+        """
+        with self._lock:
             state = self._partitions.get(key)
-            if state is None:
-                state = self._partitions[key] = _Partition(epoch=next(self._epochs))
-            elif state.last_tracked is not None and offset <= state.last_tracked:
-                state = self._partitions[key] = _Partition(
-                    epoch=next(self._epochs), committed=state.committed
-                )
-            state.pending.append(offset)
-            state.outstanding.add(offset)
-            state.last_tracked = offset
-            return state.epoch
+            if state is not None and state.last_tracked is None and state.redelivered_below is None:
+                state.redelivered_below = 0
+
+    def clean_offsets(self) -> dict[PartitionKey, int]:
+        """At a graceful stop: the offset of each partition whose next owner needs no care.
+
+        That is every partition with a known offset and no unsettled rewound delivery
+        below it (a message whose dead letter failed ran its handler: it must come back
+        in careful mode).
+        """
+        with self._lock:
+            clean: dict[PartitionKey, int] = {}
+            for key, state in self._partitions.items():
+                offset = state.committable if state.committable is not None else state.committed
+                if offset is None:
+                    continue
+                if state.rewound_to is not None and offset <= state.rewound_to:
+                    continue
+                clean[key] = offset
+            return clean
 
     def is_current(self, key: PartitionKey, epoch: int) -> bool:
         """True while deliveries of ``epoch`` still belong to this worker."""
@@ -155,6 +212,9 @@ class OffsetTracker:
             if state is None or state.epoch != epoch:
                 return False
             state.epoch = next(self._epochs)
+            if state.last_tracked is not None:  # what is fetched again was handed out
+                state.redelivered_below = max(state.last_tracked + 1, state.redelivered_below or 0)
+            state.rewound_to = offset if state.rewound_to is None else min(offset, state.rewound_to)
             kept = [o for o in state.pending if o < offset]
             state.pending = deque(kept)
             state.outstanding = set(kept)

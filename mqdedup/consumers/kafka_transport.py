@@ -11,8 +11,13 @@ It keeps the ack contract of :mod:`mqdedup.consumers.transport`:
   fails because of the rebalance is logged, never fatal;
 * ``dead_letter`` publishes the original key, value and headers plus the ``x-mqdedup-*``
   headers to the dead-letter topic and waits for the broker's acknowledgement
-  (``acks=all``, idempotent producer) before it returns; it raises otherwise, and the
-  delivery's partition is rewound to it so it is fetched and tried again.
+  (``acks=all``, idempotent producer) before it returns. A dead letter the broker
+  refuses for good (too large for the topic, invalid or unauthorised topic, a missing
+  topic that cannot be created) raises :class:`~mqdedup.errors.DeadLetterRefusedError`
+  with the broker's reason (the processor keeps the message another way); an outage
+  raises :class:`~mqdedup.errors.BrokerUnavailableError` and the delivery's partition
+  is rewound to it so it is fetched and tried again. The producer is replaced when it
+  goes fatal (:mod:`kafka_producer`), so one refused record never blocks later ones.
 
 Threads: every call on the kafka-python consumer (poll, pause, seek, commit) happens on
 the *owner* thread, the one that called :meth:`KafkaTransport.open`. ``settle``,
@@ -23,10 +28,11 @@ records the settlement and the owner thread commits it on its next turn.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -36,9 +42,10 @@ import kafka.errors as kafka_errors
 from kafka.structs import MemberState, OffsetAndMetadata, TopicPartition
 
 from mqdedup.consumers.kafka_offsets import OffsetTracker, PartitionKey
+from mqdedup.consumers.kafka_producer import Outcome, ProducerRecord, RecoveringProducer, Sent
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery
-from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError, DeadLetterRefusedError
 from mqdedup.message import HeaderValue, Message
 
 if TYPE_CHECKING:
@@ -56,6 +63,10 @@ DEAD_LETTER_PREFIX = "x-mqdedup-"
 REBALANCE_POLL = 1.0
 #: A join still not complete after this many seconds is started again.
 REJOIN_AFTER = 5.0
+#: Offset-commit metadata of a graceful stop or hand-over (close, revoke): the next owner
+#: of the partition need not treat its first records as possibly redelivered (careful
+#: mode). The next owner first commits its start offset without it.
+CLEAN_STOP_METADATA = "mqdedup:clean-stop"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -74,7 +85,7 @@ def partition_key(topic_partition: Any) -> PartitionKey:
     return (str(topic_partition.topic), int(topic_partition.partition))
 
 
-def to_message(record: Any) -> Message:
+def to_message(record: Any, redelivered: bool = False) -> Message:
     """The :class:`Message` of one kafka-python ``ConsumerRecord``."""
     headers: dict[str, HeaderValue] = {}
     for name, value in record.headers or ():
@@ -92,6 +103,7 @@ def to_message(record: Any) -> Message:
         partition=record.partition,
         offset=record.offset,
         timestamp=timestamp,
+        redelivered=redelivered,
     )
 
 
@@ -131,12 +143,17 @@ class KafkaTransport:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.group = group
-        self.tracker = OffsetTracker()
+        # Possibly redelivered after an assignment: the batch a dead previous owner was
+        # handling plus the batches it settled since its last commit (see the tracker).
+        self.tracker = OffsetTracker(redelivery_window=settings.max_buffered if group else 0)
         self._client: Any = None
         self._owner: threading.Thread | None = None
-        self._producer: Any = None
-        self._producer_lock = threading.Lock()
+        self._producer = RecoveringProducer(
+            settings.producer_config, name=f"{settings.consumer_name} dead letters"
+        )
         self._known_dead_letter_topics: set[str] = set()
+        #: Why a dead-letter topic found missing could not be created (by topic).
+        self._missing_dead_letter_topics: dict[str, str] = {}
         self._commit_wanted = threading.Event()
         self._next_commit_attempt = 0.0
         self._revoking: set[PartitionKey] = set()
@@ -144,6 +161,8 @@ class KafkaTransport:
         self._rebalancing_since: float | None = None
         self._closed = False
         self._high_water: dict[PartitionKey, int] = {}
+        #: Freshly assigned partitions whose previous owner's stop is not checked yet.
+        self._unchecked: set[PartitionKey] = set()
         #: Committed offsets of assigned partitions nothing was seen of (for the lag).
         self._idle_committed: dict[PartitionKey, int] = {}
 
@@ -200,7 +219,8 @@ class KafkaTransport:
             if commit and self.group:
                 assigned = {partition_key(tp) for tp in client.assignment() or ()}
                 offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
-                self._commit(client, offsets, timeout)
+                clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in assigned}
+                self._commit(client, {**clean, **offsets}, timeout, clean=set(clean))
             try:
                 client.close(autocommit=False, timeout_ms=int(timeout * 1000))
             except Exception as error:
@@ -208,16 +228,7 @@ class KafkaTransport:
                     "kafka consumer did not close cleanly",
                     extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
                 )
-        with self._producer_lock:
-            producer, self._producer = self._producer, None
-        if producer is not None:
-            try:
-                producer.close(timeout=timeout)
-            except Exception as error:
-                log.warning(
-                    "dead-letter producer did not close cleanly",
-                    extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
-                )
+        self._producer.close(timeout)
 
     @property
     def closed(self) -> bool:
@@ -256,36 +267,65 @@ class KafkaTransport:
     def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
         """Publish the original record with ``record``'s headers; wait for the broker's ack.
 
-        Raises when the publish is not acknowledged within the dead-letter timeout; the
-        offset then does not move past this delivery (its partition is rewound to it).
+        Raises :class:`DeadLetterRefusedError` when the broker refuses this record for
+        good (the reason names the topic and the broker's error), and
+        :class:`BrokerUnavailableError` when it cannot be reached or does not answer
+        within the dead-letter timeout (the offset then does not move past this
+        delivery: its partition is rewound to it).
         """
         token = delivery.token
         if not isinstance(token, KafkaToken):
             raise TypeError("not a Kafka delivery")
+        if self._closed:
+            raise BrokerUnavailableError("the Kafka transport is closed")
         topic = self.settings.dead_letter_topic_for(token.partition[0])
-        producer = self._dead_letter_producer()
         self._ensure_dead_letter_topic(topic, token.partition[0])
-        future = producer.send(
-            topic,
-            key=token.record.key,
-            value=token.record.value,
-            headers=dead_letter_headers(token, record),
+        outgoing = ProducerRecord(
+            topic, token.record.key, token.record.value, dead_letter_headers(token, record)
         )
-        try:
-            future.get(timeout=self.settings.dead_letter_timeout)
-        except Exception as error:
-            raise BrokerUnavailableError(
-                f"dead-letter publish to {topic!r} failed: {_describe(error)}"
-            ) from error
+        sent = self._producer.send_all([outgoing], self.settings.dead_letter_timeout)[0]
+        if sent.outcome is Outcome.NO_METADATA:
+            sent = self._no_metadata(topic, sent)
+        source = f"{token.partition[0]}/{token.partition[1]}/{token.offset}"
+        if sent.outcome is Outcome.REFUSED:
+            log.warning(
+                "the broker refused the dead letter",
+                extra={
+                    "consumer": self.settings.consumer_name,
+                    "topic": topic,
+                    "source": source,
+                    "error": sent.error,
+                },
+            )
+            raise DeadLetterRefusedError(
+                f"the broker refused the dead letter for {topic!r}: {sent.error}"
+            )
+        if not sent.ok:
+            raise BrokerUnavailableError(f"dead-letter publish to {topic!r} failed: {sent.error}")
         log.info(
             "published to dead-letter topic",
             extra={
                 "consumer": self.settings.consumer_name,
                 "topic": topic,
-                "source": f"{token.partition[0]}/{token.partition[1]}/{token.offset}",
+                "source": source,
                 "reason": record.reason,
             },
         )
+
+    def _no_metadata(self, topic: str, sent: Sent) -> Sent:
+        """The dead-letter topic's metadata did not arrive: missing topic, or an outage?"""
+        exists = self._topic_exists(topic)
+        if exists is False:
+            why = self._missing_dead_letter_topics.get(topic) or (
+                "create_dead_letter_topics is off"
+                if not self.settings.create_dead_letter_topics
+                else "it could not be created"
+            )
+            return Sent(
+                Outcome.REFUSED,
+                f"the topic does not exist and the broker does not create it ({why})",
+            )
+        return Sent(Outcome.UNAVAILABLE, sent.error)
 
     def keepalive(self) -> None:
         """Stay in the group while the processor waits.
@@ -337,14 +377,43 @@ class KafkaTransport:
         deliveries: list[Delivery] = []
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
+            if key in self._unchecked and records:
+                self._check_previous_owner(key, topic_partition, records[0].offset)
             for record in records:
-                epoch = self.tracker.track(key, record.offset)
-                if epoch is None:
+                tracked = self.tracker.track_redelivered(key, record.offset)
+                if tracked is None:
                     continue  # its partition is being rewound; it will come again
+                epoch, redelivered = tracked
                 deliveries.append(
-                    Delivery(to_message(record), KafkaToken(key, record.offset, epoch, record))
+                    Delivery(
+                        to_message(record, redelivered),
+                        KafkaToken(key, record.offset, epoch, record),
+                    )
                 )
         return deliveries
+
+    def _check_previous_owner(self, key: PartitionKey, topic_partition: Any, start: int) -> None:
+        """Before the first records of a fresh assignment: is the careful window needed?
+
+        Not when the previous owner stopped gracefully (its last commit carries
+        ``CLEAN_STOP_METADATA``) nor when nobody ever committed (nothing can have died on
+        these records). Either way the start offset is first committed *without* the
+        marker, so a death from now on leaves a trace for the next owner; if that
+        commit fails, the window stays.
+        """
+        with self._rebalance_lock:
+            self._unchecked.discard(key)
+        client = self.client
+        try:
+            committed = client.committed(
+                topic_partition, metadata=True, timeout_ms=int(self.settings.commit_timeout * 1000)
+            )
+        except kafka_errors.KafkaError:
+            return  # unknown: keep the careful window
+        if committed is not None and committed.metadata != CLEAN_STOP_METADATA:
+            return  # the previous owner may have died on these records
+        if self._commit(client, {key: start}, self.settings.commit_timeout):
+            self.tracker.expect_clean(key)
 
     def current(self, deliveries: Iterable[Delivery]) -> list[Delivery]:
         """The deliveries whose partition epoch is still current (others were dropped)."""
@@ -591,7 +660,8 @@ class KafkaTransport:
         wanted = set(keys)
         self._forget_idle(keys)
         uncommitted = {k: v for k, v in self.tracker.to_commit().items() if k in wanted}
-        self._commit_on_revoke(uncommitted)
+        clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in wanted}
+        self._commit_on_revoke({**clean, **uncommitted}, clean=set(clean))
         with self._rebalance_lock:
             self._revoking.update(keys)
         return uncommitted
@@ -613,6 +683,8 @@ class KafkaTransport:
             tracked = set(self.tracker.partitions)
             fresh = sorted((set(keys) - revoking) | (assigned - tracked))
             self.tracker.assign(fresh)
+            self._unchecked.difference_update(gone)
+            self._unchecked.update(fresh)
         kept = sorted(assigned - set(fresh))
         return gone, fresh, kept
 
@@ -628,12 +700,21 @@ class KafkaTransport:
     def _on_owner_thread(self) -> bool:
         return self._owner is threading.current_thread()
 
-    def _commit(self, client: Any, offsets: Mapping[PartitionKey, int], timeout: float) -> bool:
+    def _commit(
+        self,
+        client: Any,
+        offsets: Mapping[PartitionKey, int],
+        timeout: float,
+        *,
+        clean: Collection[PartitionKey] = (),
+    ) -> bool:
         if not offsets:
             return True
         request = {
-            TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
-            for (topic, partition), offset in offsets.items()
+            TopicPartition(*key): OffsetAndMetadata(
+                offset, CLEAN_STOP_METADATA if key in clean else "", -1
+            )
+            for key, offset in offsets.items()
         }
         try:
             client.commit(request, timeout_ms=int(timeout * 1000))
@@ -657,7 +738,9 @@ class KafkaTransport:
         self.tracker.committed(dict(offsets))
         return True
 
-    def _commit_on_revoke(self, offsets: Mapping[PartitionKey, int]) -> None:
+    def _commit_on_revoke(
+        self, offsets: Mapping[PartitionKey, int], *, clean: Collection[PartitionKey] = ()
+    ) -> None:
         """Best-effort commit from the rebalance listener (kafka-python's IO thread).
 
         A blocking commit is not allowed there; the asynchronous commit is queued before
@@ -667,8 +750,10 @@ class KafkaTransport:
         if client is None or not offsets:
             return
         request = {
-            TopicPartition(topic, partition): OffsetAndMetadata(offset, "", -1)
-            for (topic, partition), offset in offsets.items()
+            TopicPartition(*key): OffsetAndMetadata(
+                offset, CLEAN_STOP_METADATA if key in clean else "", -1
+            )
+            for key, offset in offsets.items()
         }
         try:
             client.commit_async(request, callback=self._revoke_commit_done)
@@ -685,41 +770,48 @@ class KafkaTransport:
                 extra={"consumer": self.settings.consumer_name, "error": _describe(response)},
             )
 
-    def _dead_letter_producer(self) -> Any:
-        with self._producer_lock:
-            if self._producer is None:
-                if self._closed:
-                    raise BrokerUnavailableError("the Kafka transport is closed")
-                try:
-                    self._producer = kafka.KafkaProducer(**self.settings.producer_config)
-                except kafka_errors.KafkaError as error:
-                    raise BrokerUnavailableError(
-                        f"cannot reach Kafka at {','.join(self.settings.bootstrap_servers)} "
-                        f"for dead-lettering: {_describe(error)}"
-                    ) from error
-            return self._producer
-
     def _ensure_dead_letter_topic(self, topic: str, source_topic: str) -> None:
-        """Create the dead-letter topic once if it is missing (when allowed)."""
-        if topic in self._known_dead_letter_topics or not self.settings.create_dead_letter_topics:
+        """Check once that the dead-letter topic exists; create it if missing (when allowed).
+
+        Not fatal when it fails: the broker may auto-create the topic, or the publish
+        finds out (see :meth:`_no_metadata`).
+        """
+        if topic in self._known_dead_letter_topics:
             return
-        admin: Any = None
         try:
-            admin = kafka.KafkaAdminClient(**self.settings.admin_config)
-            if topic not in set(admin.list_topics()):
+            with self._admin() as admin:
+                if topic in set(admin.list_topics()):
+                    self._known_dead_letter_topics.add(topic)
+                    self._missing_dead_letter_topics.pop(topic, None)
+                    return
+                if not self.settings.create_dead_letter_topics:
+                    self._missing_dead_letter_topics[topic] = "create_dead_letter_topics is off"
+                    return
                 partitions = len(self._client.partitions_for_topic(source_topic) or ()) or 1
-                admin.create_topics(
+                answer = admin.create_topics(
                     {topic: {"num_partitions": partitions}},
                     timeout_ms=int(self.settings.dead_letter_timeout * 1000),
                     raise_errors=False,
                 )
-                log.info(
-                    "created dead-letter topic",
-                    extra={"consumer": self.settings.consumer_name, "topic": topic},
+                problem = _create_error(answer)
+                if problem is None:
+                    log.info(
+                        "created dead-letter topic",
+                        extra={"consumer": self.settings.consumer_name, "topic": topic},
+                    )
+                    self._known_dead_letter_topics.add(topic)
+                    self._missing_dead_letter_topics.pop(topic, None)
+                    return
+                self._missing_dead_letter_topics[topic] = f"creating it failed: {problem}"
+                log.warning(
+                    "could not create the dead-letter topic",
+                    extra={
+                        "consumer": self.settings.consumer_name,
+                        "topic": topic,
+                        "error": problem,
+                    },
                 )
-            self._known_dead_letter_topics.add(topic)
         except Exception as error:
-            # Not fatal: the broker may auto-create it, or the publish fails and retries.
             log.warning(
                 "could not check/create the dead-letter topic",
                 extra={
@@ -728,12 +820,45 @@ class KafkaTransport:
                     "error": _describe(error),
                 },
             )
+
+    def _topic_exists(self, topic: str) -> bool | None:
+        """Whether ``topic`` exists (None: the cluster did not answer)."""
+        try:
+            with self._admin() as admin:
+                found = topic in set(admin.list_topics())
+        except Exception as error:
+            log.warning(
+                "could not list topics",
+                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
+            )
+            return None
+        if found:
+            self._known_dead_letter_topics.add(topic)
+        return found
+
+    @contextlib.contextmanager
+    def _admin(self) -> Iterator[Any]:
+        admin = kafka.KafkaAdminClient(**self.settings.admin_config)
+        try:
+            yield admin
         finally:
-            if admin is not None:
-                try:
-                    admin.close()
-                except Exception:
-                    log.debug("admin client close failed", exc_info=True)
+            try:
+                admin.close()
+            except Exception:
+                log.debug("admin client close failed", exc_info=True)
+
+
+def _create_error(answer: Any) -> str | None:
+    """The error of a ``create_topics`` answer for one topic (None: created or existing)."""
+    topics = answer.get("topics", []) if isinstance(answer, dict) else []
+    for entry in topics:
+        code = int(entry.get("error_code", 0) or 0)
+        if code in (0, kafka_errors.TopicAlreadyExistsError.errno):
+            continue
+        error_type = kafka_errors.for_code(code)
+        message = entry.get("error_message")
+        return f"{error_type.__name__}" + (f": {message}" if message else "")
+    return None
 
 
 class _RebalanceListener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]

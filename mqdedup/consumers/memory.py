@@ -9,6 +9,12 @@ It is also the public test harness for users' consumers::
 
 Unsettled deliveries return to the queue (marked redelivered) when the transport is
 closed or ``crash()``-ed, exactly as a broker hands them to the next consumer.
+
+A handler that kills its process (``os._exit``, an OOM kill, a segfault) is simulated
+by raising :class:`~mqdedup.errors.SimulatedCrash`; :func:`run_until_idle_restarting`
+then plays the supervisor, starting a fresh worker after each crash::
+
+    crashes = run_until_idle_restarting(MyConsumer(), broker, "orders", engine).crashes
 """
 
 from __future__ import annotations
@@ -20,10 +26,19 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mqdedup.consumers.transport import DeadLetter, Delivery
+from mqdedup.consumers.worker import Worker
+from mqdedup.errors import SimulatedCrash
 from mqdedup.message import HeaderValue, Message
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from mqdedup.consumers.base import Consumer
+    from mqdedup.consumers.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -181,3 +196,41 @@ class MemoryTransport:
         """Close; like a broker, return unsettled deliveries to the queue."""
         self.crash()
         self.closed = True
+
+
+@dataclass(frozen=True)
+class RestartedRun:
+    """What :func:`run_until_idle_restarting` saw: crashes, and the last run's counters."""
+
+    crashes: int
+    metrics: Metrics
+
+
+def run_until_idle_restarting(
+    consumer: Consumer,
+    broker: InMemoryBroker,
+    queue: str,
+    database: Engine | sessionmaker[Session],
+    *,
+    max_restarts: int = 20,
+) -> RestartedRun:
+    """Run ``consumer`` over ``queue`` until idle, restarting it after each crash.
+
+    A :class:`~mqdedup.errors.SimulatedCrash` out of a worker is a process death: its
+    unsettled deliveries return to the queue marked redelivered, and a fresh worker
+    (new transport) starts, as ``mqdedup worker``'s supervisor would. Raises
+    ``RuntimeError`` when the worker still crashes after ``max_restarts`` restarts (a
+    crash loop).
+    """
+    crashes = 0
+    while True:
+        try:
+            metrics = Worker(consumer, broker.transport(queue), database).run(until_idle=True)
+        except SimulatedCrash:
+            crashes += 1
+            if crashes > max_restarts:
+                raise RuntimeError(
+                    f"crash loop: the worker of {queue!r} crashed {crashes} times"
+                ) from None
+            continue
+        return RestartedRun(crashes=crashes, metrics=metrics)

@@ -35,6 +35,10 @@ from mqdedup.errors import DeadLetterRefusedError, MessageError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: The last error of an attempt counted before its handler ran, until it finishes; the
+#: dead-letter reason when the attempts ran out that way (the process died each time).
+WORKER_DIED = "the worker died while handling it"
+
 
 class BatchAbandonedError(Exception):
     """A stop was requested while the database was unreachable; nothing was settled."""
@@ -179,7 +183,11 @@ class Processor:
         unique, repeats = self._identify(deliveries, report)
         if unique:
             try:
-                if self.per_message:
+                if any(d.message.redelivered for d in unique):
+                    unique = self._run_carefully(unique, report)
+                if not unique:
+                    failures = []
+                elif self.per_message:
                     failures = self._run_each(unique, report)
                 else:
                     outcome = self._with_database_retry(lambda: self._run_pass(unique))
@@ -524,6 +532,127 @@ class Processor:
                 self._committed(outcome, report)
                 return
             error = outcome.failures[0][1]
+
+    # -- careful mode: deliveries that came back -------------------------------------------
+
+    def _run_carefully(self, deliveries: Sequence[Delivery], report: BatchReport) -> list[Delivery]:
+        """Process the redelivered deliveries one at a time; return the others.
+
+        A redelivered message may be the one whose handler killed the previous worker
+        (``os._exit``, OOM, a segfault): nothing could record that attempt. So each
+        redelivered message that is not a duplicate gets its attempt counted and
+        committed *before* its handler runs, then runs alone in its own transaction. A
+        process-killer thus reaches ``max_attempts`` and is dead-lettered without
+        running again, and its batch-mates are processed around it. Committed
+        duplicates (the common redelivery, after a crash between commit and settle) are
+        found with one read for the whole batch and cost nothing more.
+        """
+        careful = [d for d in deliveries if d.message.redelivered]
+        others = [d for d in deliveries if not d.message.redelivered]
+        fresh = self._skip_processed(careful, report)
+        lease = _SessionLease(self.sessions)
+        try:
+            for index, delivery in enumerate(fresh):
+                if self.stop.requested:
+                    report.unsettled.extend(fresh[index:])
+                    report.unsettled.extend(others)
+                    return []
+                self._careful_one(delivery, lease, report)
+        finally:
+            lease.close()
+        return others
+
+    def _skip_processed(self, deliveries: list[Delivery], report: BatchReport) -> list[Delivery]:
+        """Settle the deliveries whose claims are committed; return the rest (one read)."""
+        if not self.consumer.deduplicate or not deliveries:
+            return deliveries
+        ids = [str(d.message.id) for d in deliveries]
+        done = self._with_database_retry(functools.partial(self._read_processed, ids))
+        if not done:
+            return deliveries
+        duplicates = [d for d in deliveries if d.message.id in done]
+        stored = {key: value for key, value in done.items() if value is not None}
+        self._committed(_Pass(duplicates=duplicates, stored_results=stored), report)
+        return [d for d in deliveries if d.message.id not in done]
+
+    def _read_processed(self, ids: list[str]) -> dict[str, Any]:
+        with self.sessions() as session, session.begin():
+            return self.store.processed(session, self.name, ids)
+
+    def _careful_one(self, delivery: Delivery, lease: _SessionLease, report: BatchReport) -> None:
+        """Count the attempt first, then run the message alone; retry up to the policy."""
+        message_id = str(delivery.message.id)
+        while True:
+            attempts, last_error, started = self._with_database_retry(
+                functools.partial(self._start_attempt, message_id, lease)
+            )
+            if not started:
+                record = self._exhausted_record(attempts, last_error)
+                report.dead_lettered.append((delivery, record))
+                log.warning(
+                    "redelivered message has no attempts left; dead-lettering it unrun",
+                    extra={
+                        "consumer": self.name,
+                        "message_id": message_id,
+                        "reason": record.reason,
+                    },
+                )
+                return
+            outcome = self._with_database_retry(
+                functools.partial(self._own_transaction, delivery, lease)
+            )
+            self._committed(outcome, report)
+            if outcome.duplicates:  # claimed meanwhile by another worker: nothing ran
+                self._with_database_retry(
+                    functools.partial(self._in_transaction, self.store.undo_attempt, message_id)
+                )
+            if not outcome.failures:
+                return
+            error = outcome.failures[0][1]
+            self._with_database_retry(
+                functools.partial(
+                    self._in_transaction,
+                    self.store.finish_attempt,
+                    message_id,
+                    clean_text(f"{type(error).__name__}: {error}"),  # no NUL / surrogates
+                )
+            )
+            self.metrics.failures += 1
+            if isinstance(error, MessageError) or attempts >= self.policy.max_attempts:
+                report.dead_lettered.append((delivery, self._dead_letter_record(error, attempts)))
+                return
+            if not self._pause(self.policy.backoff(attempts)):
+                report.unsettled.append(delivery)  # stopping: leave it to the next owner
+                return
+            self.metrics.retries += 1
+
+    def _start_attempt(self, message_id: str, lease: _SessionLease) -> tuple[int, str | None, bool]:
+        session = lease.session()
+        try:
+            with session.begin():
+                return self.store.start_attempt(
+                    session, self.name, message_id, WORKER_DIED, self.policy.max_attempts
+                )
+        except BaseException:
+            lease.close()
+            raise
+
+    def _in_transaction(self, write: Callable[..., None], *args: str) -> None:
+        with self.sessions() as session, session.begin():
+            write(session, self.name, *args)
+
+    def _exhausted_record(self, attempts: int, last_error: str | None) -> DeadLetter:
+        """The dead letter of a message whose attempts were used up before it ran again."""
+        if last_error is None or last_error == WORKER_DIED:
+            reason = WORKER_DIED
+        else:
+            reason = f"handler failed after {attempts} attempts: {last_error}"
+        return DeadLetter(
+            reason=reason,
+            consumer=self.name,
+            attempts=attempts,
+            error_message=last_error,
+        )
 
     def _run_one(self, delivery: Delivery) -> _Pass:
         return self._run_pass([delivery])

@@ -103,6 +103,57 @@ class DedupStore:
             session, self._attempts, consumer, message_id, error[:2000], utcnow()
         )
 
+    def start_attempt(
+        self, session: Session, consumer: str, message_id: str, marker: str, max_attempts: int
+    ) -> tuple[int, str | None, bool]:
+        """Count an attempt before its handler runs (careful mode).
+
+        Returns ``(attempts, last_error, started)``. ``started`` is False when
+        ``max_attempts`` attempts were already recorded: nothing is written and the
+        message must not run again.
+        """
+        return dialects.start_attempt(
+            session, self._attempts, consumer, message_id, marker, max_attempts, utcnow()
+        )
+
+    def finish_attempt(self, session: Session, consumer: str, message_id: str, error: str) -> None:
+        """Record how an attempt counted by :meth:`start_attempt` failed (no second count)."""
+        table = self._attempts
+        session.execute(
+            update(table)
+            .where(table.c.consumer_name == consumer, table.c.message_id == message_id)
+            .values(last_error=error[:2000], updated_at=utcnow())
+        )
+
+    def undo_attempt(self, session: Session, consumer: str, message_id: str) -> None:
+        """Take back an attempt counted by :meth:`start_attempt` whose handler never ran."""
+        table = self._attempts
+        session.execute(
+            update(table)
+            .where(
+                table.c.consumer_name == consumer,
+                table.c.message_id == message_id,
+                table.c.attempts > 0,
+            )
+            .values(attempts=table.c.attempts - 1)
+        )
+
+    def processed(self, session: Session, consumer: str, ids: Sequence[str]) -> dict[str, Any]:
+        """The ids among ``ids`` with a committed claim, each with its stored result or None.
+
+        One read. Only a filter: an id absent here may still be claimed concurrently, so
+        whoever runs its handler claims it first as usual.
+        """
+        if not ids:
+            return {}
+        table = self._processed
+        rows = session.execute(
+            select(table.c.message_id, table.c.result).where(
+                table.c.consumer_name == consumer, table.c.message_id.in_(list(ids))
+            )
+        )
+        return {row.message_id: row.result for row in rows}
+
     def purge(
         self,
         engine: Engine,

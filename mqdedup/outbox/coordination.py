@@ -35,6 +35,7 @@ def _quote_identifier(name: str) -> str:
     """``name`` as a PostgreSQL identifier (no psycopg import: SQLite users load this too)."""
     return str(_PREPARER.quote_identifier(name))
 
+
 MAX_MEMBERS = 1024
 _CURRENT_DATABASE = (
     "database = (SELECT oid FROM pg_database WHERE datname = current_database()) "

@@ -5,44 +5,33 @@ them); the batch is flushed once and a record counts as published only when the 
 acknowledged it with ``acks=all``. The idempotent producer keeps each partition's
 records in order across its internal retries.
 
-Classification: errors of the record itself (too large, invalid topic, not authorised,
-invalid record) are ``REJECTED``; everything retriable (no connection, timeouts, leader
-changes) is ``UNAVAILABLE``. A topic whose metadata cannot be fetched while the cluster
-answers for other records is ``REJECTED`` (unknown topic), else ``UNAVAILABLE``.
+Classification (per record, see :mod:`mqdedup.consumers.kafka_producer`): errors of the
+record itself (too large for the topic, invalid topic, not authorised, invalid record,
+policy violation) are ``REJECTED`` for that record only; everything retriable (no
+connection, timeouts, leader changes) is ``UNAVAILABLE``. A topic whose metadata cannot
+be fetched while the cluster answers for other records is ``REJECTED`` (unknown topic),
+else ``UNAVAILABLE``.
+
+kafka-python's idempotent producer goes fatal on any refused record and aborts the
+other records in flight with the same error. The producer is then replaced and the
+aborted records are sent again on the fresh one (an aborted record may already be on
+the log: the copy carries the same message id, so the consumers' dedup absorbs it). A
+record is reported ``REJECTED`` only when the broker answered *its* batch with a
+refusal, so a row marked ``failed`` is never on the topic.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kafka import KafkaProducer
-from kafka import errors as kafka_errors
-
+from mqdedup.consumers.kafka_producer import Outcome, ProducerRecord, RecoveringProducer
 from mqdedup.outbox.publishers import PUBLISHED, OutboxRecord, PublishResult, header_text
 
 log = logging.getLogger(__name__)
 
-#: Errors that are the record's own fault: retrying the same bytes cannot help soon.
-_RECORD_ERRORS: tuple[type[Exception], ...] = (
-    kafka_errors.MessageSizeTooLargeError,
-    kafka_errors.RecordListTooLargeError,
-    kafka_errors.InvalidTopicError,
-    kafka_errors.TopicAuthorizationFailedError,
-    kafka_errors.InvalidRecordError,
-    ValueError,
-    TypeError,
-)
-#: Producer states after which a fresh producer is needed (the record is not at fault).
-_FATAL_PRODUCER_ERRORS: tuple[type[Exception], ...] = (
-    kafka_errors.IllegalStateError,
-    kafka_errors.OutOfOrderSequenceNumberError,
-    kafka_errors.UnknownProducerIdError,
-    kafka_errors.InvalidProducerEpochError,
-    kafka_errors.ProducerFencedError,
-)
 #: After a successful acknowledgement, the cluster counts as reachable for this long.
 _REACHABLE_FOR = 60.0
 
@@ -85,56 +74,44 @@ class KafkaPublisher:
             "bootstrap_timeout_ms": int(connect_timeout * 1000),
             "request_timeout_ms": int(min(flush_timeout, 30.0) * 1000),
             "delivery_timeout_ms": int(max(flush_timeout * 2, 30.0) * 1000),
+            "reconnect_backoff_max_ms": 1000,  # back within a second of the broker
             **(producer_config or {}),
         }
-        self._producer: Any = None
+        self._producer = RecoveringProducer(self.config, name=client_id)
         self._last_ack = 0.0
+        #: ``topic -> exists?`` (None: the cluster did not answer); replaceable in tests.
+        self.topic_exists: Callable[[str], bool | None] = self._ask_cluster
 
     def publish_batch(self, records: Sequence[OutboxRecord]) -> list[PublishResult]:
         """Send every record, flush once, and report each record's outcome."""
-        try:
-            producer = self._get_producer()
-        except Exception as error:  # the cluster cannot be reached at all
-            return [PublishResult.unavailable(_describe(error))] * len(records)
-        results: list[PublishResult | None] = [None] * len(records)
-        futures: list[Any] = [None] * len(records)
-        topic_errors: dict[str, PublishResult] = {}
-        for index, record in enumerate(records):
-            known = topic_errors.get(record.destination)
-            if known is not None:
-                results[index] = known
-                continue
-            try:
-                futures[index] = producer.send(
-                    record.destination,
-                    value=record.payload,
-                    key=record.key,
-                    headers=[(k, header_text(v).encode()) for k, v in record.headers.items()],
-                )
-            except kafka_errors.KafkaTimeoutError as error:
-                # Metadata of this topic did not arrive within max_block_ms.
-                result = self._metadata_failure(record.destination, error)
-                topic_errors[record.destination] = results[index] = result
-            except Exception as error:
-                results[index] = self._classify(error)
-        try:
-            producer.flush(timeout=self.flush_timeout)
-        except kafka_errors.KafkaError as error:
-            log.warning("Kafka flush incomplete", extra={"error": _describe(error)})
-        for index, future in enumerate(futures):
-            if future is None:
-                continue
-            if not future.is_done:
-                results[index] = PublishResult.unavailable(
-                    f"not acknowledged within {self.flush_timeout} s"
-                )
-            elif future.succeeded():
-                results[index] = PUBLISHED
-            else:
-                results[index] = self._classify(future.exception)
-        if any(result is PUBLISHED for result in results):
+        outgoing = [
+            ProducerRecord(
+                record.destination,
+                record.key,
+                record.payload,
+                [(k, header_text(v).encode()) for k, v in record.headers.items()],
+            )
+            for record in records
+        ]
+        sent = self._producer.send_all(outgoing, self.flush_timeout)
+        if any(result.ok for result in sent):
             self._last_ack = time.monotonic()
-        return [r if r is not None else PublishResult.unavailable("not sent") for r in results]
+        results: list[PublishResult] = []
+        missing: dict[str, PublishResult] = {}  # one question to the cluster per topic
+        for record, result in zip(records, sent, strict=True):
+            if result.outcome is Outcome.PUBLISHED:
+                results.append(PUBLISHED)
+            elif result.outcome is Outcome.REFUSED:
+                results.append(PublishResult.rejected(result.error or "refused"))
+            elif result.outcome is Outcome.NO_METADATA:
+                if record.destination not in missing:
+                    missing[record.destination] = self._metadata_failure(
+                        record.destination, result.error
+                    )
+                results.append(missing[record.destination])
+            else:
+                results.append(PublishResult.unavailable(result.error or "unavailable"))
+        return results
 
     def keepalive(self) -> None:
         """The producer's own thread keeps its connections alive."""
@@ -143,46 +120,47 @@ class KafkaPublisher:
         """Close the producer. Nothing of value can be pending: every batch was flushed
         before its rows were marked, so this waits 2 s at most (records still buffered
         belong to unmarked rows, which are published again)."""
-        producer, self._producer = self._producer, None
-        if producer is not None:
-            _close(producer, min(self.flush_timeout, 2.0))
+        self._producer.close(min(self.flush_timeout, 2.0))
+
+    @property
+    def replacements(self) -> int:
+        """How many times the producer was replaced after it went fatal."""
+        return self._producer.replacements
 
     # -- internals -------------------------------------------------------------------------
 
-    def _get_producer(self) -> Any:
-        if self._producer is None:
-            self._producer = KafkaProducer(**self.config)
-        return self._producer
-
-    def _classify(self, error: BaseException | None) -> PublishResult:
-        text = _describe(error)
-        if isinstance(error, _FATAL_PRODUCER_ERRORS):
-            log.warning("Kafka producer in a failed state; recreating it", extra={"error": text})
-            producer, self._producer = self._producer, None
-            if producer is not None:
-                _close(producer, 0)
-            return PublishResult.unavailable(text)
-        if isinstance(error, _RECORD_ERRORS):
-            return PublishResult.rejected(text)
-        if isinstance(error, kafka_errors.KafkaError) and not error.retriable:
-            # A broker response error that is not retriable concerns this record's batch.
-            return PublishResult.rejected(text)
-        return PublishResult.unavailable(text)
-
-    def _metadata_failure(self, topic: str, error: BaseException) -> PublishResult:
-        if time.monotonic() - self._last_ack < _REACHABLE_FOR:
+    def _metadata_failure(self, topic: str, error: str | None) -> PublishResult:
+        """No metadata for ``topic`` within ``metadata_timeout``: a missing topic the
+        broker does not create (the row's fault), or an outage?"""
+        exists = self.topic_exists(topic)
+        if exists is False:
+            return PublishResult.rejected(
+                f"topic {topic!r} does not exist and the broker does not create it"
+            )
+        if exists is None and time.monotonic() - self._last_ack < _REACHABLE_FOR:
             return PublishResult.rejected(f"unknown or unavailable topic {topic!r}: {error}")
-        return PublishResult.unavailable(_describe(error))
+        return PublishResult.unavailable(error or f"no metadata for topic {topic!r}")
 
+    def _ask_cluster(self, topic: str) -> bool | None:
+        """Whether ``topic`` exists, from an admin client (None: no answer)."""
+        import kafka
 
-def _describe(error: BaseException | None) -> str:
-    if error is None:
-        return "unknown error"
-    return f"{type(error).__name__}: {error}"
-
-
-def _close(producer: Any, timeout: float) -> None:
-    try:
-        producer.close(timeout=timeout)
-    except Exception as error:  # pending records could not be flushed: drop them
-        log.debug("Kafka producer closed with pending records", extra={"error": str(error)})
+        config = {
+            k: v for k, v in self.config.items() if k in kafka.KafkaAdminClient.DEFAULT_CONFIG
+        }
+        config["bootstrap_timeout_ms"] = min(int(config.get("bootstrap_timeout_ms", 5000)), 5000)
+        try:
+            admin = kafka.KafkaAdminClient(**config)
+        except Exception as error:
+            log.warning("cannot ask Kafka for its topics", extra={"error": str(error)})
+            return None
+        try:
+            return topic in set(admin.list_topics())
+        except Exception as error:
+            log.warning("cannot ask Kafka for its topics", extra={"error": str(error)})
+            return None
+        finally:
+            try:
+                admin.close()
+            except Exception:
+                log.debug("admin client close failed", exc_info=True)

@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -49,8 +49,10 @@ from sqlalchemy import Connection, Engine
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential, wait_random
 
 from mqdedup.consumers.stopping import StopToken, graceful_signals
+from mqdedup.dedup.store import utcnow
 from mqdedup.dialects import MYSQL_DIALECTS, is_transient
 from mqdedup.errors import ConfigurationError
+from mqdedup.histograms import Histogram
 from mqdedup.outbox.coordination import ControlConnection
 from mqdedup.outbox.mysql_coordination import MySQLControlConnection
 from mqdedup.outbox.publishers import (
@@ -67,6 +69,7 @@ from mqdedup.outbox.store import (
     prepare_relay_connection,
 )
 from mqdedup.schema import DEFAULT_PREFIX
+from mqdedup.tracing import TRACE_HEADERS, PublishTrace
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,10 +150,26 @@ class RelayMetrics:
     database_retries: int = 0
     purged: int = 0
     seconds_publishing: float = 0.0
+    #: ``publish_delay_seconds``: an outbox row's commit to its confirmed publish.
+    histograms: dict[str, Histogram] = field(default_factory=dict, repr=False)
 
-    def snapshot(self) -> dict[str, Any]:
-        """A plain copy for logging."""
-        return asdict(self)
+    def snapshot(self, *, histograms: bool = True) -> dict[str, Any]:
+        """A plain copy for the metrics endpoint (``histograms=False``: for a log line)."""
+        data = {
+            item.name: getattr(self, item.name)
+            for item in fields(self)
+            if item.name != "histograms"
+        }
+        if histograms:
+            data["histograms"] = {name: h.snapshot() for name, h in list(self.histograms.items())}
+        return data
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Count one duration in the histogram ``name``."""
+        histogram = self.histograms.get(name)
+        if histogram is None:
+            histogram = self.histograms[name] = Histogram()
+        histogram.observe(seconds)
 
 
 @dataclass
@@ -274,7 +293,10 @@ class Relay:
                     self._idle()
             finally:
                 self.close()
-        log.info("relay stopped", extra={"relay": self.relay_id, **self.metrics.snapshot()})
+        log.info(
+            "relay stopped",
+            extra={"relay": self.relay_id, **self.metrics.snapshot(histograms=False)},
+        )
         return self.metrics
 
     def run_once(self) -> CycleReport:
@@ -470,7 +492,19 @@ class Relay:
             by_broker.setdefault(record.broker, []).append(index)
         results: list[PublishResult] = [PUBLISHED] * len(records)
         for broker, indexes in by_broker.items():
-            batch = [records[i] for i in indexes]
+            traces = [
+                PublishTrace(
+                    # The default exchange routes by key: name the queue then.
+                    records[i].destination or records[i].routing_key or "(default exchange)",
+                    records[i].message_id,
+                    records[i].headers,
+                )
+                for i in indexes
+            ]
+            batch = [
+                _with_trace(records[i], span.headers)
+                for i, span in zip(indexes, traces, strict=True)
+            ]
             try:
                 outcome = self.publishers[broker].publish_batch(batch)
                 if len(outcome) != len(batch):
@@ -481,8 +515,9 @@ class Relay:
                 log.exception("publisher failed", extra={"broker": broker})
                 failure = PublishResult.unavailable(f"{type(error).__name__}: {error}")
                 outcome = [failure] * len(batch)
-            for index, result in zip(indexes, outcome, strict=True):
+            for index, result, span in zip(indexes, outcome, traces, strict=True):
                 results[index] = result
+                span.end(None if result.outcome is Outcome.PUBLISHED else result.error)
             self._broker_result(broker, outcome)
         report = CycleReport(claimed=len(records))
         for record, result in zip(records, results, strict=True):
@@ -492,7 +527,11 @@ class Relay:
                 report.rejected.append((record, result.error or "rejected"))
             else:
                 report.unavailable.append(record)
+        now = utcnow()
         with self._metrics_lock:
+            for record in report.published:
+                delay = (now - record.created_at).total_seconds()
+                self.metrics.observe("publish_delay_seconds", max(0.0, delay))
             self.metrics.batches += 1
             self.metrics.claimed += len(records)
             self.metrics.seconds_publishing += time.monotonic() - started
@@ -722,3 +761,12 @@ def create_publishers(
             "MQDEDUP_RABBITMQ_URL"
         )
     return publishers
+
+
+def _with_trace(record: OutboxRecord, trace_headers: Mapping[str, str]) -> OutboxRecord:
+    """``record`` carrying ``trace_headers`` (the publish span) instead of its own."""
+    if not trace_headers and not any(name in record.headers for name in TRACE_HEADERS):
+        return record
+    headers = {k: v for k, v in record.headers.items() if k not in TRACE_HEADERS}
+    headers.update(trace_headers)
+    return record._replace(headers=headers)

@@ -34,6 +34,7 @@ from typing import Any
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
+from mqdedup import tracing
 from mqdedup.dedup.store import utcnow
 from mqdedup.errors import MessageError, MqdedupError
 from mqdedup.message import Message
@@ -145,7 +146,11 @@ class OutboxWriter:
         self.causation_id = causation_id
         self.prefix = prefix
         self.table = schema(prefix).outbox
-        self._trace = _trace_headers(message) if message is not None else {}
+        # The active span's context (OpenTelemetry: the consumer span), else the
+        # incoming message's trace headers passed on as they came.
+        self._trace = tracing.trace_headers() or (
+            _trace_headers(message) if message is not None else {}
+        )
         self._sequences: dict[str, int] = {}
         self._notify: bool | None = None
 

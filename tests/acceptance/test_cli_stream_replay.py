@@ -118,7 +118,16 @@ def test_stream_replay_after_a_purge_needs_a_later_start(stream: dict[str, Any])
     stream["publish"](range(20))
     assert replay(stream["env"]).returncode == 0
     purge = subprocess.run(
-        [MQDEDUP, "dedup", "purge", "--older-than", "0s", "--table-prefix", stream["prefix"]],
+        [
+            MQDEDUP,
+            "dedup",
+            "purge",
+            "--older-than",
+            "0s",
+            "--yes",
+            "--table-prefix",
+            stream["prefix"],
+        ],
         env=stream["env"],
         cwd=REPO,
         capture_output=True,

@@ -30,13 +30,31 @@ def record(number: int, topic: str = "t", payload: bytes = b"x") -> OutboxRecord
     )
 
 
+class FakeBatch:
+    """kafka-python's per-batch future: ``value[0]`` is ``None`` when the broker answered
+    the batch with an error and ``-1`` when the batch was aborted (the producer went
+    fatal because of another record)."""
+
+    def __init__(self, base_offset: int | None) -> None:
+        self.is_done = True
+        self.value = (base_offset, None, None)
+
+
 class FakeFuture:
-    def __init__(self, error: BaseException | None = None, done: bool = True) -> None:
+    def __init__(
+        self, error: BaseException | None = None, done: bool = True, aborted: bool | None = None
+    ) -> None:
         self.is_done = done
         self.exception = error
+        if aborted is not None:
+            self._produce_future = FakeBatch(-1 if aborted else None)
 
     def succeeded(self) -> bool:
         return self.is_done and self.exception is None
+
+    def get(self, timeout: float | None = None) -> None:
+        if not self.is_done:
+            raise kafka_errors.KafkaTimeoutError("Timeout after waiting")
 
 
 class FakeProducer:
@@ -62,18 +80,26 @@ class FakeProducer:
         self.closed = True
 
 
-def publisher_with(plan: dict[bytes, Any]) -> tuple[KafkaPublisher, FakeProducer]:
+def publisher_with(*plans: dict[bytes, Any]) -> tuple[KafkaPublisher, list[FakeProducer]]:
+    """A publisher whose n-th producer (after n-1 replacements) follows ``plans[n]``
+    (the last plan for any later one)."""
     publisher = KafkaPublisher("127.0.0.1:1")
-    producer = FakeProducer(plan)
-    publisher._producer = producer
-    return publisher, producer
+    made: list[FakeProducer] = []
+
+    def factory(**_config: Any) -> FakeProducer:
+        made.append(FakeProducer(plans[min(len(made), len(plans) - 1)] if plans else {}))
+        return made[-1]
+
+    publisher._producer.factory = factory
+    publisher.topic_exists = lambda topic: None  # "the cluster did not answer"
+    return publisher, made
 
 
 def test_every_record_is_sent_in_order_with_its_headers_as_bytes() -> None:
-    publisher, producer = publisher_with({})
+    publisher, made = publisher_with({})
     results = publisher.publish_batch([record(1), record(2)])
     assert [r.outcome for r in results] == [Outcome.PUBLISHED, Outcome.PUBLISHED]
-    assert [headers for _, _, headers in producer.sent] == [
+    assert [headers for _, _, headers in made[0].sent] == [
         [("message-id", b"m1"), ("n", b"1")],
         [("message-id", b"m2"), ("n", b"2")],
     ]
@@ -116,21 +142,54 @@ def test_metadata_timeout_is_unavailable_until_the_cluster_has_answered() -> Non
     assert "unknown or unavailable topic 'missing'" in str(results[0].error)
 
 
-def test_a_producer_in_a_fatal_state_is_replaced() -> None:
+def test_a_producer_in_a_fatal_state_is_replaced_and_the_record_sent_again() -> None:
     fenced = FakeFuture(kafka_errors.OutOfOrderSequenceNumberError())
-    publisher, producer = publisher_with({b"x": fenced})
+    publisher, made = publisher_with({b"x": fenced}, {})
     [result] = publisher.publish_batch([record(1)])
-    assert result.outcome is Outcome.UNAVAILABLE
-    assert producer.closed and publisher._producer is None
+    assert result.outcome is Outcome.PUBLISHED  # on the fresh producer
+    assert len(made) == 2 and made[0].closed and not made[1].closed
+    assert publisher.replacements == 1
+
+
+def test_a_refused_record_fails_alone_its_aborted_batch_mates_are_sent_again() -> None:
+    """kafka-python aborts every batch in flight with the refused record's error."""
+    too_large = kafka_errors.MessageSizeTooLargeError(None)
+    first = {
+        b"a": FakeFuture(too_large, aborted=True),
+        b"big": FakeFuture(too_large, aborted=False),
+        b"b": FakeFuture(too_large, aborted=True),
+    }
+    second = {b"big": FakeFuture(too_large, aborted=False)}
+    publisher, made = publisher_with(first, second)
+    batch = [record(1, payload=b"a"), record(2, payload=b"big"), record(3, payload=b"b")]
+    results = publisher.publish_batch(batch)
+    assert [r.outcome for r in results] == [
+        Outcome.PUBLISHED,
+        Outcome.REJECTED,
+        Outcome.PUBLISHED,
+    ]
+    assert "MessageSizeTooLargeError" in str(results[1].error)
+    assert [value for _, value, _ in made[1].sent] == [b"a", b"b"]  # not the refused one
+    assert made[0].closed
+
+
+def test_without_the_abort_marker_suspects_are_sent_one_by_one() -> None:
+    """If kafka-python's internals change, a refusal is only believed for a lone record."""
+    too_large = kafka_errors.MessageSizeTooLargeError(None)
+    everything_fails = {b"a": FakeFuture(too_large), b"big": FakeFuture(too_large)}
+    alone = {b"big": FakeFuture(too_large)}
+    publisher, _ = publisher_with(everything_fails, alone)
+    results = publisher.publish_batch([record(1, payload=b"a"), record(2, payload=b"big")])
+    assert [r.outcome for r in results] == [Outcome.PUBLISHED, Outcome.REJECTED]
 
 
 def test_unreachable_cluster_makes_every_record_unavailable() -> None:
     publisher = KafkaPublisher("127.0.0.1:1", connect_timeout=0.2)
 
-    def refuse() -> Any:
+    def refuse(**_config: Any) -> Any:
         raise kafka_errors.NoBrokersAvailable()
 
-    publisher._get_producer = refuse  # type: ignore[method-assign]
+    publisher._producer.factory = refuse
     results = publisher.publish_batch([record(1), record(2)])
     assert {r.outcome for r in results} == {Outcome.UNAVAILABLE}
 
@@ -138,3 +197,31 @@ def test_unreachable_cluster_makes_every_record_unavailable() -> None:
 def test_empty_bootstrap_is_a_configuration_error() -> None:
     with pytest.raises(ConfigurationError, match="bootstrap servers are empty"):
         KafkaPublisher(" , ")
+
+
+def test_a_producer_that_may_not_write_at_all_is_an_outage_not_the_records_fault() -> None:
+    denied = FakeFuture(kafka_errors.ClusterAuthorizationFailedError())
+    publisher, _ = publisher_with({b"x": denied})
+    [result] = publisher.publish_batch([record(1)])
+    assert result.outcome is Outcome.UNAVAILABLE
+
+
+def test_a_topic_the_cluster_says_does_not_exist_is_refused_at_once() -> None:
+    timeout = kafka_errors.KafkaTimeoutError("Failed to update metadata after 10.0 secs.")
+    publisher, _ = publisher_with({b"lost": timeout})
+    publisher.topic_exists = lambda topic: topic != "missing"
+    [result] = publisher.publish_batch([record(1, topic="missing", payload=b"lost")])
+    assert result.outcome is Outcome.REJECTED
+    assert "'missing' does not exist" in str(result.error)
+
+
+def test_the_cluster_is_asked_once_per_missing_topic_and_batch() -> None:
+    timeout = kafka_errors.KafkaTimeoutError("Failed to update metadata after 10.0 secs.")
+    publisher, _ = publisher_with({b"lost": timeout})
+    asked: list[str] = []
+    publisher.topic_exists = lambda topic: asked.append(topic) or False
+    results = publisher.publish_batch(
+        [record(n, topic="missing", payload=b"lost") for n in range(5)]
+    )
+    assert {r.outcome for r in results} == {Outcome.REJECTED}
+    assert asked == ["missing"]

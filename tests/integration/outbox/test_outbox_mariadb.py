@@ -311,7 +311,9 @@ def test_mqdedup_relay_and_outbox_commands_run_on_mariadb(
     assert status.returncode == 0, status.stderr
     assert "pending 0  failed 0  published 600" in status.stdout
     # The per-destination line: broker rabbitmq, the default exchange (""), 0 0 600.
-    assert re.search(r"^rabbitmq\s+0\s+0\s+600\s", status.stdout, re.MULTILINE), status.stdout
+    assert re.search(
+        r"^rabbitmq\s+\(default exchange\)\s+0\s+0\s+600\s", status.stdout, re.MULTILINE
+    ), status.stdout
 
     retry = _cli("outbox", "retry-failed", *common)
     assert retry.returncode == 0, retry.stderr

@@ -289,3 +289,34 @@ def test_a_handler_error_text_with_a_nul_byte_is_counted(pg: Database) -> None:
     assert set(claims(pg)) == {"good-1"}
     with pg.engine.connect() as connection:
         assert connection.execute(select(func.count()).select_from(attempts)).scalar_one() == 1
+
+
+def test_a_redelivered_message_whose_error_text_has_a_nul_is_dead_lettered(
+    pg: Database,
+) -> None:
+    """Careful mode (redelivered messages) records the error text before the retry:
+    a NUL byte in it must not crash the worker on PostgreSQL."""
+
+    class Raises(Consumer):
+        name = "orders"
+        poll_timeout = 0.05
+        retry_policy = FAST_RETRY
+        table_prefix = pg.prefix
+
+        def handle(self, message: Message, ctx: Context) -> Any:
+            if message.id == "bad":
+                raise ValueError("bad value \x00 \ud800")
+            return None
+
+    broker = InMemoryBroker()
+    publish(broker, ["good-1", "bad"])
+    broker.transport("orders").close()  # nothing fetched yet: nothing comes back
+    first = broker.transport("orders")
+    assert len(first.fetch(10, 1.0)) == 2
+    first.close()  # a worker died holding them: both come back redelivered
+    run_until_idle(Raises(), broker.transport("orders"), pg.engine)
+
+    (dead,) = broker.dead_letters["orders"]
+    assert dead.message.redelivered and dead.record.attempts == FAST_RETRY.max_attempts
+    assert "bad value \\x00" in dead.record.reason
+    assert set(claims(pg)) == {"good-1"}
