@@ -42,8 +42,15 @@ _INSTRUMENTATION = "mqdedup"
 
 
 def enabled() -> bool:
-    """True when the OpenTelemetry API is installed (spans are recorded if a provider is)."""
-    return trace is not None
+    """True when OpenTelemetry is installed and the application set a tracer provider.
+
+    Checked per use and cheap (an isinstance test): without a provider, spans would be
+    no-ops anyway, and skipping them keeps the per-message path as fast as without the
+    package.
+    """
+    return trace is not None and not isinstance(
+        trace.get_tracer_provider(), trace.ProxyTracerProvider
+    )
 
 
 class _HeaderGetter(Getter[Mapping[str, HeaderValue]]):
@@ -70,7 +77,7 @@ _GETTER = _HeaderGetter()
 @contextlib.contextmanager
 def consume_span(consumer: str, message: Message) -> Iterator[None]:
     """The consumer span of one message, and its transaction child, around its handler."""
-    if trace is None:
+    if not enabled():
         yield
         return
     parent = propagate.extract(message.headers, getter=_GETTER)
@@ -92,7 +99,7 @@ def consume_span(consumer: str, message: Message) -> Iterator[None]:
 def batch_span(consumer: str, messages: Sequence[Message]) -> Iterator[None]:
     """``handle_batch``: a consumer span per message, ended together, and one transaction
     span (child of the first message's span, linked to the others) as the current span."""
-    if trace is None or not messages:
+    if not messages or not enabled():
         yield
         return
     tracer = trace.get_tracer(_INSTRUMENTATION)
@@ -137,7 +144,7 @@ def _attributes(consumer: str, message: Message) -> dict[str, Any]:
 
 def trace_headers() -> dict[str, str]:
     """The current span's ``traceparent`` / ``tracestate`` (empty without an active span)."""
-    if trace is None or not trace.get_current_span().get_span_context().is_valid:
+    if not enabled() or not trace.get_current_span().get_span_context().is_valid:
         return {}
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
@@ -155,7 +162,7 @@ class PublishTrace:
         carried = {name: str(headers[name]) for name in TRACE_HEADERS if headers.get(name)}
         self.headers = carried
         self._span: Any = None
-        if trace is None:
+        if not enabled():
             return
         tracer = trace.get_tracer(_INSTRUMENTATION)
         self._span = tracer.start_span(

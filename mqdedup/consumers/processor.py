@@ -14,6 +14,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, retry_if_exception, stop_never, wait_random_exponential
 
+from mqdedup import tracing
 from mqdedup.consumers import sqlite_lock
 from mqdedup.consumers.base import (
     BatchContext,
@@ -168,6 +169,8 @@ class Processor:
         self.name = consumer.consumer_name
         self.policy = consumer.retry_policy
         self.per_message = consumer.failure_isolation == "transaction"
+        #: When the last transaction committed (for the commit -> settle histogram).
+        self._last_commit: float | None = None
         bind = sessions.kw.get("bind")
         self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
         if self._sqlite:
@@ -202,6 +205,9 @@ class Processor:
         self._dead_letter(report)
         if report.settled:
             self.transport.settle(report.settled)
+            if self._last_commit is not None:
+                self.metrics.observe("settle_seconds", time.monotonic() - self._last_commit)
+                self._last_commit = None
         self._count(report, started)
         return report
 
@@ -364,11 +370,14 @@ class Processor:
     ) -> _Pass:
         """Claim, handle and store results in one transaction of ``session``; commit."""
         outcome = _Pass()
+        started = time.monotonic()
         with session.begin():
             ids = [d.message.id for d in deliveries if d.message.id is not None]
-            new_ids = (
-                self.store.claim(session, self.name, ids) if self.consumer.deduplicate else set(ids)
-            )
+            if self.consumer.deduplicate:
+                new_ids = self.store.claim(session, self.name, ids)
+                self.metrics.observe("claim_seconds", time.monotonic() - started)
+            else:
+                new_ids = set(ids)
             new = [d for d in deliveries if d.message.id in new_ids]
             outcome.duplicates = [d for d in deliveries if d.message.id not in new_ids]
             if outcome.duplicates and self.consumer.wants_duplicate_results:
@@ -391,6 +400,8 @@ class Processor:
                 )
             if self.consumer.deduplicate:
                 self.store.save_results(session, self.name, results)
+        self._last_commit = time.monotonic()
+        self.metrics.observe("transaction_seconds", self._last_commit - started)
         return outcome
 
     def _handle(
@@ -460,15 +471,21 @@ class Processor:
         if not self.consumer.has_single_handler:
             return self._call_batch_handler(session, [delivery]).get(str(delivery.message.id))
         context = Context(session, self.consumer, delivery.message)
-        result = self.consumer.handle(delivery.message, context)
+        started = time.monotonic()
+        with tracing.consume_span(self.name, delivery.message):
+            result = self.consumer.handle(delivery.message, context)
+        self.metrics.observe("handler_seconds", time.monotonic() - started)
         _ensure_json(result)
         return result
 
     def _call_batch_handler(self, session: Session, new: list[Delivery]) -> dict[str, Any]:
         messages = [d.message for d in new]
-        results = self.consumer.handle_batch(
-            messages, BatchContext(session, self.consumer, messages)
-        )
+        started = time.monotonic()
+        with tracing.batch_span(self.name, messages):
+            results = self.consumer.handle_batch(
+                messages, BatchContext(session, self.consumer, messages)
+            )
+        self.metrics.observe("handler_seconds", time.monotonic() - started)
         if not results:
             return {}
         # Only results of this batch's messages: another key would overwrite the stored

@@ -397,9 +397,14 @@ def _caught_up(now: dict[str, float], before: dict[str, float] | None, relay: bo
         started, left = backlog is not None, bool(backlog)
     else:
         started, left = lag is not None or delivered > 0, bool(lag) or finished < delivered
-    counters = {k: v for k, v in now.items() if k.endswith("_total")}
-    previous = {k: v for k, v in (before or {}).items() if k.endswith("_total")}
+    counters = {k: v for k, v in now.items() if _work_counter(k)}
+    previous = {k: v for k, v in (before or {}).items() if _work_counter(k)}
     return started and not left and before is not None and counters == previous
+
+
+def _work_counter(name: str) -> bool:
+    """A counter of work done (not of CPU time, which grows while idle)."""
+    return name.endswith("_total") and name.startswith("mqdedup_") and "_process_" not in name
 
 
 def run_background(block: Block, env: dict[str, str], cwd: Path, log: Path) -> None:
