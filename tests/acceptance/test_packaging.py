@@ -35,9 +35,11 @@ def test_the_wheel_carries_the_licence_and_the_metadata(tmp_path: Path) -> None:
     assert "Typing :: Typed" in classifiers
     assert any(c.startswith("Programming Language :: Python :: 3.11") for c in classifiers)
     requires = metadata.get_all("Requires-Dist", [])
-    # The PostgreSQL driver is an extra; the core needs only SQLAlchemy and tenacity.
+    # The PostgreSQL driver is an extra; the core needs SQLAlchemy, tenacity and the
+    # Prometheus client (the /metrics endpoint).
     core = [r for r in requires if "extra ==" not in r]
     assert sorted(r.split(">")[0].split("<")[0].strip() for r in core) == [
+        "prometheus-client",
         "sqlalchemy",
         "tenacity",
     ]
