@@ -8,16 +8,13 @@ points and right after a database commit, before the offsets are committed.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mqdedup import Metrics, StopToken
 from tests.integration.kafka.conftest import TestDatabase
-from tests.integration.kafka.consumers import make_consumer
 from tests.integration.kafka.helpers import (
     KafkaHelper,
     Outgoing,
@@ -27,7 +24,6 @@ from tests.integration.kafka.helpers import (
     unique_name,
     wait_for,
 )
-from tests.services import PrivateService
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -203,87 +199,6 @@ def test_rebalance_third_worker_joins_and_one_leaves(
     committed = kafka_helper.committed(group, topic)
     assert committed == kafka_helper.end_offsets(topic)
     assert all(offset and offset > 0 for offset in committed.values())
-
-
-def test_broker_down_for_20_seconds_mid_run_then_the_worker_resumes(
-    db: TestDatabase, private_kafka: PrivateService
-) -> None:
-    broker = private_kafka
-    port = broker.port
-    helper: KafkaHelper | None = None
-    try:
-        helper = KafkaHelper(f"127.0.0.1:{port}")
-        topic = helper.create_topic(partitions=3)
-        helper.produce(
-            topic, [Outgoing(f"o-{i}", b"before", partition=i % 3) for i in range(4_000)]
-        )
-        consumer = make_consumer(
-            topic=topic,
-            group=unique_name("group"),
-            prefix=db.prefix,
-            bootstrap=helper.bootstrap,
-            batch_size=50,
-            delay=0.05,
-            kafka_config={"request_timeout_ms": 5000, "reconnect_backoff_max_ms": 1000},
-            commit_timeout=3.0,
-        )
-        stop = StopToken()
-        result: list[Metrics | BaseException] = []
-
-        def target() -> None:
-            try:
-                result.append(consumer().run(db.engine, stop=stop))
-            except BaseException as error:
-                result.append(error)
-
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        wait_for(lambda: total_rows(db.engine, db.prefix) >= 500, 60, "the first rows")
-        helper.close(delete_topics=False)
-        helper = None
-
-        broker.stop()
-        outage_ends = time.monotonic() + 20
-        rows_at_stop = total_rows(db.engine, db.prefix)
-        while time.monotonic() < outage_ends:  # the outage itself lasts 20 s
-            assert thread.is_alive(), f"the worker died during the outage: {result}"
-            time.sleep(0.5)
-        assert rows_at_stop < 4_000, "the run ended before the outage"
-        broker.start()
-
-        helper = KafkaHelper(f"127.0.0.1:{port}")
-        helper.created.append(topic)  # deleted at the end
-        wait_for(
-            lambda: helper is not None and len(helper.end_offsets(topic)) == 3, 60, "the topic back"
-        )
-        # New messages after the outage are consumed too (partition chosen by the key).
-        helper.produce(
-            topic,
-            [Outgoing(f"o-{i}", b"after", key=f"o-{i}".encode()) for i in range(4_000, 4_500)],
-        )
-        wait_for(
-            lambda: total_rows(db.engine, db.prefix) >= 4_500, 120, "every message after the outage"
-        )
-        wait_for(
-            lambda: (
-                helper is not None
-                and helper.committed(consumer.group_id or "", topic) == helper.end_offsets(topic)
-            ),
-            60,
-            "offsets at the end",
-        )
-        stop.request()
-        thread.join(60)
-        assert not thread.is_alive()
-        metrics = result[0]
-        assert isinstance(metrics, Metrics), metrics
-        assert metrics.dead_lettered == 0  # an outage never poisons messages
-        counts = row_counts(db.engine, db.prefix)
-        assert set(counts) == {f"o-{i}" for i in range(4_500)}
-        assert set(counts.values()) == {1}
-    finally:
-        if helper is not None:
-            helper.close()
 
 
 def test_sigterm_finishes_the_batch_in_flight_commits_it_and_exits(
