@@ -101,9 +101,8 @@ def main() -> None:
     engine = create_engine(args.database)
     for label, case in CASES.items():
         rates = [one_run(engine, args.messages, **case) for _ in range(args.runs)]
-        print(
-            f"{label:38} median {statistics.median(rates):>9,.0f} msgs/s  {[round(r) for r in rates]}"
-        )
+        median = statistics.median(rates)
+        print(f"{label:38} median {median:>9,.0f} msgs/s  {[round(r) for r in rates]}")
     engine.dispose()
 
 
