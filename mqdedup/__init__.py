@@ -17,10 +17,13 @@ from mqdedup.consumers import (
     Worker,
     run_until_idle,
 )
+from mqdedup.consumers.base import HandlerEndedTransactionError, InvalidResultError
 from mqdedup.db import create_engine, init_schema
 from mqdedup.dedup import DedupStore, ids
+from mqdedup.dedup.ids import InvalidMessageIdError
 from mqdedup.errors import (
     ConfigurationError,
+    DeadLetterRefusedError,
     MessageError,
     MissingMessageIdError,
     MqdedupError,
@@ -35,9 +38,13 @@ __all__ = [
     "Consumer",
     "Context",
     "DeadLetter",
+    "DeadLetterRefusedError",
     "DedupStore",
     "Delivery",
+    "HandlerEndedTransactionError",
     "InMemoryBroker",
+    "InvalidMessageIdError",
+    "InvalidResultError",
     "Message",
     "MessageError",
     "Metrics",
