@@ -54,6 +54,26 @@ class Histogram:
         return {"buckets": cumulative, "sum": self.sum, "count": running}
 
 
+class Histograms:
+    """Histograms by name, made on first use (a worker's or a relay's)."""
+
+    __slots__ = ("_by_name",)
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Histogram] = {}
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Count one duration in the histogram ``name``."""
+        histogram = self._by_name.get(name)
+        if histogram is None:
+            histogram = self._by_name[name] = Histogram()
+        histogram.observe(seconds)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Every histogram's :meth:`Histogram.snapshot`, by name."""
+        return {name: histogram.snapshot() for name, histogram in list(self._by_name.items())}
+
+
 #: The histograms, their help texts and where they are observed.
 HISTOGRAMS: dict[str, str] = {
     "handler_seconds": "Duration of one handler call (handle, or handle_batch for a batch)",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, delete
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.commands.tables import render_table
@@ -20,8 +20,8 @@ from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.worker import Worker
 from mqdedup.db import session_factory
 from mqdedup.dedup.dead_letters import DeadLetterTable
+from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import ConfigurationError
-from mqdedup.schema import schema
 
 _PREVIEW = 60
 
@@ -119,19 +119,14 @@ def _reset_attempts(
 ) -> None:
     """Forget the attempt counts of the messages to replay: each gets its full retries."""
     table = DeadLetterTable(prefix)
-    attempts = schema(prefix).attempts
+    store = DedupStore(prefix)
     with sessions() as session, session.begin():
         after = 0
         while rows := table.list(session, consumer, after_id=after, ids=ids, limit=500):
             after = rows[-1].id
-            message_ids = [row.message.id for row in rows if row.message.id is not None]
-            if message_ids:
-                session.execute(
-                    delete(attempts).where(
-                        attempts.c.consumer_name == consumer,
-                        attempts.c.message_id.in_(message_ids),
-                    )
-                )
+            store.forget_attempts(
+                session, consumer, [row.message.id for row in rows if row.message.id is not None]
+            )
 
 
 def _short(text: str) -> str:

@@ -6,7 +6,7 @@ import copy
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from mqdedup.histograms import Histogram
+from mqdedup.histograms import Histograms
 
 
 @dataclass
@@ -34,14 +34,7 @@ class Metrics:
     #: connection was lost.
     channel_reopens: int = 0
     #: Latency histograms by name (:data:`mqdedup.histograms.HISTOGRAMS`).
-    histograms: dict[str, Histogram] = field(default_factory=dict, repr=False)
-
-    def observe(self, name: str, seconds: float) -> None:
-        """Count one duration in the histogram ``name``."""
-        histogram = self.histograms.get(name)
-        if histogram is None:
-            histogram = self.histograms[name] = Histogram()
-        histogram.observe(seconds)
+    histograms: Histograms = field(default_factory=Histograms, repr=False)
 
     def snapshot(self, *, histograms: bool = True) -> dict[str, Any]:
         """A plain copy for the metrics endpoint (``histograms=False``: for a log line)."""
@@ -51,7 +44,5 @@ class Metrics:
             if item.name != "histograms"
         }
         if histograms:
-            data["histograms"] = {
-                name: histogram.snapshot() for name, histogram in list(self.histograms.items())
-            }
+            data["histograms"] = self.histograms.snapshot()
         return data

@@ -206,7 +206,9 @@ class Processor:
         if report.settled:
             self.transport.settle(report.settled)
             if self._last_commit is not None:
-                self.metrics.observe("settle_seconds", time.monotonic() - self._last_commit)
+                self.metrics.histograms.observe(
+                    "settle_seconds", time.monotonic() - self._last_commit
+                )
                 self._last_commit = None
         self._count(report, started)
         return report
@@ -375,7 +377,7 @@ class Processor:
             ids = [d.message.id for d in deliveries if d.message.id is not None]
             if self.consumer.deduplicate:
                 new_ids = self.store.claim(session, self.name, ids)
-                self.metrics.observe("claim_seconds", time.monotonic() - started)
+                self.metrics.histograms.observe("claim_seconds", time.monotonic() - started)
             else:
                 new_ids = set(ids)
             new = [d for d in deliveries if d.message.id in new_ids]
@@ -401,7 +403,7 @@ class Processor:
             if self.consumer.deduplicate:
                 self.store.save_results(session, self.name, results)
         self._last_commit = time.monotonic()
-        self.metrics.observe("transaction_seconds", self._last_commit - started)
+        self.metrics.histograms.observe("transaction_seconds", self._last_commit - started)
         return outcome
 
     def _handle(
@@ -474,7 +476,7 @@ class Processor:
         started = time.monotonic()
         with tracing.consume_span(self.name, delivery.message):
             result = self.consumer.handle(delivery.message, context)
-        self.metrics.observe("handler_seconds", time.monotonic() - started)
+        self.metrics.histograms.observe("handler_seconds", time.monotonic() - started)
         _ensure_json(result)
         return result
 
@@ -485,7 +487,7 @@ class Processor:
             results = self.consumer.handle_batch(
                 messages, BatchContext(session, self.consumer, messages)
             )
-        self.metrics.observe("handler_seconds", time.monotonic() - started)
+        self.metrics.histograms.observe("handler_seconds", time.monotonic() - started)
         if not results:
             return {}
         # Only results of this batch's messages: another key would overwrite the stored

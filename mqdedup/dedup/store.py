@@ -103,6 +103,16 @@ class DedupStore:
             session, self._attempts, consumer, message_id, error[:2000], utcnow()
         )
 
+    def forget_attempts(self, session: Session, consumer: str, ids: Iterable[str]) -> None:
+        """Remove attempt counts: those messages get their full retries again (a replay)."""
+        id_list = list(ids)
+        if not id_list:
+            return
+        table = self._attempts
+        session.execute(
+            delete(table).where(table.c.consumer_name == consumer, table.c.message_id.in_(id_list))
+        )
+
     def start_attempt(
         self, session: Session, consumer: str, message_id: str, marker: str, max_attempts: int
     ) -> tuple[int, str | None, bool]:

@@ -52,7 +52,7 @@ from mqdedup.consumers.stopping import StopToken, graceful_signals
 from mqdedup.dedup.store import utcnow
 from mqdedup.dialects import MYSQL_DIALECTS, is_transient
 from mqdedup.errors import ConfigurationError
-from mqdedup.histograms import Histogram
+from mqdedup.histograms import Histograms
 from mqdedup.outbox.coordination import ControlConnection
 from mqdedup.outbox.mysql_coordination import MySQLControlConnection
 from mqdedup.outbox.publishers import (
@@ -151,7 +151,7 @@ class RelayMetrics:
     purged: int = 0
     seconds_publishing: float = 0.0
     #: ``publish_delay_seconds``: an outbox row's commit to its confirmed publish.
-    histograms: dict[str, Histogram] = field(default_factory=dict, repr=False)
+    histograms: Histograms = field(default_factory=Histograms, repr=False)
 
     def snapshot(self, *, histograms: bool = True) -> dict[str, Any]:
         """A plain copy for the metrics endpoint (``histograms=False``: for a log line)."""
@@ -161,15 +161,8 @@ class RelayMetrics:
             if item.name != "histograms"
         }
         if histograms:
-            data["histograms"] = {name: h.snapshot() for name, h in list(self.histograms.items())}
+            data["histograms"] = self.histograms.snapshot()
         return data
-
-    def observe(self, name: str, seconds: float) -> None:
-        """Count one duration in the histogram ``name``."""
-        histogram = self.histograms.get(name)
-        if histogram is None:
-            histogram = self.histograms[name] = Histogram()
-        histogram.observe(seconds)
 
 
 @dataclass
@@ -531,7 +524,7 @@ class Relay:
         with self._metrics_lock:
             for record in report.published:
                 delay = (now - record.created_at).total_seconds()
-                self.metrics.observe("publish_delay_seconds", max(0.0, delay))
+                self.metrics.histograms.observe("publish_delay_seconds", max(0.0, delay))
             self.metrics.batches += 1
             self.metrics.claimed += len(records)
             self.metrics.seconds_publishing += time.monotonic() - started
