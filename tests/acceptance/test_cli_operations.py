@@ -19,7 +19,6 @@ from sqlalchemy import Engine, delete, func, select
 from mqdedup import exitcodes
 from mqdedup.db import create_engine, init_schema
 from mqdedup.schema import schema
-from tests.conftest import require_service
 from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import KafkaHelper, Outgoing, row_counts
 from tests.services import REPO, free_port, wait_for
@@ -27,20 +26,6 @@ from tests.services import REPO, free_port, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 CONSUMER = "tests.acceptance.cli_consumers:Orders"
-
-
-@pytest.fixture
-def kafka() -> Iterator[KafkaHelper]:
-    bootstrap = os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
-    if not bootstrap:
-        require_service("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
-    assert bootstrap is not None
-    try:
-        helper = KafkaHelper(bootstrap)
-    except Exception as exc:  # any connection failure means "no Kafka"
-        require_service("Kafka", str(exc))
-    yield helper
-    helper.close()
 
 
 @pytest.fixture

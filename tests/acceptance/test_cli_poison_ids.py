@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 
 from mqdedup.db import create_engine, init_schema
 from mqdedup.schema import schema
-from tests.acceptance.test_cli_operations import MQDEDUP, healthz, kafka  # noqa: F401
+from tests.acceptance.test_cli_operations import MQDEDUP, healthz
 from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import KafkaHelper, Outgoing, row_counts
 from tests.services import REPO, free_port, wait_for
@@ -72,7 +72,7 @@ def _env(pg_url: str, prefix: str, **extra: str) -> dict[str, str]:
 
 
 def test_kafka_worker_dead_letters_a_nul_id_and_keeps_going(
-    kafka: KafkaHelper,  # noqa: F811
+    kafka: KafkaHelper,
     tables: tuple[Engine, str],
     pg_url: str,
 ) -> None:

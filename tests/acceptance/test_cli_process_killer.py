@@ -66,20 +66,6 @@ def database(pg_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture
-def kafka() -> Iterator[KafkaHelper]:
-    bootstrap = os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
-    if not bootstrap:
-        require_service("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
-    assert bootstrap is not None
-    try:
-        helper = KafkaHelper(bootstrap)
-    except Exception as exc:  # any connection failure means "no Kafka"
-        require_service("Kafka", str(exc))
-    yield helper
-    helper.close()
-
-
-@pytest.fixture
 def rabbit_url() -> str:
     url = os.environ.get("MQDEDUP_RABBITMQ_URL")
     if not url:

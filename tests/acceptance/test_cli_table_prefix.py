@@ -23,7 +23,6 @@ from sqlalchemy import Engine, func, inspect, select
 from mqdedup import exitcodes
 from mqdedup.db import create_engine
 from mqdedup.schema import schema
-from tests.conftest import require_service
 from tests.integration.kafka.helpers import KafkaHelper, Outgoing
 from tests.services import REPO, wait_for
 
@@ -55,20 +54,6 @@ def _count(engine: Engine, table: Any, *where: Any) -> int:
         return int(
             connection.execute(select(func.count()).select_from(table).where(*where)).scalar_one()
         )
-
-
-@pytest.fixture
-def kafka() -> Iterator[KafkaHelper]:
-    bootstrap = os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
-    if not bootstrap:
-        require_service("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
-    assert bootstrap is not None
-    try:
-        helper = KafkaHelper(bootstrap)
-    except Exception as exc:  # any connection failure means "no Kafka"
-        require_service("Kafka", str(exc))
-    yield helper
-    helper.close()
 
 
 @pytest.fixture
