@@ -758,8 +758,8 @@ def create_publishers(
 
 def _with_trace(record: OutboxRecord, trace_headers: Mapping[str, str]) -> OutboxRecord:
     """``record`` carrying ``trace_headers`` (the publish span) instead of its own."""
-    if not trace_headers and not any(name in record.headers for name in TRACE_HEADERS):
-        return record
+    if all(record.headers.get(name) == trace_headers.get(name) for name in TRACE_HEADERS):
+        return record  # no span (or none recorded): the row's own trace headers go out
     headers = {k: v for k, v in record.headers.items() if k not in TRACE_HEADERS}
     headers.update(trace_headers)
     return record._replace(headers=headers)
