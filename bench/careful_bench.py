@@ -22,7 +22,7 @@ from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, insert
 
 from mqdedup import Consumer, Context, InMemoryBroker, Message, run_until_idle
 from mqdedup.db import create_engine, init_schema
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 
 
 def one_run(

@@ -30,7 +30,7 @@ from sqlalchemy import Engine, insert
 
 from mqdedup import Consumer, InMemoryBroker, Message, create_engine, run_until_idle
 from mqdedup.consumers.base import BatchContext, Context
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 from tests.support import business, orders
 
 

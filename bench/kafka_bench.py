@@ -46,9 +46,9 @@ from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, insert,
 
 from mqdedup import StopToken, create_engine, init_schema
 from mqdedup.consumers.base import BatchContext, Context
-from mqdedup.consumers.kafka import KafkaConsumer
+from mqdedup.db.schema import schema
+from mqdedup.kafka import KafkaConsumer
 from mqdedup.message import Message
-from mqdedup.schema import schema
 
 PARTITIONS = 3
 

@@ -40,7 +40,7 @@ import kafka
 
 from mqdedup import StopToken, create_engine, init_schema
 from mqdedup.consumers.base import Context
-from mqdedup.consumers.kafka import KafkaConsumer
+from mqdedup.kafka import KafkaConsumer
 from mqdedup.message import Message
 
 SERVICES = Path(__file__).resolve().parent.parent / "scripts" / "services.sh"

@@ -46,9 +46,9 @@ from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, i
 
 from mqdedup import Message, create_engine, init_schema
 from mqdedup.consumers.base import BatchContext, Context
-from mqdedup.consumers.rabbitmq import RabbitMQConsumer
-from mqdedup.consumers.stopping import StopToken
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
+from mqdedup.rabbitmq import RabbitMQConsumer
+from mqdedup.stopping import StopToken
 
 GOAL_RAW_SHARE = 0.60
 GOAL_PER_MESSAGE_FACTOR = 5.0

@@ -51,14 +51,14 @@ from sqlalchemy.orm import Session
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mqdedup.consumers.stopping import StopToken
 from mqdedup.db import create_engine, init_schema
+from mqdedup.db.schema import schema
+from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import OutboxWriter, Relay, RelayConfig
-from mqdedup.outbox.kafka_publisher import KafkaPublisher
 from mqdedup.outbox.publishers import OutboxRecord, Publisher, PublishResult
-from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
 from mqdedup.outbox.writer import shard_hash
-from mqdedup.schema import schema
+from mqdedup.rabbitmq import RabbitMQPublisher
+from mqdedup.stopping import StopToken
 
 BATCH = 500
 WINDOW = 1000

@@ -40,7 +40,7 @@ from bench import kafka_bench as kb
 from bench import rabbitmq_bench as rb
 from bench.suite_common import QUICK, Row, Section, Settings, Sizes, interleave, progress
 from mqdedup import create_engine, init_schema
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 
 RAW = "raw loop, no DB (ceiling)"
 BULK = "mqdedup batch 500, bulk handle_batch"

@@ -48,7 +48,7 @@ def worker(database_url: str, messages: int, every: int) -> int:
     from mqdedup.consumers.base import BatchContext
     from mqdedup.consumers.memory import MemoryTransport
     from mqdedup.consumers.transport import Delivery
-    from mqdedup.schema import schema
+    from mqdedup.db.schema import schema
 
     prefix = f"bench_mem_{uuid.uuid4().hex[:8]}_"
     orders = f"{prefix}orders"

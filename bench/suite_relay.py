@@ -18,10 +18,10 @@ from sqlalchemy import text
 from bench import relay_bench as rl
 from bench.suite_common import Row, Section, Settings, Sizes, percentile, progress
 from mqdedup.db import create_engine, init_schema
-from mqdedup.outbox.kafka_publisher import KafkaPublisher
+from mqdedup.db.schema import schema
+from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox.publishers import Publisher
-from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
-from mqdedup.schema import schema
+from mqdedup.rabbitmq import RabbitMQPublisher
 
 BROKERS = ("kafka", "rabbitmq")
 

@@ -27,14 +27,14 @@ import redis
 from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, insert
 from sqlalchemy.orm import Session
 
-from mqdedup import InMemoryBroker, Message, dialects, run_until_idle
+from mqdedup import InMemoryBroker, Message, run_until_idle
 from mqdedup.consumers.base import BatchContext, Consumer
-from mqdedup.db import create_engine, init_schema
+from mqdedup.db import create_engine, dialects, init_schema
+from mqdedup.db.schema import MYSQL_TABLE_OPTIONS, KeyString, schema
 from mqdedup.dedup.redis_store import RedisConsumer, RedisContext, RedisDedupStore, RedisWorker
 from mqdedup.dedup.redis_tokens import RedisTokenStore
 from mqdedup.dedup.tokens import DatabaseTokenStore
 from mqdedup.dedup.transitions import StateMachine
-from mqdedup.schema import MYSQL_TABLE_OPTIONS, KeyString, schema
 
 N_TRANSITIONS = 2_000
 N_TOKENS = 2_000

@@ -18,7 +18,7 @@ from mqdedup.consumers import (
     run_until_idle,
 )
 from mqdedup.consumers.base import HandlerEndedTransactionError, InvalidResultError
-from mqdedup.db import create_engine, init_schema
+from mqdedup.db.engine import create_engine, init_schema
 from mqdedup.dedup import DedupStore, ids
 from mqdedup.dedup.ids import InvalidMessageIdError
 from mqdedup.errors import (

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import Engine
 
 from mqdedup.db import create_engine, init_schema
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 from tests.support import business
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

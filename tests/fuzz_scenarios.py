@@ -35,9 +35,9 @@ from mqdedup.consumers.base import Context
 from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.consumers.worker import Worker
+from mqdedup.db.schema import KeyString, schema
 from mqdedup.dedup.ids import MAX_ID_LENGTH
 from mqdedup.errors import MessageError, SimulatedCrash
-from mqdedup.schema import KeyString, schema
 
 QUEUE = "fuzz"
 BEHAVIOURS = (
@@ -314,7 +314,7 @@ def run(engine: Engine, reader: Engine, prefix: str, name: str, scenario: Scenar
 
 
 def _crashing(consumer: Consumer, kind: str, after: int) -> Consumer:
-    from mqdedup.testing import _crash_after_commit, _crash_mid_batch
+    from mqdedup.testing.plugin import _crash_after_commit, _crash_mid_batch
 
     if kind == "after-commit":
         return _crash_after_commit(consumer)

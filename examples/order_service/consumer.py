@@ -16,7 +16,7 @@ from sqlalchemy import insert
 from examples import settings
 from examples.order_service import config
 from mqdedup import Context, Message, MessageError, RetryPolicy
-from mqdedup.consumers.kafka import KafkaConsumer
+from mqdedup.kafka import KafkaConsumer
 
 
 class OrderConsumer(KafkaConsumer):

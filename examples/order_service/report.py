@@ -12,7 +12,7 @@ from sqlalchemy import Engine, func, select
 
 from examples import settings
 from examples.order_service import config
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 
 
 def counts(engine: Engine) -> dict[str, int]:

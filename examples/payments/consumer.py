@@ -25,8 +25,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from examples import settings
 from examples.payments import config
 from mqdedup import Context, Message, MessageError, RetryPolicy
-from mqdedup.consumers.rabbitmq import RabbitMQConsumer
 from mqdedup.dedup.transitions import TransitionOutcome
+from mqdedup.rabbitmq import RabbitMQConsumer
 
 TARGETS = {"captured": config.CAPTURED, "refunded": config.REFUNDED, "voided": config.VOIDED}
 LEDGER_ENTRIES = {config.CAPTURED: ("capture", 1), config.REFUNDED: ("refund", -1)}

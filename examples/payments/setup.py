@@ -13,7 +13,7 @@ from examples import settings
 from examples.payments import config
 from examples.payments.consumer import PaymentConsumer
 from mqdedup import init_schema
-from mqdedup.consumers.rabbitmq_topology import declare_dead_letter_topology, declare_topology
+from mqdedup.rabbitmq.topology import declare_dead_letter_topology, declare_topology
 
 
 def declare_queues() -> str:

@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert
 
 from mqdedup import Context, Message
-from mqdedup.consumers.kafka import KafkaConsumer
-from mqdedup.consumers.rabbitmq import RabbitMQConsumer
+from mqdedup.kafka import KafkaConsumer
+from mqdedup.rabbitmq import RabbitMQConsumer
 
 
 @cache

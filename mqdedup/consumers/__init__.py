@@ -4,9 +4,9 @@ from mqdedup.consumers.base import BatchContext, Consumer, Context, RetryPolicy
 from mqdedup.consumers.memory import InMemoryBroker, MemoryTransport
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchReport, Processor
-from mqdedup.consumers.stopping import StopToken, graceful_signals
 from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
 from mqdedup.consumers.worker import Worker, run_until_idle
+from mqdedup.stopping import StopToken, graceful_signals
 
 __all__ = [
     "BatchContext",

@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from sqlalchemy.orm import Session
 
+from mqdedup.db.schema import DEFAULT_PREFIX
 from mqdedup.dedup.ids import MAX_ID_LENGTH, MessageIdStrategy, from_header
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.message import Message
-from mqdedup.schema import DEFAULT_PREFIX
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import sessionmaker
 
     from mqdedup.consumers.metrics import Metrics
-    from mqdedup.consumers.stopping import StopToken
     from mqdedup.consumers.transport import Transport
     from mqdedup.outbox.writer import OutboxWriter
+    from mqdedup.stopping import StopToken
 
 FailureIsolation = Literal["auto", "savepoint", "rerun", "transaction"]
 FAILURE_ISOLATIONS: tuple[str, ...] = ("auto", "savepoint", "rerun", "transaction")

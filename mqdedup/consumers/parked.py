@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.transport import DeadLetter, Delivery
+from mqdedup.db.schema import DEFAULT_PREFIX
 from mqdedup.dedup.dead_letters import DeadLetterTable
-from mqdedup.schema import DEFAULT_PREFIX
 
 
 class ParkedTransport:

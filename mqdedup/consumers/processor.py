@@ -15,7 +15,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from tenacity import Retrying, retry_if_exception, stop_never, wait_random_exponential
 
 from mqdedup import tracing
-from mqdedup.consumers import sqlite_lock
 from mqdedup.consumers.base import (
     BatchContext,
     Consumer,
@@ -25,13 +24,14 @@ from mqdedup.consumers.base import (
     unguard_session,
 )
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
+from mqdedup.db import sqlite_lock
+from mqdedup.db.dialects import is_data_error, is_sqlite_lock_error, is_transient
 from mqdedup.dedup.dead_letters import DeadLetterCause, DeadLetterTable, clean_text
 from mqdedup.dedup.ids import InvalidMessageIdError, check_message_id
 from mqdedup.dedup.store import DedupStore
-from mqdedup.dialects import is_data_error, is_sqlite_lock_error, is_transient
 from mqdedup.errors import DeadLetterRefusedError, MessageError
+from mqdedup.stopping import StopToken
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -11,9 +11,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchAbandonedError, Processor
-from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.transport import Transport
-from mqdedup.db import session_factory
+from mqdedup.db.engine import session_factory
+from mqdedup.stopping import StopToken
 
 log = logging.getLogger(__name__)
 

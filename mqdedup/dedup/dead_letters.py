@@ -20,10 +20,10 @@ from typing import Any
 from sqlalchemy import RowMapping, delete, func, select
 from sqlalchemy.orm import Session
 
-from mqdedup import dialects
+from mqdedup.db import dialects
+from mqdedup.db.schema import DEFAULT_PREFIX, schema
 from mqdedup.dedup.store import utcnow
 from mqdedup.message import HeaderValue, Message
-from mqdedup.schema import DEFAULT_PREFIX, schema
 
 #: Longest reason / error text kept (the full text is in the worker's log).
 _TEXT_LIMIT = 4000

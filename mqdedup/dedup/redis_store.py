@@ -56,7 +56,6 @@ from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential,
 from mqdedup.consumers.base import Consumer, RetryPolicy
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchAbandonedError, BatchReport
-from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
 from mqdedup.dedup.ids import MessageIdStrategy, from_header
 from mqdedup.dedup.redis_client import (
@@ -66,6 +65,7 @@ from mqdedup.dedup.redis_client import (
 )
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.message import Message
+from mqdedup.stopping import StopToken
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -302,7 +302,7 @@ def _as_source(cls: type[Consumer]) -> type[Consumer]:
 
 def _is_rabbitmq(consumer: Consumer) -> bool:
     """True for a RabbitMQConsumer (checked without importing pika for Kafka users)."""
-    module = sys.modules.get("mqdedup.consumers.rabbitmq")
+    module = sys.modules.get("mqdedup.rabbitmq.consumer")
     return module is not None and isinstance(consumer, module.RabbitMQConsumer)
 
 
@@ -347,8 +347,8 @@ class RedisConsumer:
     database table. The broker is settled after the handler's result was recorded.
 
     Where messages come from: set :attr:`source` to a
-    :class:`~mqdedup.consumers.kafka.KafkaConsumer` or
-    :class:`~mqdedup.consumers.rabbitmq.RabbitMQConsumer` subclass that names the
+    :class:`~mqdedup.kafka.consumer.KafkaConsumer` or
+    :class:`~mqdedup.rabbitmq.consumer.RabbitMQConsumer` subclass that names the
     topics / queue and broker settings (its ``handle`` is never called); then
     ``mqdedup worker module:SendSms`` runs this consumer like any other. Or override
     :meth:`create_transport`, or pass a transport to :class:`RedisWorker`.

@@ -10,8 +10,8 @@ from typing import Any
 from sqlalchemy import Engine, bindparam, delete, func, literal_column, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from mqdedup import dialects
-from mqdedup.schema import DEFAULT_PREFIX, Schema, schema
+from mqdedup.db import dialects
+from mqdedup.db.schema import DEFAULT_PREFIX, Schema, schema
 
 log = logging.getLogger(__name__)
 

@@ -42,10 +42,10 @@ from typing import Protocol, runtime_checkable
 from sqlalchemy import Engine, delete, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup import dialects
-from mqdedup.db import session_factory
+from mqdedup.db import dialects
+from mqdedup.db.engine import session_factory
+from mqdedup.db.schema import DEFAULT_PREFIX, schema
 from mqdedup.errors import ConfigurationError
-from mqdedup.schema import DEFAULT_PREFIX, schema
 
 log = logging.getLogger(__name__)
 

@@ -54,8 +54,8 @@ from sqlalchemy import Column, Engine, Table, inspect, select, update
 from sqlalchemy.exc import NoInspectionAvailable
 from sqlalchemy.orm import Mapper, Session, sessionmaker
 
-from mqdedup.db import session_factory
-from mqdedup.dialects import is_transient, latest_committed
+from mqdedup.db.dialects import is_transient, latest_committed
+from mqdedup.db.engine import session_factory
 from mqdedup.errors import ConfigurationError, MqdedupError
 
 log = logging.getLogger(__name__)

@@ -3,8 +3,8 @@
 * :class:`OutboxWriter` (``ctx.outbox`` in handlers) adds outgoing messages to the
   caller's transaction;
 * :class:`Relay` publishes committed rows through publishers
-  (:class:`~mqdedup.outbox.kafka_publisher.KafkaPublisher`,
-  :class:`~mqdedup.outbox.rabbitmq_publisher.RabbitMQPublisher`, or
+  (:class:`~mqdedup.kafka.publisher.KafkaPublisher`,
+  :class:`~mqdedup.rabbitmq.publisher.RabbitMQPublisher`, or
   :class:`MemoryPublisher` in tests), at least once, with stable message ids;
 * :class:`OutboxStore` has the operator's tools: status, retry of failed rows, purge.
 

@@ -48,9 +48,9 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential, wait_random
 
-from mqdedup.consumers.stopping import StopToken, graceful_signals
+from mqdedup.db.dialects import MYSQL_DIALECTS, is_transient
+from mqdedup.db.schema import DEFAULT_PREFIX
 from mqdedup.dedup.store import utcnow
-from mqdedup.dialects import MYSQL_DIALECTS, is_transient
 from mqdedup.errors import ConfigurationError
 from mqdedup.histograms import Histograms
 from mqdedup.outbox.coordination import ControlConnection
@@ -68,7 +68,7 @@ from mqdedup.outbox.store import (
     ShardFilter,
     prepare_relay_connection,
 )
-from mqdedup.schema import DEFAULT_PREFIX
+from mqdedup.stopping import StopToken, graceful_signals
 from mqdedup.tracing import TRACE_HEADERS, PublishTrace
 
 log = logging.getLogger(__name__)
@@ -741,11 +741,11 @@ def create_publishers(
     rabbitmq_url = rabbitmq_url or os.environ.get("MQDEDUP_RABBITMQ_URL")
     publishers: dict[str, Publisher] = {}
     if kafka_bootstrap:
-        from mqdedup.outbox.kafka_publisher import KafkaPublisher
+        from mqdedup.kafka.publisher import KafkaPublisher
 
         publishers["kafka"] = KafkaPublisher(kafka_bootstrap)
     if rabbitmq_url:
-        from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
+        from mqdedup.rabbitmq.publisher import RabbitMQPublisher
 
         publishers["rabbitmq"] = RabbitMQPublisher(rabbitmq_url)
     if not publishers:

@@ -41,12 +41,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import ColumnElement
 
+from mqdedup.db.dialects import MYSQL_DIALECTS
+from mqdedup.db.schema import DEFAULT_PREFIX, schema
 from mqdedup.dedup.store import utcnow
-from mqdedup.dialects import MYSQL_DIALECTS
 from mqdedup.outbox.notify import channel_name
 from mqdedup.outbox.publishers import OutboxRecord
 from mqdedup.outbox.writer import FAILED, PENDING, PUBLISHED
-from mqdedup.schema import DEFAULT_PREFIX, schema
 
 log = logging.getLogger(__name__)
 

@@ -35,11 +35,11 @@ from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
 from mqdedup import tracing
+from mqdedup.db.schema import DEFAULT_PREFIX, schema
 from mqdedup.dedup.store import utcnow
 from mqdedup.errors import MessageError, MqdedupError
 from mqdedup.message import Message
 from mqdedup.outbox.notify import channel_name, notify_on_commit
-from mqdedup.schema import DEFAULT_PREFIX, schema
 
 KAFKA = "kafka"
 RABBITMQ = "rabbitmq"

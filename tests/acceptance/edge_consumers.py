@@ -10,8 +10,8 @@ import os
 from typing import Any
 
 from mqdedup import Consumer, Context, Message
-from mqdedup.consumers.kafka import KafkaConsumer
-from mqdedup.consumers.rabbitmq import RabbitMQConsumer
+from mqdedup.kafka import KafkaConsumer
+from mqdedup.rabbitmq import RabbitMQConsumer
 
 _TIMEOUT = float(os.environ.get("EDGE_TIMEOUT", "2"))
 

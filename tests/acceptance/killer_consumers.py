@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import insert
 
 from mqdedup import Context, Message, RetryPolicy
-from mqdedup.consumers.rabbitmq import RabbitMQConsumer
+from mqdedup.rabbitmq import RabbitMQConsumer
 from tests.integration.kafka.consumers import FAST_GROUP, TestOrders, orders_table
 
 _PREFIX = os.environ.get("KILLER_PREFIX", "killer_")

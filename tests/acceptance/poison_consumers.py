@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import insert
 
 from mqdedup import Context, Message
-from mqdedup.consumers.rabbitmq import RabbitMQConsumer
+from mqdedup.rabbitmq import RabbitMQConsumer
 from tests.integration.kafka.consumers import orders_table
 
 _PREFIX = os.environ.get("ACCEPT_PREFIX", "accept_")

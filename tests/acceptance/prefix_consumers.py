@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from mqdedup import Context, Message
-from mqdedup.consumers.kafka import KafkaConsumer
+from mqdedup.kafka import KafkaConsumer
 from tests.integration.kafka.consumers import FAST_GROUP
 
 

@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 import redis
 
 from mqdedup import Message
-from mqdedup.consumers.kafka import KafkaConsumer
-from mqdedup.consumers.rabbitmq import RabbitMQConsumer
 from mqdedup.dedup.redis_store import RedisConsumer, RedisContext
+from mqdedup.kafka import KafkaConsumer
+from mqdedup.rabbitmq import RabbitMQConsumer
 
 _NAMESPACE = os.environ.get("ACCEPT_NAMESPACE", "accept:sms:")
 _DELAY = float(os.environ.get("ACCEPT_DELAY", "0"))  # seconds per "SMS provider call"

@@ -23,14 +23,15 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, func, insert, select
 
-from mqdedup import __version__, exitcodes
-from mqdedup.commands.replay import format_replay_report
+from mqdedup import __version__
+from mqdedup.cli import exitcodes
+from mqdedup.cli.commands.replay import format_replay_report
+from mqdedup.cli.demo import demo_orders, run_demo
 from mqdedup.consumers.replay import ReplayReport
 from mqdedup.db import create_engine, init_schema
+from mqdedup.db.schema import schema
 from mqdedup.dedup.store import utcnow
-from mqdedup.demo import demo_orders, run_demo
 from mqdedup.outbox.writer import OutboxWriter
-from mqdedup.schema import schema
 from tests.conftest import require_service
 from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import KafkaHelper, Outgoing
@@ -228,7 +229,7 @@ def test_config_typos_are_refused_with_the_nearest_name(
     config.write_text(content)
     result = cli("db", "check", "--config", str(config))
     assert_one_line(result, exitcodes.CONFIGURATION, text.format(path=config))
-    assert not (REPO / "mqdedup.db").exists() or "elsewhere" not in content
+    assert not (REPO / "mqdedup.db.engine").exists() or "elsewhere" not in content
 
 
 # -- dedup purge -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mqdedup import exitcodes
+from mqdedup.cli import exitcodes
 
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from mqdedup import exitcodes
+from mqdedup.cli import exitcodes
 from tests.acceptance.test_cli_edges import MQDEDUP, cli
 from tests.conftest import require_service
 from tests.services import REPO, free_port, wait_for

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
-from mqdedup import exitcodes
+from mqdedup.cli import exitcodes
 
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 

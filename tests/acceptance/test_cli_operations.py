@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, delete, func, select
 
-from mqdedup import exitcodes
+from mqdedup.cli import exitcodes
 from mqdedup.db import create_engine, init_schema
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import KafkaHelper, Outgoing, row_counts
 from tests.services import REPO, free_port, wait_for

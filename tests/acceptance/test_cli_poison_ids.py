@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import Engine
 
 from mqdedup.db import create_engine, init_schema
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 from tests.acceptance.test_cli_operations import MQDEDUP, healthz
 from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import KafkaHelper, Outgoing, row_counts

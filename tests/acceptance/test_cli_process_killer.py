@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from mqdedup import exitcodes
+from mqdedup.cli import exitcodes
 from mqdedup.consumers.processor import WORKER_DIED
-from mqdedup.consumers.rabbitmq_topology import check_broker
 from mqdedup.db import create_engine, init_schema
+from mqdedup.db.schema import schema
 from mqdedup.errors import MqdedupError
-from mqdedup.schema import schema
+from mqdedup.rabbitmq.topology import check_broker
 from tests.acceptance.killer_consumers import MAX_ATTEMPTS
 from tests.conftest import require_service
 from tests.integration.kafka.consumers import orders_table

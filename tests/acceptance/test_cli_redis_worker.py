@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from mqdedup import exitcodes
+from mqdedup.cli import exitcodes
 from tests.acceptance.redis_consumers import SmsRequests
 from tests.acceptance.test_cli_operations import MQDEDUP, cli, healthz, metrics_text
 from tests.conftest import require_service
@@ -55,7 +55,7 @@ def setup() -> Iterator[dict[str, Any]]:
             "ACCEPT_DELAY": "0.002",
             # No database anywhere: the default SQLite URL points at a directory that does
             # not exist, so any attempt to use it would fail the test.
-            "MQDEDUP_DATABASE_URL": "sqlite:////nonexistent/dir/mqdedup.db",
+            "MQDEDUP_DATABASE_URL": "sqlite:////nonexistent/dir/mqdedup.db.engine",
         }
     )
     yield {"admin": admin, "queue": queue, "redis": client, "namespace": namespace, "env": env}

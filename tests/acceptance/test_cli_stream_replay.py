@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from mqdedup import exitcodes
+from mqdedup.cli import exitcodes
 from mqdedup.db import create_engine, init_schema
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 from tests.conftest import require_service
 from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import row_counts

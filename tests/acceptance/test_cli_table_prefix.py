@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, func, inspect, select
 
-from mqdedup import exitcodes
+from mqdedup.cli import exitcodes
 from mqdedup.db import create_engine
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 from tests.integration.kafka.helpers import KafkaHelper, Outgoing
 from tests.services import REPO, wait_for
 

@@ -24,7 +24,7 @@ from sqlalchemy import Engine, MetaData, func, select, text
 
 from examples.payments.produce import expected
 from mqdedup.db import create_engine
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 from tests.conftest import require_service
 from tests.services import REPO, free_port, wait_for
 

@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import Engine, text
 
 from mqdedup import InMemoryBroker, Message, RetryPolicy, create_engine, run_until_idle
-from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.worker import Worker
 from mqdedup.errors import SimulatedCrash
+from mqdedup.stopping import StopToken
 from tests.conftest import require_service, reset_database
 from tests.services import REPO, PrivateService, free_port, wait_for
 from tests.support import BulkOrderConsumer, OrderConsumer, order_counts

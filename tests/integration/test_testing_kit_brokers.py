@@ -2,7 +2,7 @@
 the notifier that publishes directly (issue #8).
 
 Real Kafka / RabbitMQ, the shared PostgreSQL, real worker processes killed with
-``kill -9`` (``mqdedup.testing_brokers``), the real relay. Each harness has its own
+``kill -9`` (``mqdedup.testing.brokers``), the real relay. Each harness has its own
 topic / queue, group and table prefix.
 """
 
@@ -22,7 +22,7 @@ from examples.testing_sample.notify import (
     orders_table,
 )
 from mqdedup.testing import EffectivelyOnceError, assert_effectively_once, downstream_effects
-from mqdedup.testing_brokers import BrokerHarness, KafkaHarness, RabbitMQHarness
+from mqdedup.testing.brokers import BrokerHarness, KafkaHarness, RabbitMQHarness
 from tests.conftest import require_service
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

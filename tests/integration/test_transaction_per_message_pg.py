@@ -27,9 +27,9 @@ import pytest
 from sqlalchemy import Engine, Table
 
 from mqdedup import Message, create_engine, init_schema
-from mqdedup.consumers.stopping import StopToken
+from mqdedup.db.schema import schema
 from mqdedup.errors import MqdedupError
-from mqdedup.schema import schema
+from mqdedup.stopping import StopToken
 from tests.conftest import require_service
 from tests.integration.rabbitmq.support import (
     REPO,
@@ -88,7 +88,7 @@ def rabbit_url() -> str:
     if not url:
         require_service("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
     assert url is not None
-    from mqdedup.consumers.rabbitmq_topology import check_broker
+    from mqdedup.rabbitmq.topology import check_broker
 
     try:
         check_broker(url)

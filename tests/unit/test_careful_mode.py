@@ -21,8 +21,8 @@ from mqdedup.consumers.memory import MemoryTransport, run_until_idle_restarting
 from mqdedup.consumers.processor import WORKER_DIED
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.consumers.worker import Worker
+from mqdedup.db.schema import schema
 from mqdedup.errors import BrokerUnavailableError, SimulatedCrash
-from mqdedup.schema import schema
 from tests.support import BulkOrderConsumer, OrderConsumer, order_counts
 
 MAX_ATTEMPTS = 3

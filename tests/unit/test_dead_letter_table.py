@@ -12,13 +12,13 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from mqdedup import InMemoryBroker, Metrics, RetryPolicy
-from mqdedup.commands.dead_letters import delete_dead_letters, replay_dead_letters
+from mqdedup.cli.commands.dead_letters import delete_dead_letters, replay_dead_letters
 from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.consumers.worker import Worker
+from mqdedup.db.schema import schema
 from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
-from mqdedup.schema import schema
 from tests.support import OrderConsumer, orders
 
 FAST = RetryPolicy(max_attempts=2, initial_backoff=0.001, max_backoff=0.01)
@@ -162,7 +162,7 @@ def test_cli_lists_and_deletes_kept_dead_letters(sqlite_engine: Engine, tmp_path
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "mqdedup.cli", *args, "--database", url],
+            [sys.executable, "-m", "mqdedup.cli.main", *args, "--database", url],
             capture_output=True,
             text=True,
             timeout=60,

@@ -9,13 +9,13 @@ from kafka.consumer.fetcher import ConsumerRecord
 from sqlalchemy import Engine
 
 from mqdedup import ConfigurationError, Context, InMemoryBroker, Message, run_until_idle
-from mqdedup.consumers.kafka import KafkaConsumer
-from mqdedup.consumers.kafka_transport import (
+from mqdedup.consumers.transport import DeadLetter
+from mqdedup.kafka import KafkaConsumer
+from mqdedup.kafka.transport import (
     KafkaToken,
     dead_letter_headers,
     to_message,
 )
-from mqdedup.consumers.transport import DeadLetter
 from tests.support import order_counts, orders
 
 

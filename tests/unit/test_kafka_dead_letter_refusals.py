@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from kafka import errors as kafka_errors
 
-from mqdedup.consumers.kafka_transport import KafkaToken, KafkaTransport
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
+from mqdedup.kafka.transport import KafkaToken, KafkaTransport
 from mqdedup.message import Message
 from tests.unit.test_kafka_config import consumer_class, record
 from tests.unit.test_outbox_publishers import FakeFuture, FakeProducer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mqdedup.consumers.kafka_offsets import OffsetTracker
+from mqdedup.kafka.offsets import OffsetTracker
 
 P0 = ("orders", 0)
 P1 = ("orders", 1)

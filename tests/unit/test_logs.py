@@ -50,7 +50,7 @@ def test_client_libraries_are_quiet_unless_debugging(capsys: pytest.CaptureFixtu
     configure("WARNING")
     logging.getLogger("kafka.conn").error("connect attempt to 127.0.0.1:1 failed")
     logging.getLogger("pika.adapters").warning("Socket closed")
-    logging.getLogger("mqdedup.cli").warning("cannot reach Kafka")
+    logging.getLogger("mqdedup.cli.main").warning("cannot reach Kafka")
     err = capsys.readouterr().err
     assert "cannot reach Kafka" in err and "connect attempt" not in err and "Socket" not in err
     configure("DEBUG")

@@ -8,13 +8,13 @@ import logging
 import pytest
 from sqlalchemy.engine import make_url
 
-from mqdedup.consumers.rabbitmq_topology import connection_parameters, mask_amqp_url
-from mqdedup.db import check_connection, create_engine, mask_url, parse_url
+from mqdedup.db.engine import check_connection, create_engine, mask_url, parse_url
 from mqdedup.dedup.redis_client import mask_redis_url
 from mqdedup.errors import DatabaseUnavailableError
 from mqdedup.logs import KeyValueFormatter
 from mqdedup.masking import mask_text
 from mqdedup.masking import mask_url as one_mask
+from mqdedup.rabbitmq.topology import connection_parameters, mask_amqp_url
 
 SECRET = "S3cretPW"
 
@@ -59,7 +59,7 @@ def test_every_masker_is_the_one_function(url: str, _visible: str) -> None:
 def test_urls_without_secrets_are_unchanged() -> None:
     for url in (
         "postgresql://app@db:5432/app?sslmode=require",
-        "sqlite:///mqdedup.db",
+        "sqlite:///mqdedup.db.engine",
         "k1:9092,k2:9092",
         "amqp://rabbit/%2F",
         "redis://redis:6379/0",

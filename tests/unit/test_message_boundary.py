@@ -22,8 +22,8 @@ from sqlalchemy.exc import OperationalError
 from mqdedup import Consumer, InMemoryBroker, Message, RetryPolicy, ids, run_until_idle
 from mqdedup.consumers.base import Context
 from mqdedup.db import create_engine
+from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError
-from mqdedup.schema import schema
 from tests.support import OrderConsumer, order_counts, orders
 
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff=0.001, max_backoff=0.01)
@@ -329,7 +329,7 @@ def test_a_dead_letter_reason_is_always_storable_text(sqlite_engine: Engine) -> 
 def test_data_errors_are_recognised_by_code_not_text() -> None:
     import sqlite3
 
-    from mqdedup.dialects import is_data_error, is_sqlite_lock_error, is_transient
+    from mqdedup.db.dialects import is_data_error, is_sqlite_lock_error, is_transient
 
     connection = sqlite3.connect(":memory:")
     connection.execute("CREATE TABLE t (k TEXT PRIMARY KEY, n INTEGER NOT NULL)")

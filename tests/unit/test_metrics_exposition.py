@@ -8,9 +8,9 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from mqdedup import InMemoryBroker, Metrics
+from mqdedup.cli.exposition import process_stats, render_snapshots
+from mqdedup.cli.health import HealthServer
 from mqdedup.consumers.worker import Worker
-from mqdedup.exposition import process_stats, render_snapshots
-from mqdedup.health import HealthServer
 from tests.support import OrderConsumer
 
 

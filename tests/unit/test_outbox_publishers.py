@@ -10,7 +10,7 @@ import pytest
 from kafka import errors as kafka_errors
 
 from mqdedup.errors import ConfigurationError
-from mqdedup.outbox.kafka_publisher import KafkaPublisher
+from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox.publishers import OutboxRecord, Outcome
 
 

@@ -14,11 +14,11 @@ from sqlalchemy.orm import Session
 
 from mqdedup import InMemoryBroker, Message, run_until_idle
 from mqdedup.consumers.base import Context
-from mqdedup.consumers.stopping import StopToken
+from mqdedup.db.schema import schema
 from mqdedup.dedup.store import utcnow
 from mqdedup.errors import ConfigurationError
 from mqdedup.outbox import MemoryPublisher, OutboxStore, OutboxWriter, Relay, RelayConfig
-from mqdedup.schema import schema
+from mqdedup.stopping import StopToken
 from tests.support import OrderConsumer, order_counts, orders
 
 OUTBOX = schema().outbox

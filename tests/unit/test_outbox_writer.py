@@ -12,9 +12,9 @@ from sqlalchemy.orm import Session
 
 from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
 from mqdedup.consumers.base import Context
+from mqdedup.db.schema import schema
 from mqdedup.outbox import InvalidOutgoingMessageError, OutboxWriter, OutgoingMessage
 from mqdedup.outbox.writer import outgoing_message_id, shard_hash
-from mqdedup.schema import schema
 from tests.support import OrderConsumer, order_counts, orders
 
 OUTBOX = schema().outbox

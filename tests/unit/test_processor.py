@@ -14,9 +14,9 @@ from mqdedup.consumers.base import Context
 from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.transport import Delivery
 from mqdedup.consumers.worker import Worker
+from mqdedup.db.schema import schema
 from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import ConfigurationError, SimulatedCrash
-from mqdedup.schema import schema
 from tests.support import BulkOrderConsumer, OrderConsumer, order_counts
 
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.001, max_backoff=0.01)

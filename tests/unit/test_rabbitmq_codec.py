@@ -9,7 +9,10 @@ import pika
 import pytest
 from pika.spec import Basic
 
-from mqdedup.consumers.rabbitmq_codec import (
+from mqdedup.consumers.transport import DeadLetter
+from mqdedup.dedup.ids import from_amqp_message_id
+from mqdedup.errors import MissingMessageIdError
+from mqdedup.rabbitmq.codec import (
     AckPlan,
     dead_letter_properties,
     delivery_attempt,
@@ -18,9 +21,6 @@ from mqdedup.consumers.rabbitmq_codec import (
     requeue_properties,
     to_message,
 )
-from mqdedup.consumers.transport import DeadLetter
-from mqdedup.dedup.ids import from_amqp_message_id
-from mqdedup.errors import MissingMessageIdError
 
 
 def deliver(tag: int = 7, redelivered: bool = False) -> Basic.Deliver:

@@ -8,15 +8,15 @@ import pytest
 
 from mqdedup import Message
 from mqdedup.consumers.base import Context
-from mqdedup.consumers.rabbitmq import Binding, RabbitMQConsumer
-from mqdedup.consumers.rabbitmq_topology import (
+from mqdedup.errors import ConfigurationError
+from mqdedup.rabbitmq.consumer import Binding, RabbitMQConsumer
+from mqdedup.rabbitmq.topology import (
     RABBITMQ_URL_ENV,
     Topology,
     connection_parameters,
     declare_topology,
     mask_amqp_url,
 )
-from mqdedup.errors import ConfigurationError
 
 
 class Orders(RabbitMQConsumer):

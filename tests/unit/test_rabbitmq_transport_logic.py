@@ -13,11 +13,11 @@ import pika
 import pytest
 from pika.spec import Basic
 
-from mqdedup.consumers.rabbitmq_topology import Topology
-from mqdedup.consumers.rabbitmq_transport import AmqpToken, RabbitMQTransport
-from mqdedup.consumers.stopping import StopToken
 from mqdedup.consumers.transport import DeadLetter
 from mqdedup.errors import BrokerUnavailableError
+from mqdedup.rabbitmq import Topology
+from mqdedup.rabbitmq.transport import AmqpToken, RabbitMQTransport
+from mqdedup.stopping import StopToken
 
 
 class FakeChannel:

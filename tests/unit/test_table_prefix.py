@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from mqdedup import Consumer
-from mqdedup.config import (
+from mqdedup.cli.config import (
     consumer_table_prefix,
     declared_table_prefix,
     resolve_with_source,
     use_table_prefix,
 )
+from mqdedup.db.schema import DEFAULT_PREFIX, MAX_IDENTIFIER_BYTES, schema
 from mqdedup.errors import ConfigurationError
-from mqdedup.schema import DEFAULT_PREFIX, MAX_IDENTIFIER_BYTES, schema
 
 
 class Plain(Consumer):

@@ -8,7 +8,7 @@ from sqlalchemy import Engine, func, select
 from examples.testing_sample.notify import DirectOrderNotifier, OrderNotifier, orders_table
 from mqdedup import RetryPolicy
 from mqdedup.consumers.memory import InMemoryBroker
-from mqdedup.schema import DEFAULT_PREFIX
+from mqdedup.db.schema import DEFAULT_PREFIX
 from mqdedup.testing import (
     ConsumerHarness,
     DownstreamMessage,

@@ -12,9 +12,9 @@ from sqlalchemy import Engine, event, func, select
 from sqlalchemy.orm import Session
 
 from mqdedup.db import create_engine, init_schema
+from mqdedup.db.schema import schema
 from mqdedup.dedup.tokens import DatabaseTokenStore, TokenOutcome, TokenStore, token_hash
 from mqdedup.errors import ConfigurationError
-from mqdedup.schema import schema
 
 
 @pytest.fixture

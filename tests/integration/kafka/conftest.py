@@ -17,8 +17,8 @@ import pytest
 from sqlalchemy import Engine
 
 from mqdedup.db import check_connection, create_engine, init_schema
+from mqdedup.db.schema import schema
 from mqdedup.errors import DatabaseUnavailableError
-from mqdedup.schema import schema
 from tests.conftest import require_service
 from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import KafkaHelper

@@ -18,7 +18,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, insert
 
 from mqdedup import Context, Message, RetryPolicy
 from mqdedup.consumers.base import BatchContext
-from mqdedup.consumers.kafka import KafkaConsumer
+from mqdedup.kafka import KafkaConsumer
 
 #: Fast failure detection for tests (the broker's minimum session timeout is 6 s).
 FAST_GROUP = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}

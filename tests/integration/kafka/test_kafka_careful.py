@@ -8,7 +8,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from sqlalchemy import select
 
 from mqdedup.consumers.processor import WORKER_DIED
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 from tests.integration.kafka.conftest import TestDatabase
 from tests.integration.kafka.helpers import KafkaHelper, Outgoing, row_counts, wait_for
 from tests.integration.kafka.test_kafka_consumer import consumer_for, running

@@ -22,8 +22,8 @@ from sqlalchemy.orm import Session
 
 from mqdedup import RetryPolicy
 from mqdedup.dedup.dead_letters import DeadLetterTable
+from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import OutboxStore, OutboxWriter, Relay, RelayConfig
-from mqdedup.outbox.kafka_publisher import KafkaPublisher
 from tests.integration.kafka.conftest import TestDatabase
 from tests.integration.kafka.consumers import make_consumer
 from tests.integration.kafka.helpers import (

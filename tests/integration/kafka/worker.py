@@ -14,9 +14,9 @@ import logging
 import os
 import sys
 
-from mqdedup.consumers.stopping import ImmediateStop, StopToken, graceful_signals
 from mqdedup.db import create_engine
 from mqdedup.logs import configure
+from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
 from tests.integration.kafka.consumers import consumer_from_env
 
 

@@ -24,10 +24,10 @@ from sqlalchemy import insert
 
 from mqdedup import Context, Message, RetryPolicy
 from mqdedup.consumers.base import Consumer
-from mqdedup.consumers.kafka import KafkaConsumer
-from mqdedup.consumers.rabbitmq import RabbitMQConsumer
-from mqdedup.consumers.stopping import ImmediateStop, StopToken, graceful_signals
 from mqdedup.db import create_engine
+from mqdedup.kafka import KafkaConsumer
+from mqdedup.rabbitmq import RabbitMQConsumer
+from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
 from tests.integration.outbox.helpers import events_table
 
 FAST_GROUP = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from mqdedup.db import check_connection, create_engine, init_schema
+from mqdedup.db.schema import schema
 from mqdedup.errors import DatabaseUnavailableError
-from mqdedup.schema import schema
 from tests.conftest import require_service
 from tests.integration.outbox.helpers import KafkaTool, OutboxDb, RabbitTool, events_table
 

@@ -23,8 +23,8 @@ from kafka.structs import TopicPartition
 from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, select
 from sqlalchemy.orm import Session
 
-from mqdedup.consumers.stopping import StopToken
 from mqdedup.outbox import OutboxStatus, OutboxStore, OutboxWriter, Relay, RelayMetrics
+from mqdedup.stopping import StopToken
 from tests.services import REPO, wait_for
 
 __all__ = ["REPO", "wait_for"]

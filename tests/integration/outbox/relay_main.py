@@ -37,11 +37,11 @@ def main() -> int:
     )
     publishers: dict[str, Publisher] = {}
     if config.get("kafka"):
-        from mqdedup.outbox.kafka_publisher import KafkaPublisher
+        from mqdedup.kafka import KafkaPublisher
 
         publishers["kafka"] = KafkaPublisher(config["kafka"])
     if config.get("rabbitmq"):
-        from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
+        from mqdedup.rabbitmq import RabbitMQPublisher
 
         publishers["rabbitmq"] = RabbitMQPublisher(config["rabbitmq"])
     settings = {name: config[name] for name in SETTINGS if name in config}

@@ -21,12 +21,11 @@ import pytest
 from sqlalchemy.orm import Session
 
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.rabbitmq import RabbitMQConsumer
-from mqdedup.consumers.rabbitmq_topology import declare_topology
-from mqdedup.consumers.stopping import StopToken
 from mqdedup.outbox import OutboxWriter, Relay, RelayConfig
-from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
 from mqdedup.outbox.writer import outgoing_message_id
+from mqdedup.rabbitmq import RabbitMQConsumer, RabbitMQPublisher
+from mqdedup.rabbitmq.topology import declare_topology
+from mqdedup.stopping import StopToken
 from tests.integration.outbox.chain_worker import build
 from tests.integration.outbox.helpers import (
     KafkaTool,

@@ -18,9 +18,9 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from mqdedup import exitcodes
+from mqdedup.cli import exitcodes
+from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import OutboxStore, OutboxWriter, Relay, RelayConfig
-from mqdedup.outbox.kafka_publisher import KafkaPublisher
 from tests.integration.outbox.helpers import (
     KafkaTool,
     OutboxDb,

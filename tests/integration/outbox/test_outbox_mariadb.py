@@ -34,15 +34,15 @@ import pytest
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from mqdedup.consumers.rabbitmq_topology import declare_topology
 from mqdedup.db import check_connection, create_engine, init_schema
+from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError, DatabaseUnavailableError
+from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import MemoryPublisher, OutboxStore, OutboxWriter, Relay, RelayConfig
-from mqdedup.outbox.kafka_publisher import KafkaPublisher
 from mqdedup.outbox.mysql_coordination import MySQLControlConnection
-from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
 from mqdedup.outbox.store import ShardFilter
-from mqdedup.schema import schema
+from mqdedup.rabbitmq import RabbitMQPublisher
+from mqdedup.rabbitmq.topology import declare_topology
 from tests.conftest import require_service
 from tests.integration.outbox.helpers import (
     REPO,

@@ -22,10 +22,10 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from mqdedup.db.schema import schema
 from mqdedup.outbox import OutboxWriter, Relay
-from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
 from mqdedup.outbox.relay import RelayConfig
-from mqdedup.schema import schema
+from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import OutboxDb, poll_until, relay_thread
 from tests.integration.rabbitmq.private_node import PrivateNode, private_node
 

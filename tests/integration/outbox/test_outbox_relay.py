@@ -13,10 +13,10 @@ from sqlalchemy.orm import Session
 from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
 from mqdedup.consumers.base import Consumer, Context
 from mqdedup.errors import ConfigurationError
+from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import MemoryPublisher, OutboxWriter, Relay, RelayConfig
-from mqdedup.outbox.kafka_publisher import KafkaPublisher
-from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
 from mqdedup.outbox.writer import outgoing_message_id
+from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import (
     KafkaTool,
     OutboxDb,

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import pytest
 from sqlalchemy import Engine, Table
 
-from mqdedup.consumers.rabbitmq_topology import check_broker
 from mqdedup.db import create_engine, init_schema
+from mqdedup.db.schema import schema
 from mqdedup.errors import MqdedupError
-from mqdedup.schema import schema
+from mqdedup.rabbitmq.topology import check_broker
 from tests.conftest import require_service
 from tests.integration.rabbitmq.support import BrokerAdmin, orders_table, rabbitmqctl_command
 

@@ -23,10 +23,10 @@ from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, i
 from mqdedup import Message
 from mqdedup.consumers.base import Context
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.rabbitmq import RabbitMQConsumer, RabbitMQTransport
-from mqdedup.consumers.rabbitmq_topology import declare_topology
-from mqdedup.consumers.stopping import StopToken
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
+from mqdedup.rabbitmq.consumer import RabbitMQConsumer, RabbitMQTransport
+from mqdedup.rabbitmq.topology import declare_topology
+from mqdedup.stopping import StopToken
 from tests.services import REPO, wait_for
 
 __all__ = ["REPO", "wait_for"]

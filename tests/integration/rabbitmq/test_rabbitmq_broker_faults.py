@@ -28,13 +28,14 @@ import pika
 import pytest
 from sqlalchemy.orm import Session
 
-from mqdedup import Message, RetryPolicy, exitcodes
+from mqdedup import Message, RetryPolicy
+from mqdedup.cli import exitcodes
+from mqdedup.cli.health import snapshot_ready
 from mqdedup.consumers.transport import DeadLetter
 from mqdedup.errors import DeadLetterRefusedError
-from mqdedup.health import snapshot_ready
 from mqdedup.outbox import OutboxStore, OutboxWriter, Relay
-from mqdedup.outbox.rabbitmq_publisher import RabbitMQPublisher
 from mqdedup.outbox.relay import RelayConfig
+from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import relay_thread
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.private_node import PrivateNode, private_node

@@ -10,7 +10,7 @@ import pika
 import pytest
 
 from mqdedup import Message, RetryPolicy
-from mqdedup.consumers.rabbitmq import requeue_dead_letters
+from mqdedup.rabbitmq.consumer import requeue_dead_letters
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import (
     BrokerAdmin,

@@ -26,7 +26,7 @@ from typing import Any
 
 from mqdedup import Message, create_engine
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.stopping import ImmediateStop, StopToken, graceful_signals
+from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
 from tests.integration.rabbitmq.support import make_consumer
 
 

@@ -17,8 +17,8 @@ import redis
 from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, select, text
 
 from mqdedup.db import check_connection, create_engine, init_schema
+from mqdedup.db.schema import MYSQL_TABLE_OPTIONS, KeyString, schema
 from mqdedup.errors import DatabaseUnavailableError
-from mqdedup.schema import MYSQL_TABLE_OPTIONS, KeyString, schema
 from tests.conftest import require_service
 
 MARIADB_URL_ENV = "MQDEDUP_TEST_MARIADB_URL"

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, inspect
 
-from mqdedup.db import check_connection, check_schema, create_engine
+from mqdedup.db.engine import check_connection, check_schema, create_engine
+from mqdedup.db.migrations import schema_drift
+from mqdedup.db.schema import schema
 from mqdedup.errors import DatabaseUnavailableError
-from mqdedup.migrations import schema_drift
-from mqdedup.schema import schema
 from tests.conftest import require_service
 
 alembic_command = pytest.importorskip("alembic.command")
@@ -22,8 +22,8 @@ alembic_config = pytest.importorskip("alembic.config")
 ENV_PY = '''
 from alembic import context
 
-from mqdedup.alembic_support import include_object, render_item
-from mqdedup.schema import schema
+from mqdedup.db.alembic_support import include_object, render_item
+from mqdedup.db.schema import schema
 
 prefix = context.config.attributes["prefix"]
 engine = context.config.attributes["engine"]
@@ -86,7 +86,7 @@ def test_autogenerate_upgrade_then_db_check_is_clean(engine: Engine, tmp_path: P
         alembic_command.revision(config, message="mqdedup tables", autogenerate=True)
         (migration,) = (tmp_path / "migrations" / "versions").glob("*.py")
         text = migration.read_text()
-        assert "import mqdedup.schema" in text and "astext_type=Text()" not in text
+        assert "import mqdedup.db.schema" in text and "astext_type=Text()" not in text
         alembic_command.upgrade(config, "head")  # the generated file, run as written
 
         assert check_schema(engine, prefix) == []
@@ -115,7 +115,7 @@ def test_db_check_names_indexes_made_for_another_database(tmp_path: Path) -> Non
         f"table {prefix}outbox: index {prefix}outbox_claim_idx is not used on this database "
         "(run `mqdedup db upgrade`)"
     ]
-    from mqdedup.migrations import upgrade_schema
+    from mqdedup.db.migrations import upgrade_schema
 
     assert upgrade_schema(engine, prefix) == [f"dropped index {foreign.name} on {prefix}outbox"]
     assert schema_drift(engine, prefix) == []

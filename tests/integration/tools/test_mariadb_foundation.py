@@ -18,8 +18,8 @@ from sqlalchemy import func, insert, select, text
 from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
 from mqdedup.consumers.base import BatchContext, Consumer, Context
 from mqdedup.consumers.worker import Worker
+from mqdedup.db.schema import schema
 from mqdedup.errors import SimulatedCrash
-from mqdedup.schema import schema
 from tests.integration.tools.conftest import Database, lock_waiters
 from tests.services import wait_for
 from tests.support import Gate
@@ -32,7 +32,7 @@ FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.05)
 def claim_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """MariaDB's RETURNING claim, or the MySQL claim decided by INSERT IGNORE row counts."""
     if request.param == "rowcount":
-        monkeypatch.setattr("mqdedup.dialects.mysql_supports_returning", lambda _dialect: False)
+        monkeypatch.setattr("mqdedup.db.dialects.mysql_supports_returning", lambda _dialect: False)
     yield request.param
 
 

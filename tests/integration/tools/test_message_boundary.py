@@ -19,8 +19,8 @@ from sqlalchemy import func, insert, select, text
 
 from mqdedup import InMemoryBroker, Message, RetryPolicy, ids, run_until_idle
 from mqdedup.consumers.base import Consumer, Context
+from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError
-from mqdedup.schema import schema
 from tests.integration.tools.conftest import Database
 
 pytestmark = pytest.mark.integration

@@ -15,9 +15,9 @@ import redis
 
 from mqdedup import InMemoryBroker, Message, RetryPolicy
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.stopping import StopToken
 from mqdedup.dedup.redis_client import RedisUnavailableError
 from mqdedup.dedup.redis_store import RedisConsumer, RedisContext, RedisDedupStore, RedisWorker
+from mqdedup.stopping import StopToken
 from tests.conftest import require_service
 from tests.services import REPO, PrivateService, free_port, wait_for
 

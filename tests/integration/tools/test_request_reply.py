@@ -18,14 +18,14 @@ from sqlalchemy import insert
 from mqdedup import Consumer, InMemoryBroker, Message, run_until_idle
 from mqdedup.consumers.base import Context
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.rabbitmq_replies import (
+from mqdedup.errors import ConfigurationError, MqdedupError, SimulatedCrash
+from mqdedup.rabbitmq.replies import (
     REQUEST_ID_HEADER,
     RequestReplyConsumer,
     reply_message_id,
 )
-from mqdedup.consumers.rabbitmq_topology import check_broker, declare_topology
-from mqdedup.consumers.stopping import StopToken
-from mqdedup.errors import ConfigurationError, MqdedupError, SimulatedCrash
+from mqdedup.rabbitmq.topology import check_broker, declare_topology
+from mqdedup.stopping import StopToken
 from tests.conftest import require_service
 from tests.integration.tools.conftest import Database
 from tests.services import wait_for

@@ -19,9 +19,9 @@ import pytest
 from sqlalchemy import Engine, insert, text
 from sqlalchemy.exc import IntegrityError
 
-from mqdedup import exitcodes
+from mqdedup.cli import exitcodes
 from mqdedup.db import create_engine
-from mqdedup.schema import schema
+from mqdedup.db.schema import schema
 from tests.services import REPO
 
 pytestmark = pytest.mark.integration

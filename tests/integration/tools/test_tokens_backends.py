@@ -12,10 +12,10 @@ import redis
 from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
+from mqdedup.db.schema import schema
 from mqdedup.dedup.redis_tokens import RedisTokenStore
 from mqdedup.dedup.tokens import DatabaseTokenStore, TokenOutcome
 from mqdedup.dedup.transitions import run_transaction
-from mqdedup.schema import schema
 from tests.integration.tools.conftest import Database
 from tests.services import wait_for
 

@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
+from mqdedup.db.schema import schema
 from mqdedup.dedup.transitions import (
     StateMachine,
     TransitionOutcome,
@@ -17,7 +18,6 @@ from mqdedup.dedup.transitions import (
     run_transaction,
 )
 from mqdedup.outbox.writer import OutboxWriter
-from mqdedup.schema import schema
 from tests.integration.tools.conftest import Database, lock_waiters
 from tests.services import wait_for
 

@@ -1,0 +1,179 @@
+"""``mqdedup replay``: run a consumer again over a past range, through its dedup."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from sqlalchemy import Engine
+
+from mqdedup.cli.commands import RefusedError
+from mqdedup.cli.commands.tables import render_table
+from mqdedup.consumers.base import Consumer
+from mqdedup.dedup.store import DedupStore
+from mqdedup.errors import ConfigurationError
+from mqdedup.stopping import StopToken
+
+BEGINNING = ("beginning", "earliest", "start")
+END = ("end", "latest")
+
+
+class ReplayRefusedError(RefusedError):
+    """The range reaches before the retention horizon (ids there may have been purged)."""
+
+
+def parse_position(text: str, *, end: bool = False) -> int | datetime | None:
+    """An offset, an ISO-8601 time (UTC if no zone is given), or beginning / end (None)."""
+    value = text.strip()
+    if value.lower() in (END if end else BEGINNING):
+        return None
+    if value.isdigit():
+        return int(value)
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        expected = "an offset, an ISO time" + (", or 'end'" if end else ", or 'beginning'")
+        raise ConfigurationError(
+            f"cannot read {text!r} as a position: expected {expected}"
+        ) from None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def replay_kafka(
+    consumer: Consumer,
+    engine: Engine,
+    *,
+    start: int | datetime | None,
+    end: int | datetime | None,
+    partitions: list[int] | None,
+    dry_run: bool,
+    allow_reprocess: bool,
+    stop: StopToken,
+    progress: TextIO | None = None,
+) -> Any:
+    """Replay a Kafka consumer's topics over the range; return its ReplayReport."""
+    from mqdedup.kafka.horizon import partitions_before_horizon
+    from mqdedup.kafka.replay import KafkaReplay
+
+    replay = KafkaReplay(
+        consumer,  # type: ignore[arg-type]
+        engine,
+        start=start,
+        end=end,
+        partitions=partitions,
+        dry_run=dry_run,
+        stop=stop,
+    )
+    horizon = DedupStore(consumer.table_prefix).retention_horizon(engine, consumer.consumer_name)
+    if horizon is not None and not allow_reprocess:
+        early = partitions_before_horizon(replay, horizon)
+        if early:
+            where = ", ".join(
+                f"{k} from {s} (horizon at {h})" for k, (s, h) in sorted(early.items())
+            )
+            raise ReplayRefusedError(
+                f"the range starts before the dedup retention horizon {horizon.isoformat()} "
+                f"(dedup records older than that may have been purged, so those messages could "
+                f"be applied twice): {where}; replay from after the horizon, or pass "
+                "--allow-reprocess to accept it"
+            )
+    done = threading.Event()
+    reporter = threading.Thread(target=_progress, args=(replay, done, progress), daemon=True)
+    reporter.start()
+    try:
+        return replay.run()
+    finally:
+        done.set()
+        reporter.join(timeout=2)
+
+
+def replay_stream(
+    consumer: Consumer,
+    engine: Engine,
+    *,
+    start: int | datetime | None,
+    end: int | datetime | None,
+    stream: str | None,
+    dry_run: bool,
+    allow_reprocess: bool,
+    stop: StopToken,
+) -> Any:
+    """Replay a RabbitMQ stream queue through the consumer; return its report.
+
+    A stream keeps no per-message write time this side can compare cheaply, so a
+    replay starting at ``first`` or an offset after a purge is refused unless the
+    start is a time after the horizon, or ``allow_reprocess`` is given.
+    """
+    from mqdedup.rabbitmq.stream import StreamReplay
+
+    horizon = DedupStore(consumer.table_prefix).retention_horizon(engine, consumer.consumer_name)
+    starts_late = isinstance(start, datetime) and horizon is not None and start >= horizon
+    if horizon is not None and not allow_reprocess and not starts_late:
+        raise ReplayRefusedError(
+            f"the range may start before the dedup retention horizon {horizon.isoformat()} "
+            "(dedup records older than that may have been purged, so those messages could be "
+            "applied twice); give --from a time after the horizon, or pass --allow-reprocess"
+        )
+    replay = StreamReplay(
+        consumer,  # type: ignore[arg-type]
+        engine,
+        start=start,
+        end=end,
+        dry_run=dry_run,
+        stop=stop,
+        stream=stream,
+    )
+    return replay.run()
+
+
+def _progress(replay: Any, done: threading.Event, stream: TextIO | None) -> None:
+    if stream is None or not stream.isatty():
+        return
+    while not done.wait(0.5):
+        report = replay.report
+        total = sum(max(0, b - a) for a, b in report.ranges.values()) or 1
+        seen = report.total
+        filled = min(30, seen * 30 // total)
+        stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {seen:,}/{total:,}")
+        stream.flush()
+    stream.write("\n")
+
+
+def format_replay_report(report: Any) -> str:
+    """The final summary table.
+
+    Messages without a message id are dead-lettered (dedup cannot recognise them), and
+    counted as such: a replay over the same range dead-letters them again each time.
+    """
+    title = "Replay (dry run: nothing written)" if report.dry_run else "Replay"
+    would = " (would be)" if report.dry_run else ""
+    rows = [
+        ("messages read", report.total),
+        ("new" + (" (would be processed)" if report.dry_run else " (processed now)"), report.new),
+        ("duplicates (already processed)", report.duplicates),
+        (f"dead-lettered{would}: without a message id", report.without_id),
+        ("dead-lettered: handler kept failing", report.dead_lettered),
+        ("dead-lettered in total" + would, report.without_id + report.dead_lettered),
+        ("unsettled", report.unsettled),
+    ]
+    ranges = ", ".join(f"{k} [{a}, {b})" for k, (a, b) in sorted(report.ranges.items()))
+    text = f"{title}\n{render_table(['', 'count'], rows)}\nranges: {ranges or '-'}"
+    if report.without_id:
+        text += (
+            f"\nnote: {report.without_id} message(s) carry no message id, so dedup cannot "
+            f"recognise them: {'a replay would dead-letter' if report.dry_run else 'dead-lettered'}"
+            " them again (every replay over this range does); give the consumer a message-id "
+            "fallback to process them instead (docs/guide.md, Replays)"
+        )
+    return text
+
+
+def requeue_from_dlq(consumer: Consumer, engine: Engine, limit: int | None) -> str:
+    """Move dead letters back to the consumer's queue (they are then processed by its
+    workers, through dedup) and describe what happened."""
+    result = consumer.requeue_dead_letters(limit, database=engine)  # type: ignore[attr-defined]
+    return (
+        f"moved {result.moved} message(s) from the dead-letter queue back to the queue "
+        f"({result.remaining} left, {result.skipped} skipped)"
+    )

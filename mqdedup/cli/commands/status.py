@@ -1,0 +1,123 @@
+"""``mqdedup status``: consumers' lag, the dedup table and the outbox on one screen.
+
+A broker that cannot be reached does not stop the screen: its consumers' lag column
+names it (``cannot reach RabbitMQ at host:5672: Connection refused``) and the database
+sections print as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Engine
+
+from mqdedup.cli.commands.dead_letters import dead_letter_counts
+from mqdedup.cli.commands.operations import (
+    dedup_stats,
+    dedup_stats_data,
+    format_dedup_stats_data,
+    format_outbox_status_data,
+    outbox_status_data,
+)
+from mqdedup.cli.commands.reachability import check_consumer_broker
+from mqdedup.cli.commands.tables import render_table
+from mqdedup.consumers.base import Consumer
+from mqdedup.errors import BrokerUnavailableError, MqdedupError
+from mqdedup.masking import mask_text
+
+log = logging.getLogger(__name__)
+
+
+def consumer_lags(consumers: Sequence[Consumer]) -> list[dict[str, Any]]:
+    """One entry per consumer and partition / queue: ``consumer``, ``where``, ``lag``,
+    ``error``, ``unreachable`` (``lag`` is None and ``error`` says why when it cannot be
+    read; ``unreachable``: because the broker cannot be reached)."""
+    entries: list[dict[str, Any]] = []
+    for consumer in consumers:
+        name = consumer.consumer_name
+        try:
+            lags = _lag(consumer)
+        except Exception as exc:  # one consumer's broker must not hide the rest
+            log.debug("lag unavailable", extra={"consumer": name}, exc_info=True)
+            entries.append(
+                {
+                    "consumer": name,
+                    "where": None,
+                    "lag": None,
+                    "error": _reason(exc),
+                    "unreachable": isinstance(exc, BrokerUnavailableError),
+                }
+            )
+            continue
+        if lags is None:
+            entries.append(
+                {
+                    "consumer": name,
+                    "where": None,
+                    "lag": None,
+                    "error": "lag not available for this consumer",
+                    "unreachable": False,
+                }
+            )
+            continue
+        entries.extend(
+            {"consumer": name, "where": where, "lag": count, "error": None, "unreachable": False}
+            for where, count in sorted(lags.items())
+        )
+    return entries
+
+
+def _lag(consumer: Consumer) -> dict[str, int] | None:
+    lag_of = getattr(consumer, "lag", None)
+    if lag_of is None:
+        return None
+    check_consumer_broker(consumer)  # a quick TCP check: an unreachable broker, named
+    lags: dict[str, int] = lag_of()
+    return lags
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, MqdedupError):
+        return mask_text(str(error))
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return mask_text(
+        f"cannot read the lag: {type(error).__name__}" + (f": {detail}" if detail else "")
+    )
+
+
+def status_data(engine: Engine, prefix: str, consumers: Sequence[Consumer]) -> dict[str, Any]:
+    """``status --json``: ``consumers`` (lags), ``dedup``, ``outbox``, ``dead_letters``."""
+    return {
+        "consumers": consumer_lags(consumers),
+        "dedup": dedup_stats_data(*dedup_stats(engine, prefix)),
+        "outbox": outbox_status_data(engine, prefix),
+        "dead_letters": dict(sorted(dead_letter_counts(engine, prefix).items())),
+    }
+
+
+def status_screen(data: dict[str, Any]) -> str:
+    """The whole screen as text, from :func:`status_data`."""
+    sections = []
+    if data["consumers"]:
+        rows = [
+            (e["consumer"], e["where"] or "-", e["lag"] if e["error"] is None else e["error"])
+            for e in data["consumers"]
+        ]
+        sections.append(
+            "Consumers\n" + render_table(["consumer", "partition / queue", "lag"], rows)
+        )
+    sections.append("Dedup table\n" + format_dedup_stats_data(data["dedup"]))
+    sections.append("Outbox\n" + format_outbox_status_data(data["outbox"]))
+    sections.append(
+        "Dead letters kept in the database\n" + _kept_dead_letters(data["dead_letters"])
+    )
+    return "\n\n".join(sections)
+
+
+def _kept_dead_letters(counts: dict[str, int]) -> str:
+    """Dead letters the broker refused, per consumer (``mqdedup dead-letters list``)."""
+    if not counts:
+        return "none"
+    return render_table(["consumer", "kept"], sorted(counts.items()))

@@ -1,0 +1,65 @@
+"""What a supervised child process runs (see :mod:`mqdedup.cli.supervisor`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mqdedup.cli.supervisor import ChildSpec, MetricsHolder
+from mqdedup.stopping import StopToken
+
+
+def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
+    """Import the consumer, connect, and consume until the stop token is set."""
+    from mqdedup.cli.config import use_table_prefix
+    from mqdedup.cli.loading import create_consumer, is_redis_consumer
+    from mqdedup.db.engine import check_connection, create_engine
+
+    _export_environment(spec.options)
+    consumer = create_consumer(spec.options["consumer"], worker=True)
+    consumer.validate()
+    if is_redis_consumer(consumer):  # dedup records in Redis: no database
+        consumer.run(None, stop=stop, metrics=metrics.source)
+        return
+    # The supervisor resolved the consumer's table prefix (flag / env / TOML / class).
+    use_table_prefix(consumer, spec.options["table_prefix"])
+    engine = create_engine(spec.options["database_url"])
+    try:
+        check_connection(engine)
+        consumer.run(engine, stop=stop, metrics=metrics.source)
+    finally:
+        engine.dispose()
+
+
+def run_relay(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
+    """Connect and relay committed outbox rows until the stop token is set."""
+    from mqdedup.db.engine import check_connection, create_engine
+    from mqdedup.outbox.relay import Relay, RelayConfig, create_publishers
+
+    options = spec.options
+    engine = create_engine(options["database_url"])
+    try:
+        check_connection(engine)
+        publishers = create_publishers(
+            kafka_bootstrap=options.get("kafka_bootstrap"), rabbitmq_url=options.get("rabbitmq_url")
+        )
+        config = RelayConfig(
+            batch_size=options["relay_batch_size"], poll_interval=options["poll_interval"]
+        )
+        relay = Relay(engine, publishers, prefix=options["table_prefix"], config=config)
+        metrics.source = relay.metrics
+        relay.run(stop)
+    finally:
+        engine.dispose()
+
+
+def _export_environment(options: dict[str, Any] | Any) -> None:
+    """Broker URLs given as flags reach the consumer classes as their env defaults."""
+    for key, variable in (
+        ("kafka_bootstrap", "MQDEDUP_KAFKA_BOOTSTRAP"),
+        ("rabbitmq_url", "MQDEDUP_RABBITMQ_URL"),
+        ("redis_url", "MQDEDUP_REDIS_URL"),
+    ):
+        value = options.get(key)
+        if value:
+            os.environ[variable] = str(value)

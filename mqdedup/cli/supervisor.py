@@ -1,0 +1,386 @@
+"""The process supervisor behind ``mqdedup worker`` and ``mqdedup relay``.
+
+It starts N child processes per target (spawned, not forked, so no lock or connection
+of the parent leaks into a child), restarts a child that dies with exponential backoff,
+forwards SIGTERM/SIGINT to the children for a graceful drain within the shutdown
+timeout, and kills them on a second signal or when the timeout passes. Children send
+their metrics over a pipe; the supervisor serves them on ``/metrics`` and the
+children's state on ``/healthz``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import Any
+
+from mqdedup.cli import exitcodes
+
+log = logging.getLogger(__name__)
+
+METRICS_INTERVAL = 1.0
+RESTART_BACKOFF_INITIAL = 0.5
+RESTART_BACKOFF_MAX = 30.0
+#: A child that ran at least this long gets its restart backoff reset.
+STABLE_AFTER = 30.0
+
+
+class MetricsHolder:
+    """What a child reports: ``source`` is anything with ``snapshot() -> dict``.
+
+    Consumers count into the default :class:`~mqdedup.consumers.metrics.Metrics`; a
+    relay replaces ``source`` with its own counters.
+    """
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def snapshot(self) -> dict[str, Any]:
+        """The source's current counters, with this process's CPU and memory figures."""
+        from mqdedup.cli.exposition import process_stats
+
+        return {**self.source.snapshot(), "process": process_stats()}
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """What one child runs: ``runner`` is ``module:function`` taking (spec, stop, holder)."""
+
+    name: str
+    index: int
+    runner: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    log_level: str = "WARNING"
+    log_format: str = "text"
+
+    @property
+    def label(self) -> str:
+        """``name#index``, used in logs and metric labels."""
+        return f"{self.name}#{self.index}"
+
+
+@dataclass
+class _Child:
+    spec: ChildSpec
+    process: BaseProcess | None = None
+    connection: Connection | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    restart_at: float | None = None
+    last_exit: int | None = None
+    snapshot: dict[str, Any] = field(default_factory=dict)
+
+
+class Supervisor:
+    """Runs children until a stop signal; returns the exit code."""
+
+    def __init__(
+        self,
+        specs: list[ChildSpec],
+        *,
+        shutdown_timeout: float = 30.0,
+        health_port: int | None = None,
+        health_host: str = "0.0.0.0",  # noqa: S104 - probes come from outside the pod
+        shared_metrics: Callable[[], Mapping[str, float]] | None = None,
+    ) -> None:
+        self._context = multiprocessing.get_context("spawn")
+        self.children = [_Child(spec) for spec in specs]
+        self.shutdown_timeout = shutdown_timeout
+        self.health_port = health_port
+        self.health_host = health_host
+        self.shared_metrics = shared_metrics
+        self._draining_since: float | None = None
+        self._kill_now = False
+        self._fatal_code: int | None = None
+        self._lock = threading.Lock()
+        self.health: Any = None
+
+    # -- public ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start the children, supervise them, drain on a signal; return an exit code."""
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            self._start_health()
+            for child in self.children:
+                self._start(child)
+            return self._loop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.health is not None:
+                self.health.stop()
+
+    def status(self) -> tuple[bool, bool, dict[str, Any]]:
+        """(live, ready, details) for ``/healthz``: ready when every child runs (and
+        none reports a detached consumer, see :func:`mqdedup.cli.health.snapshot_ready`)."""
+        from mqdedup.cli.health import snapshot_ready
+
+        with self._lock:
+            running = sum(
+                1 for c in self.children if c.process is not None and c.process.is_alive()
+            )
+            detached = [c.spec.label for c in self.children if not snapshot_ready(c.snapshot)]
+            details = {
+                "children": len(self.children),
+                "running": running,
+                "pids": [
+                    c.process.pid
+                    for c in self.children
+                    if c.process is not None and c.process.is_alive()
+                ],
+                "restarts": sum(c.restarts for c in self.children),
+                "draining": self._draining_since is not None,
+                "detached": detached,
+            }
+        ready = running == len(self.children) and self._draining_since is None and not detached
+        return True, ready, details
+
+    def snapshots(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """The latest metrics of every child, keyed by (name, index)."""
+        with self._lock:
+            return {
+                (c.spec.name, str(c.spec.index)): dict(c.snapshot)
+                for c in self.children
+                if c.snapshot
+            }
+
+    # -- loop --------------------------------------------------------------------------
+
+    def _loop(self) -> int:
+        deadline_passed = False
+        while True:
+            now = time.monotonic()
+            if self._kill_now:
+                self._kill_all()
+                return exitcodes.INTERRUPTED
+            if self._fatal_code is not None:
+                self._terminate_all()
+                self._wait_all(self.shutdown_timeout)
+                return self._fatal_code
+            if self._draining_since is not None:
+                if not any(self._alive(c) for c in self.children):
+                    for child in self.children:
+                        if child.process is not None:
+                            self._reap(child)
+                    if deadline_passed:
+                        return exitcodes.SHUTDOWN_TIMEOUT
+                    # -SIGTERM: a child still starting up when the drain began (it had no
+                    # handler yet) simply stopped; that is a clean stop too.
+                    failed = [
+                        c.last_exit
+                        for c in self.children
+                        if c.last_exit not in (None, 0, -signal.SIGTERM)
+                    ]
+                    return int(failed[0]) if failed else exitcodes.OK
+                if now - self._draining_since > self.shutdown_timeout and not deadline_passed:
+                    log.error("children did not drain in time; killing them")
+                    deadline_passed = True
+                    self._kill_all()
+            else:
+                for child in self.children:
+                    if (
+                        child.process is None
+                        and child.restart_at is not None
+                        and now >= child.restart_at
+                    ):
+                        self._start(child)
+            self._wait_for_events(0.2)
+
+    def _wait_for_events(self, timeout: float) -> None:
+        waitables: list[Any] = []
+        for child in self.children:
+            if child.process is not None:
+                waitables.append(child.process.sentinel)
+            if child.connection is not None:
+                waitables.append(child.connection)
+        ready = wait(waitables, timeout=timeout) if waitables else []
+        if not waitables:
+            time.sleep(timeout)
+        for child in self.children:
+            if child.connection is not None and child.connection in ready:
+                self._receive(child)
+            if child.process is not None and child.process.sentinel in ready:
+                self._reap(child)
+
+    def _receive(self, child: _Child) -> None:
+        assert child.connection is not None
+        try:
+            while child.connection.poll():
+                message = child.connection.recv()
+                with self._lock:
+                    child.snapshot = message
+        except (EOFError, OSError):
+            child.connection.close()
+            child.connection = None
+
+    def _reap(self, child: _Child) -> None:
+        assert child.process is not None
+        child.process.join(timeout=1)
+        code = child.process.exitcode
+        lived = time.monotonic() - child.started_at
+        child.process = None
+        child.last_exit = code
+        if child.connection is not None:
+            self._receive(child)
+        if self._draining_since is not None:
+            log.info("child stopped", extra={"child": child.spec.label, "exit_code": code})
+            return
+        if code in exitcodes.FATAL_CHILD_CODES:
+            log.error(
+                "child failed for a reason a restart cannot fix",
+                extra={"child": child.spec.label, "exit_code": code},
+            )
+            self._fatal_code = code
+            return
+        if lived >= STABLE_AFTER:
+            child.restarts = 0
+        backoff = min(RESTART_BACKOFF_MAX, RESTART_BACKOFF_INITIAL * 2**child.restarts)
+        child.restarts += 1
+        child.restart_at = time.monotonic() + backoff
+        log.warning(
+            "child died; restarting",
+            extra={"child": child.spec.label, "exit_code": code, "restart_in": round(backoff, 2)},
+        )
+
+    # -- children ----------------------------------------------------------------------
+
+    def _start(self, child: _Child) -> None:
+        parent_end, child_end = self._context.Pipe(duplex=False)
+        process = self._context.Process(
+            target=child_main, args=(child.spec, child_end), name=child.spec.label, daemon=False
+        )
+        process.start()
+        child_end.close()
+        child.process, child.connection = process, parent_end
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        child.last_exit = None
+        log.info("child started", extra={"child": child.spec.label, "pid": process.pid})
+
+    @staticmethod
+    def _alive(child: _Child) -> bool:
+        return child.process is not None and child.process.is_alive()
+
+    def _terminate_all(self) -> None:
+        for child in self.children:
+            if self._alive(child) and child.process is not None and child.process.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.process.pid, signal.SIGTERM)
+
+    def _kill_all(self) -> None:
+        for child in self.children:
+            if self._alive(child) and child.process is not None and child.process.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.process.pid, signal.SIGKILL)
+        self._wait_all(5)
+
+    def _wait_all(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            if child.process is not None:
+                child.process.join(max(0.0, deadline - time.monotonic()))
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self._draining_since is not None:
+            log.warning("second stop signal: killing children")
+            self._kill_now = True
+            return
+        log.info("stop signal: draining children", extra={"signal": signal.Signals(signum).name})
+        self._draining_since = time.monotonic()
+        self._terminate_all()
+
+    def _start_health(self) -> None:
+        if self.health_port is None:
+            return
+        from mqdedup.cli.health import HealthServer
+        from mqdedup.errors import ConfigurationError
+
+        try:
+            server = HealthServer(
+                self.health_port,
+                self.status,
+                self.snapshots,
+                self.shared_metrics,
+                host=self.health_host,
+            )
+        except (OSError, OverflowError) as exc:  # port taken, not allowed, out of range
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise ConfigurationError(
+                f"cannot serve /healthz and /metrics on port {self.health_port}: {reason} "
+                "(choose another --health-port / MQDEDUP_HEALTH_PORT)"
+            ) from exc
+        self.health = server.start()
+
+
+# -- in the child ---------------------------------------------------------------------
+
+
+def child_main(spec: ChildSpec, connection: Connection) -> None:
+    """Entry point of a child process: run ``spec.runner`` until SIGTERM, then exit."""
+    import importlib
+
+    from mqdedup.consumers.metrics import Metrics
+    from mqdedup.errors import MqdedupError
+    from mqdedup.logs import configure
+    from mqdedup.stopping import ImmediateStop, StopToken
+
+    configure(spec.log_level, spec.log_format)
+    # The supervisor forwards signals; a terminal's SIGINT to the whole group is ignored
+    # so that it does not count as a second (immediate) stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = StopToken()
+    metrics = MetricsHolder(Metrics())
+
+    def _on_term(_signum: int, _frame: FrameType | None) -> None:
+        if stop.requested:
+            raise ImmediateStop("SIGTERM")
+        stop.request()
+
+    signal.signal(signal.SIGTERM, _on_term)
+    reporter = threading.Thread(
+        target=_report_metrics, args=(connection, metrics, stop), daemon=True, name="metrics"
+    )
+    reporter.start()
+    module_name, _, function_name = spec.runner.partition(":")
+    runner: Callable[[ChildSpec, Any, MetricsHolder], None] = getattr(
+        importlib.import_module(module_name), function_name
+    )
+    code = exitcodes.OK
+    try:
+        runner(spec, stop, metrics)
+    except ImmediateStop:
+        code = exitcodes.INTERRUPTED
+    except MqdedupError as exc:
+        from mqdedup.cli.main import exit_code_for
+
+        print(f"mqdedup: {spec.label}: error: {exc}", flush=True)
+        code = exit_code_for(exc)
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            connection.send(metrics.snapshot())
+            connection.close()
+    os._exit(code)  # skip atexit handlers of libraries that might block on exit
+
+
+def _report_metrics(connection: Connection, metrics: Any, stop: Any) -> None:
+    while True:
+        try:
+            connection.send(metrics.snapshot())
+        except (OSError, ValueError):
+            return
+        stop.wait(METRICS_INTERVAL)
+        if stop.requested:
+            stop.wait(METRICS_INTERVAL)

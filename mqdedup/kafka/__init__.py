@@ -1,0 +1,9 @@
+"""The Kafka adapter (kafka-python): consumer, transport, offsets, replay, lag, publisher.
+
+This package is the only importer of kafka-python in mqdedup.
+"""
+
+from mqdedup.kafka.consumer import KafkaConsumer, KafkaSettings
+from mqdedup.kafka.publisher import KafkaPublisher
+
+__all__ = ["KafkaConsumer", "KafkaPublisher", "KafkaSettings"]

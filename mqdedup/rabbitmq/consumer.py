@@ -1,0 +1,247 @@
+"""RabbitMQ consumers (pika): subclass :class:`RabbitMQConsumer` and implement ``handle``.
+
+::
+
+    class OrderConsumer(RabbitMQConsumer):
+        queue = "orders"
+        bindings = (Binding("shop", routing_key="order.created", exchange_type="topic"),)
+        batch_size = 200                      # also the prefetch
+
+        def handle(self, message, ctx):
+            ctx.session.add(Order(**message.json()))
+
+    OrderConsumer().run(create_engine(), stop=stop_token)
+
+The queue (durable), its bindings and the dead-letter queue ``<queue>.dlq`` are declared
+on every (re)connect. The dedup scope (consumer name) defaults to the queue name; the
+message id to the AMQP ``message_id`` property. Messages are acknowledged only after the
+transaction holding their dedup claims and the handler's writes has committed. See
+``docs/rabbitmq.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.dedup.ids import MessageIdStrategy, from_amqp_message_id
+from mqdedup.errors import ConfigurationError
+from mqdedup.rabbitmq.codec import (
+    MESSAGE_ID_HEADER,
+    REQUEUED_HEADER,
+    SOURCE_QUEUE_HEADER,
+)
+from mqdedup.rabbitmq.requeue import RequeueResult, requeue_dead_letters
+from mqdedup.rabbitmq.topology import (
+    DEFAULT_DEAD_LETTER_EXCHANGE,
+    RABBITMQ_URL_ENV,
+    Binding,
+    QueueType,
+    Topology,
+    check_broker,
+    default_connection_name,
+    rabbitmq_url_from_env,
+    validate_prefetch,
+)
+from mqdedup.rabbitmq.transport import AmqpToken, RabbitMQTransport
+from mqdedup.stopping import StopToken
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+    from sqlalchemy.orm import Session, sessionmaker
+
+__all__ = [
+    "MESSAGE_ID_HEADER",
+    "RABBITMQ_URL_ENV",
+    "REQUEUED_HEADER",
+    "SOURCE_QUEUE_HEADER",
+    "AmqpToken",
+    "Binding",
+    "RabbitMQConsumer",
+    "RabbitMQTransport",
+    "RequeueResult",
+    "requeue_dead_letters",
+]
+
+
+class RabbitMQConsumer(Consumer):
+    """A consumer of one RabbitMQ queue. Set ``queue`` and implement ``handle``.
+
+    ``batch_size`` is both the number of messages per transaction and, unless
+    ``prefetch`` is set, the channel's prefetch count.
+    """
+
+    #: The queue to consume (required). Also the default consumer name (dedup scope).
+    queue: ClassVar[str] = ""
+    #: Exchanges to declare and bind the queue to (the default exchange needs none).
+    bindings: ClassVar[Sequence[Binding]] = ()
+    #: ``classic`` or ``quorum``; the dead-letter queue gets the same type.
+    queue_type: ClassVar[QueueType] = "classic"
+    #: Extra ``x-*`` arguments of the queue declaration (e.g. ``x-max-length``).
+    queue_arguments: ClassVar[Mapping[str, Any]] = {}
+    #: ``False``: declare nothing, only check that queue, DLQ and exchanges exist.
+    declare: ClassVar[bool] = True
+    #: Unacked deliveries the broker may push; ``None`` means ``batch_size``.
+    prefetch: ClassVar[int | None] = None
+    #: ``amqp://`` URL; ``None`` means ``MQDEDUP_RABBITMQ_URL`` (or a local broker).
+    #: Query options such as ``?heartbeat=30`` are passed to pika.
+    url: ClassVar[str | None] = None
+    #: Shown in ``rabbitmqctl list_connections``; default ``mqdedup:<name>:<host>:<pid>``.
+    connection_name: ClassVar[str | None] = None
+    #: Direct exchange dead-lettered copies are published to ("" = the default exchange).
+    dead_letter_exchange: ClassVar[str] = DEFAULT_DEAD_LETTER_EXCHANGE
+    #: The dead-letter queue; ``None`` means ``<queue>.dlq``.
+    dead_letter_queue: ClassVar[str | None] = None
+    #: Extra ``x-*`` arguments of the dead-letter queue's declaration, e.g.
+    #: ``{"x-max-length": 100_000, "x-overflow": "reject-publish"}``. Changing them for an
+    #: existing queue is a configuration error (406), as for ``queue_arguments``.
+    dead_letter_queue_arguments: ClassVar[Mapping[str, Any]] = {}
+    #: Seconds to keep trying to reach the broker at start-up before giving up.
+    startup_timeout: ClassVar[float] = 30.0
+    #: Cap of the exponential backoff between reconnect attempts, in seconds.
+    reconnect_backoff_max: ClassVar[float] = 10.0
+    message_id_strategy: ClassVar[MessageIdStrategy] = from_amqp_message_id
+
+    def default_name(self) -> str:
+        """The queue name: the dedup scope unless ``name`` is set."""
+        return self.queue or type(self).__name__
+
+    # -- configuration -----------------------------------------------------------------------
+
+    @property
+    def effective_prefetch(self) -> int:
+        """The channel's prefetch count (``prefetch``, else ``batch_size``)."""
+        return self.prefetch if self.prefetch is not None else self.batch_size
+
+    @property
+    def broker_url(self) -> str:
+        """The connection URL (may contain a password: never log it unmasked)."""
+        return self.url or rabbitmq_url_from_env()
+
+    def topology(self) -> Topology:
+        """What is declared on every (re)connect."""
+        return Topology(
+            queue=self.queue,
+            queue_type=self.queue_type,
+            queue_arguments=dict(self.queue_arguments),
+            bindings=tuple(self.bindings),
+            dead_letter_exchange=self.dead_letter_exchange,
+            dead_letter_queue=self.dead_letter_queue or "",
+            declare=self.declare,
+            dead_letter_arguments=dict(self.dead_letter_queue_arguments),
+        )
+
+    def validate(self) -> None:
+        """Raise ConfigurationError (one line, naming the attribute) for unusable settings."""
+        owner = type(self).__name__
+        self.topology().validate(owner)
+        validate_prefetch(owner, self.effective_prefetch)
+        if self.startup_timeout < 0 or self.reconnect_backoff_max <= 0:
+            raise ConfigurationError(
+                f"{owner}.startup_timeout must be >= 0 and reconnect_backoff_max > 0"
+            )
+        super().validate()
+
+    # -- running -----------------------------------------------------------------------------
+
+    def create_transport(
+        self, *, stop: StopToken | None = None, metrics: Metrics | None = None
+    ) -> RabbitMQTransport:
+        """Connect to the broker, declare the topology and start consuming.
+
+        ``stop``: when requested, the transport stops consuming (``basic.cancel``) and
+        hands back its buffered deliveries, while the batch in flight is still acked.
+        """
+        self.validate()
+        transport = RabbitMQTransport(
+            self.topology(),
+            self.broker_url,
+            connection_name=self.connection_name or default_connection_name(self.consumer_name),
+            prefetch=self.effective_prefetch,
+            stop=stop,
+            metrics=metrics,
+            startup_timeout=self.startup_timeout,
+            reconnect_backoff_max=self.reconnect_backoff_max,
+        )
+        return transport.start()
+
+    def run(
+        self,
+        database: Engine | sessionmaker[Session],
+        *,
+        stop: StopToken | None = None,
+        metrics: Metrics | None = None,
+    ) -> Metrics:
+        """Consume until ``stop`` is requested: what ``mqdedup worker`` runs per process.
+
+        On a stop request: stop consuming, finish and ack the batch in flight, close.
+        Connection losses are retried for ever with backoff; messages are never
+        dead-lettered because the broker or the database was unavailable. Counters go
+        to ``metrics`` (the queue depth to ``metrics.lag[queue]``).
+        """
+        from mqdedup.consumers.worker import Worker
+
+        stop = stop or StopToken()
+        metrics = metrics if metrics is not None else Metrics()
+        transport = self.create_transport(stop=stop, metrics=metrics)
+        try:
+            worker = Worker(self, transport, database, stop=stop, metrics=metrics)
+        except BaseException:
+            transport.close()
+            raise
+        return worker.run()
+
+    def check_connection(self) -> None:
+        """Connect once and close: BrokerUnavailableError / ConfigurationError if that fails."""
+        self.validate()
+        check_broker(self.broker_url)
+
+    def lag(self) -> dict[str, int]:
+        """Messages waiting in the queue and in its dead-letter queue (passive declares)."""
+        import pika
+
+        from mqdedup.rabbitmq.topology import connection_parameters
+
+        topology = self.topology()
+        connection = pika.BlockingConnection(
+            connection_parameters(self.broker_url, f"mqdedup-status-{self.consumer_name}")
+        )
+        try:
+            counts: dict[str, int] = {}
+            for queue in (topology.queue, topology.dead_letter_queue):
+                channel = connection.channel()
+                try:
+                    declared = channel.queue_declare(queue, passive=True)
+                    counts[queue] = int(declared.method.message_count)
+                except pika.exceptions.ChannelClosedByBroker:
+                    counts[queue] = 0  # not declared yet
+            return counts
+        finally:
+            connection.close()
+
+    # -- dead letters ------------------------------------------------------------------------
+
+    def requeue_dead_letters(
+        self,
+        limit: int | None = None,
+        *,
+        database: Engine | None = None,
+    ) -> RequeueResult:
+        """Move dead-lettered messages (all, or up to ``limit``) back to ``queue``.
+
+        Each copy is published with a broker confirm before it is removed from the
+        dead-letter queue, so none is lost. With ``database``, the attempt counters of the
+        moved messages are reset so each gets ``retry_policy.max_attempts`` runs again.
+        """
+        self.validate()
+        return requeue_dead_letters(
+            self.broker_url,
+            dead_letter_queue=self.topology().dead_letter_queue,
+            target_queue=self.queue,
+            limit=limit,
+            database=database,
+            table_prefix=self.table_prefix,
+            consumer_name=self.consumer_name,
+        )

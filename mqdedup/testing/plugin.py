@@ -1,0 +1,416 @@
+"""Prove your own consumer is effectively-once: a pytest plugin and a harness.
+
+Installed with mqdedup, the plugin gives every test suite these fixtures:
+
+* ``mqdedup_engine``: a database with the framework's tables (a temporary SQLite file,
+  or ``MQDEDUP_TEST_DATABASE_URL`` when set);
+* ``mqdedup_harness``: ``mqdedup_harness(MyConsumer)`` returns a
+  :class:`ConsumerHarness` that runs your consumer on the in-memory broker and injects
+  the faults brokers really produce.
+
+Example::
+
+    def test_orders_are_effectively_once(mqdedup_harness, mqdedup_engine):
+        harness = mqdedup_harness(OrderConsumer)
+        for n in range(100):
+            harness.publish({"id": n}, message_id=f"order-{n}")
+        harness.deliver_each_twice()
+        harness.run_crashing_after_commit(times=3)
+        harness.run_crashing_mid_batch(after_messages=7)
+        harness.run()
+        assert_effectively_once(count_orders_by_message_id(mqdedup_engine), harness.ids)
+
+The same consumer class runs on real brokers, in real worker processes that are killed
+with ``kill -9``, through ``mqdedup_kafka_harness`` / ``mqdedup_rabbitmq_harness``
+(:mod:`mqdedup.testing.brokers`); see docs/testing.md.
+
+Effects downstream (the messages your handler sends on) are checked with
+:func:`downstream_effects`: a deduplicating next consumer applies each distinct message
+id once, so the effect of one incoming message is the number of *distinct* ids sent
+for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from sqlalchemy import Engine
+
+from mqdedup.consumers.base import Consumer, Context
+from mqdedup.consumers.memory import InMemoryBroker
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.worker import Worker
+from mqdedup.db.engine import create_engine, init_schema
+from mqdedup.db.schema import schema
+from mqdedup.errors import SimulatedCrash
+from mqdedup.message import Message
+
+if TYPE_CHECKING:
+    from mqdedup.testing.brokers import KafkaHarness, RabbitMQHarness
+
+__all__ = [
+    "ConsumerHarness",
+    "DownstreamMessage",
+    "EffectivelyOnceError",
+    "assert_effectively_once",
+    "downstream_effects",
+]
+
+
+class EffectivelyOnceError(AssertionError):
+    """Some message's effects happened more than once, or never."""
+
+
+def assert_effectively_once(
+    effects: Mapping[str, int], expected_ids: Iterable[str], *, allow_missing: bool = False
+) -> None:
+    """Assert that each expected message id has exactly one effect.
+
+    ``effects`` maps a message id to how many times its effect is found (e.g. rows per
+    message id in your business table). Extra ids, doubles and (unless
+    ``allow_missing``) missing ids fail with a precise message.
+    """
+    expected = set(expected_ids)
+    doubled = {key: count for key, count in effects.items() if count > 1}
+    unexpected = sorted(set(effects) - expected)
+    missing = sorted(expected - {key for key, count in effects.items() if count > 0})
+    problems = []
+    if doubled:
+        sample = dict(sorted(doubled.items())[:5])
+        problems.append(f"{len(doubled)} message id(s) applied more than once, e.g. {sample}")
+    if missing and not allow_missing:
+        problems.append(f"{len(missing)} message id(s) never applied, e.g. {missing[:5]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected id(s), e.g. {unexpected[:5]}")
+    if problems:
+        raise EffectivelyOnceError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class DownstreamMessage:
+    """A message your consumer sent on, as the next consumer would see it.
+
+    ``message_id``: its ``message-id`` header / AMQP ``message_id`` (the next consumer's
+    dedup key); ``cause``: its ``causation-id`` header, the incoming message it results
+    from (the outbox sets it; set it yourself when you publish otherwise).
+    """
+
+    message_id: str | None
+    cause: str | None
+    body: bytes
+
+    @classmethod
+    def from_headers(
+        cls, body: bytes, headers: Mapping[str, bytes | str | None]
+    ) -> DownstreamMessage:
+        """Build one from a body and headers (``message-id``, ``causation-id``)."""
+
+        def text(name: str) -> str | None:
+            value = headers.get(name)
+            return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+        return cls(message_id=text("message-id"), cause=text("causation-id"), body=body)
+
+    @classmethod
+    def from_message(cls, message: Message) -> DownstreamMessage:
+        """Build one from a :class:`~mqdedup.message.Message` (in-memory broker)."""
+        return cls.from_headers(message.body, message.headers)
+
+
+def downstream_effects(
+    messages: Iterable[DownstreamMessage],
+    cause: Callable[[DownstreamMessage], str | None] | None = None,
+) -> dict[str, int]:
+    """Effects downstream per incoming message id, for :func:`assert_effectively_once`.
+
+    Brokers deliver at least once, so the next consumer must deduplicate anyway: a
+    message sent twice *with the same message id* is one effect. The effect count of an
+    incoming message is therefore the number of **distinct** message ids sent for it;
+    a message without an id cannot be deduplicated and counts on its own. ``cause``
+    picks the incoming message id (default: the ``causation-id`` header).
+    """
+    pick = cause or (lambda message: message.cause)
+    ids: dict[str, set[str]] = {}
+    anonymous: dict[str, int] = {}
+    for message in messages:
+        origin = pick(message)
+        if origin is None:
+            origin = "<no causation id>"
+        if message.message_id is None:
+            anonymous[origin] = anonymous.get(origin, 0) + 1
+        else:
+            ids.setdefault(origin, set()).add(message.message_id)
+    return {
+        origin: len(ids.get(origin, ())) + anonymous.get(origin, 0)
+        for origin in set(ids) | set(anonymous)
+    }
+
+
+class ConsumerHarness:
+    """Runs one consumer class over an in-memory queue, with injected faults."""
+
+    def __init__(
+        self,
+        consumer_factory: Callable[[], Consumer],
+        engine: Engine,
+        queue: str = "harness",
+        seed: int = 0,
+        broker: InMemoryBroker | None = None,
+    ) -> None:
+        self.consumer_factory = consumer_factory
+        self.engine = engine
+        self.queue = queue
+        #: The in-memory broker (pass your own to hand it to your consumer, e.g. for a
+        #: handler that publishes directly).
+        self.broker = broker if broker is not None else InMemoryBroker(seed=seed)
+        self.ids: list[str] = []
+        self.metrics = Metrics()
+        self.crashes = 0
+
+    def publish(
+        self,
+        payload: bytes | str | Mapping[str, Any] | Sequence[Any],
+        *,
+        message_id: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        key: bytes | None = None,
+    ) -> None:
+        """Queue a message; dicts and lists are sent as JSON."""
+        body = payload if isinstance(payload, bytes | str) else json.dumps(payload)
+        self.broker.publish(self.queue, body, message_id=message_id, headers=headers, key=key)
+        if message_id is not None:
+            self.ids.append(message_id)
+
+    def deliver_each_twice(self) -> int:
+        """Queue a second copy of every queued message (as a retrying producer would)."""
+        return self.broker.inject_duplicates(self.queue, 1.0)
+
+    def inject_duplicates(self, rate: float) -> int:
+        """Queue copies of about ``rate`` of the queued messages at random positions."""
+        return self.broker.inject_duplicates(self.queue, rate)
+
+    def run(self, max_batches: int | None = None) -> Metrics:
+        """Process until the queue is empty (or ``max_batches``)."""
+        consumer = self.consumer_factory()
+        worker = Worker(
+            consumer, self.broker.transport(self.queue), self.engine, metrics=self.metrics
+        )
+        return worker.run(until_idle=max_batches is None, max_batches=max_batches)
+
+    def run_crashing_after_commit(self, times: int = 1) -> None:
+        """Let ``times`` batches commit and then 'die' before the broker is settled."""
+        for _ in range(times):
+            if not self.broker.pending(self.queue):
+                return
+            self._run_until_crash(_crash_after_commit(self.consumer_factory()))
+
+    def run_crashing_mid_batch(self, after_messages: int) -> None:
+        """'Die' in the middle of a batch, after ``after_messages`` handler calls."""
+        if self.broker.pending(self.queue):
+            self._run_until_crash(_crash_mid_batch(self.consumer_factory(), after_messages))
+
+    def _run_until_crash(self, consumer: Consumer) -> None:
+        worker = Worker(
+            consumer, self.broker.transport(self.queue), self.engine, metrics=self.metrics
+        )
+        try:
+            worker.run(until_idle=True)
+        except SimulatedCrash:
+            self.crashes += 1  # the transport was closed: unsettled deliveries are back
+
+    def run_relay(self, timeout: float = 60.0) -> int:
+        """Publish the committed outbox rows with the real relay into the in-memory
+        broker (a queue per topic / routing key); returns the rows published."""
+        from mqdedup.outbox import Relay, RelayConfig
+        from mqdedup.outbox.memory import MemoryPublisher
+
+        publisher = MemoryPublisher(self.broker)
+        relay = Relay(
+            self.engine,
+            {"kafka": publisher, "rabbitmq": publisher},
+            prefix=self.consumer_factory().table_prefix,
+            config=RelayConfig(poll_interval=0.05, listen=False),
+        )
+        try:
+            relay.drain(timeout)
+        finally:
+            relay.close()
+        return len(publisher.published)
+
+    def downstream(self, queue: str) -> list[DownstreamMessage]:
+        """Take every message waiting in in-memory ``queue`` (e.g. your output topic)."""
+        transport = self.broker.transport(queue)
+        taken: list[DownstreamMessage] = []
+        while deliveries := transport.fetch(1000, 0.0):
+            taken.extend(DownstreamMessage.from_message(d.message) for d in deliveries)
+            transport.settle(deliveries)
+        transport.close()
+        return taken
+
+    @property
+    def dead_letters(self) -> list[Any]:
+        """Dead-lettered messages with their reasons."""
+        return list(self.broker.dead_letters.get(self.queue, []))
+
+
+def _crash_after_commit(consumer: Consumer) -> Consumer:
+    original = consumer.after_commit
+
+    def after_commit(messages: Sequence[Message]) -> None:
+        original(messages)
+        raise SimulatedCrash("crash between commit and settle")
+
+    consumer.after_commit = after_commit  # type: ignore[method-assign]
+    return consumer
+
+
+def _crash_mid_batch(consumer: Consumer, after_messages: int) -> Consumer:
+    calls = {"n": 0}
+    handle, handle_batch = consumer.handle, consumer.handle_batch
+
+    def guard(messages: int) -> None:
+        calls["n"] += messages
+        if calls["n"] > after_messages:
+            raise SimulatedCrash("crash in the middle of a batch")
+
+    def crashing_handle(message: Message, ctx: Context) -> Any:
+        guard(1)
+        return handle(message, ctx)
+
+    def crashing_batch(messages: Sequence[Message], ctx: Any) -> Any:
+        guard(len(messages))
+        return handle_batch(messages, ctx)
+
+    consumer.handle = crashing_handle  # type: ignore[method-assign]
+    if consumer.has_batch_handler:
+        consumer.handle_batch = crashing_batch  # type: ignore[method-assign]
+    return consumer
+
+
+# -- pytest fixtures -------------------------------------------------------------------
+
+
+TESTING_DATABASE_ENV = "MQDEDUP_TESTING_DATABASE_URL"
+
+
+@pytest.fixture
+def mqdedup_engine() -> Iterator[Engine]:
+    """A database with mqdedup's tables, empty at the start of each test.
+
+    A temporary SQLite file, or the database named by ``MQDEDUP_TESTING_DATABASE_URL``
+    (e.g. your PostgreSQL), whose framework tables are emptied before each test.
+    """
+    url = os.environ.get(TESTING_DATABASE_ENV)
+    with tempfile.TemporaryDirectory(prefix="mqdedup-test-") as folder:
+        engine = create_engine(url or f"sqlite:///{Path(folder) / 'test.db'}")
+        init_schema(engine)
+        if url:
+            with engine.begin() as connection:
+                for table in reversed(schema().metadata.sorted_tables):
+                    connection.execute(table.delete())
+        try:
+            yield engine
+        finally:
+            engine.dispose()
+
+
+@pytest.fixture
+def mqdedup_harness(mqdedup_engine: Engine) -> Callable[..., ConsumerHarness]:
+    """``mqdedup_harness(ConsumerClass or factory)`` → a :class:`ConsumerHarness`."""
+
+    def make(consumer: Callable[[], Consumer], **options: Any) -> ConsumerHarness:
+        return ConsumerHarness(consumer, mqdedup_engine, **options)
+
+    return make
+
+
+@pytest.fixture
+def mqdedup_database_url(tmp_path: Path) -> str:
+    """The database of the real-broker harnesses, shared with their worker processes.
+
+    ``MQDEDUP_TESTING_DATABASE_URL`` (PostgreSQL recommended), else a temporary SQLite
+    file. Each harness uses its own table prefix there, so tests may run in parallel.
+    """
+    return os.environ.get(TESTING_DATABASE_ENV) or f"sqlite:///{tmp_path / 'harness.db'}"
+
+
+def _require(service: str, reason: str) -> None:
+    """Skip locally; fail when ``CI`` is set (a missing service must not pass there)."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{service} is required in CI but unavailable: {reason}")
+    pytest.skip(f"{service} unavailable: {reason}")
+
+
+@pytest.fixture
+def mqdedup_kafka_harness(
+    mqdedup_database_url: str, tmp_path: Path
+) -> Iterator[Callable[..., KafkaHarness]]:
+    """``mqdedup_kafka_harness(MyKafkaConsumer)`` → a
+    :class:`~mqdedup.testing.brokers.KafkaHarness`.
+
+    The broker is ``bootstrap=`` or ``$MQDEDUP_KAFKA_BOOTSTRAP`` (skipped when unset,
+    failed under ``CI``). Other keyword arguments: ``partitions``, ``attributes``
+    (class attributes for the workers, e.g. ``{"batch_size": 10}``), ``database_url``,
+    ``timeout``. Everything the harness created is removed at the end of the test.
+    """
+    made: list[KafkaHarness] = []
+
+    def make(
+        consumer_class: type[Consumer], *, bootstrap: str | None = None, **options: Any
+    ) -> KafkaHarness:
+        from mqdedup.testing.brokers import KafkaHarness
+
+        address = bootstrap or os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
+        if not address:
+            _require("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
+        assert address is not None
+        options.setdefault("database_url", mqdedup_database_url)
+        folder = tmp_path / f"kafka-harness-{len(made) + 1}"
+        folder.mkdir()
+        harness = KafkaHarness(consumer_class, folder=folder, bootstrap=address, **options)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()
+
+
+@pytest.fixture
+def mqdedup_rabbitmq_harness(
+    mqdedup_database_url: str, tmp_path: Path
+) -> Iterator[Callable[..., RabbitMQHarness]]:
+    """``mqdedup_rabbitmq_harness(MyRabbitMQConsumer)`` → a
+    :class:`~mqdedup.testing.brokers.RabbitMQHarness`.
+
+    The broker is ``url=`` or ``$MQDEDUP_RABBITMQ_URL`` (skipped when unset, failed
+    under ``CI``). Other keyword arguments: ``attributes``, ``database_url``, ``timeout``.
+    """
+    made: list[RabbitMQHarness] = []
+
+    def make(
+        consumer_class: type[Consumer], *, url: str | None = None, **options: Any
+    ) -> RabbitMQHarness:
+        from mqdedup.testing.brokers import RabbitMQHarness
+
+        address = url or os.environ.get("MQDEDUP_RABBITMQ_URL")
+        if not address:
+            _require("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
+        assert address is not None
+        options.setdefault("database_url", mqdedup_database_url)
+        folder = tmp_path / f"rabbitmq-harness-{len(made) + 1}"
+        folder.mkdir()
+        harness = RabbitMQHarness(consumer_class, folder=folder, url=address, **options)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()

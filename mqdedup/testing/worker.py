@@ -1,0 +1,149 @@
+"""The worker process of the real-broker test kit: ``python -m mqdedup.testing.worker``.
+
+Started by :mod:`mqdedup.testing.brokers`, never by hand. Its configuration is one JSON
+object in the ``MQDEDUP_TESTING_WORKER`` environment variable (not on the command line,
+where a database password would show in ``ps``):
+
+* ``consumer``: the user's consumer class by reference, ``package.module:Class``;
+* ``attributes``: class attributes overriding the user's (topic / queue, group, table
+  prefix, ...), applied in a generated subclass: the user's class is not changed;
+* ``database_url``; ``folder`` (where progress and marker files go); ``label``;
+* faults: ``hold_after_commit`` (n: after the n-th committed batch of this process,
+  before the broker is settled, write ``<label>.held`` and wait to be killed),
+  ``hold_mid_batch`` (k: before the (k+1)-th handler call, inside the open transaction,
+  write ``<label>.held`` and wait to be killed), ``batch_pause`` (seconds to sleep after
+  each commit, so a rebalance finds the worker busy). A held worker also goes on when
+  ``<label>.release`` appears (the rebalance fault holds one worker while another
+  joins, then releases it).
+
+After each commit the worker rewrites ``<label>.progress`` with the number of messages
+committed by this process. It runs ``consumer.run(engine, stop=...)`` under graceful
+signal handling, exactly like ``mqdedup worker``: SIGTERM finishes the batch in flight,
+settles it and exits 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mqdedup.consumers.base import BatchContext, Consumer, Context
+from mqdedup.errors import ConfigurationError
+from mqdedup.message import Message
+
+CONFIG_ENV = "MQDEDUP_TESTING_WORKER"
+#: How long a held worker waits to be killed before it gives up (a bound, not a timer).
+HOLD_SECONDS = 600.0
+
+log = logging.getLogger("mqdedup.testing.plugin.worker")
+
+
+def load_class(reference: str) -> type[Consumer]:
+    """Import ``package.module:Class`` (nested classes as ``Outer.Inner``)."""
+    module_name, _, qualname = reference.partition(":")
+    if not module_name or not qualname:
+        raise ConfigurationError(f"consumer reference {reference!r} is not 'module:Class'")
+    target: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    if not (isinstance(target, type) and issubclass(target, Consumer)):
+        raise ConfigurationError(f"{reference} is not a mqdedup Consumer subclass")
+    return target
+
+
+def _touch(path: Path, text: str) -> None:
+    """Write ``text`` atomically (readers never see a half-written file)."""
+    partial = path.with_suffix(path.suffix + ".tmp")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def build_consumer_class(config: Mapping[str, Any]) -> type[Consumer]:
+    """The user's class with the harness's attributes and fault switches."""
+    user_class = load_class(str(config["consumer"]))
+    folder = Path(str(config["folder"]))
+    label = str(config["label"])
+    hold_after_commit = config.get("hold_after_commit")
+    hold_mid_batch = config.get("hold_mid_batch")
+    batch_pause = float(config.get("batch_pause") or 0.0)
+    state = {"committed": 0, "commits": 0, "handled": 0}
+
+    def hold(moment: str) -> None:
+        _touch(folder / f"{label}.held", moment)
+        log.warning("holding to be killed", extra={"moment": moment, "label": label})
+        release = folder / f"{label}.release"
+        deadline = time.monotonic() + HOLD_SECONDS
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def guard(messages: int) -> None:
+        if hold_mid_batch is not None and state["handled"] + messages > int(hold_mid_batch):
+            hold("mid-batch")
+        state["handled"] += messages
+
+    class Harnessed(user_class):  # type: ignore[valid-type,misc]
+        def handle(self, message: Message, ctx: Context) -> Any:
+            guard(1)
+            return super().handle(message, ctx)
+
+        def handle_batch(
+            self, messages: Sequence[Message], ctx: BatchContext
+        ) -> Mapping[str, Any] | None:
+            guard(len(messages))
+            results: Mapping[str, Any] | None = super().handle_batch(messages, ctx)
+            return results
+
+        def after_commit(self, messages: Sequence[Message]) -> None:
+            super().after_commit(messages)
+            state["commits"] += 1
+            state["committed"] += len(messages)
+            _touch(folder / f"{label}.progress", str(state["committed"]))
+            if hold_after_commit is not None and state["commits"] == int(hold_after_commit):
+                hold("after-commit")
+            if batch_pause:
+                time.sleep(batch_pause)
+
+    # Keep the user's handler choice: only wrap the handler(s) the user implemented.
+    if user_class.handle is Consumer.handle:
+        del Harnessed.handle
+    if user_class.handle_batch is Consumer.handle_batch:
+        del Harnessed.handle_batch
+    for name, value in dict(config.get("attributes") or {}).items():
+        setattr(Harnessed, name, value)
+    Harnessed.__name__ = Harnessed.__qualname__ = user_class.__name__
+    return Harnessed
+
+
+def main() -> int:
+    """Run the configured consumer until SIGTERM; 130 after an immediate stop."""
+    from mqdedup.db.engine import create_engine
+    from mqdedup.logs import configure
+    from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
+
+    config: dict[str, Any] = json.loads(os.environ[CONFIG_ENV])
+    configure(str(config.get("log_level") or "WARNING"))
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    logging.getLogger("pika").setLevel(logging.WARNING)
+    consumer = build_consumer_class(config)()
+    engine = create_engine(str(config["database_url"]))
+    stop = StopToken()
+    _touch(Path(str(config["folder"])) / f"{config['label']}.started", str(os.getpid()))
+    try:
+        with graceful_signals(stop):
+            consumer.run(engine, stop=stop)
+    except ImmediateStop:
+        return 130
+    finally:
+        engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
