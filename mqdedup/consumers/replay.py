@@ -1,22 +1,30 @@
-"""What every replay (Kafka range, RabbitMQ stream) counts, and how.
+"""A replay: a transport over a past range, run by the same Worker and Processor.
 
-Broker-agnostic: the Kafka and RabbitMQ replays feed it batches; it turns processor
-reports into counts, or, in a dry run, asks the dedup table which ids are known.
+Broker-agnostic. A broker's range transport (:class:`mqdedup.kafka.range.KafkaRangeTransport`,
+:class:`mqdedup.rabbitmq.stream.StreamRangeTransport`) hands out the range's messages and
+returns an empty fetch once the range is read; :class:`ReplayRun` runs it with the
+:class:`~mqdedup.consumers.worker.Worker` like live traffic, so already claimed ids are
+duplicates and nothing happens twice. The counts come from the Worker's
+:class:`~mqdedup.consumers.metrics.Metrics` and the transport's :class:`RangeLedger`. A
+dry run reads the same transport and only asks the dedup table which ids are known.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.base import Consumer
-from mqdedup.consumers.processor import BatchReport
-from mqdedup.consumers.transport import Delivery
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.transport import Delivery, Transport
+from mqdedup.consumers.worker import Worker
 from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import MessageError
+from mqdedup.stopping import StopToken
 
 MISSING_ID_REASON = "missing message id"
 
@@ -45,8 +53,131 @@ class ReplayReport:
         return self.new + self.duplicates + self.without_id + self.dead_lettered + self.unsettled
 
 
+class RangeLedger:
+    """What a range transport handed out, and how each delivery ended.
+
+    ``position`` is whatever names one message of the range (``(topic, partition,
+    offset)``, a stream offset). A delivery is *pending* from its fetch until it is
+    settled; a dead letter's reason is noted when ``dead_letter`` is called, so its
+    settle counts it as dead-lettered (without an id, or for another reason).
+    """
+
+    def __init__(self) -> None:
+        #: ``topic/partition`` or stream -> ``(start offset, end offset)``.
+        self.ranges: dict[str, tuple[int, int]] = {}
+        self.settled = 0
+        self.without_id = 0
+        self.dead_lettered = 0
+        self._pending: dict[Hashable, str | None] = {}
+
+    def handed_out(self, position: Hashable) -> None:
+        """A delivery left the transport (again, if it was given back: a dead-letter
+        attempt that failed then is forgotten)."""
+        self._pending[position] = None
+
+    def dead_lettering(self, position: Hashable, reason: str) -> None:
+        """The processor dead-letters this delivery (it is settled next, if that worked)."""
+        self._pending[position] = reason
+
+    def settle(self, position: Hashable) -> None:
+        """The delivery is done: processed, a duplicate or dead-lettered."""
+        if position not in self._pending:
+            return
+        reason = self._pending.pop(position)
+        self.settled += 1
+        if reason is None:
+            return
+        if reason.startswith(MISSING_ID_REASON):
+            self.without_id += 1
+        else:
+            self.dead_lettered += 1
+
+    @property
+    def unsettled(self) -> int:
+        """Deliveries handed out and not settled (yet)."""
+        return len(self._pending)
+
+    def note_offset(self, name: str, offset: int) -> None:
+        """Widen ``name``'s range to include ``offset`` (for ranges known as they are read)."""
+        first, last = self.ranges.get(name, (offset, offset))
+        self.ranges[name] = (min(first, offset), max(last, offset + 1))
+
+
+class RangeTransport(Transport, Protocol):
+    """A transport over a past range: its fetch blocks until it has deliveries or the
+    range is read (then it returns ``[]``), and it keeps a :class:`RangeLedger`."""
+
+    @property
+    def ledger(self) -> RangeLedger:
+        """The transport's counts."""
+        ...
+
+    def give_back(self, deliveries: Sequence[Delivery]) -> None:
+        """Hand these unsettled deliveries out again."""
+        ...
+
+
+class ReplayRun:
+    """Runs ``consumer`` over a range transport with the Worker, or tallies a dry run.
+
+    :attr:`report` is live while :meth:`run` runs (for a progress bar).
+    """
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        sessions: sessionmaker[Session],
+        transport: RangeTransport,
+        *,
+        dry_run: bool = False,
+        stop: StopToken | None = None,
+    ) -> None:
+        self.consumer = consumer
+        self.sessions = sessions
+        self.transport = transport
+        self.dry_run = dry_run
+        self.stop = stop or StopToken()
+        self.metrics = Metrics()
+        self._dry = ReplayReport(dry_run=True)
+
+    @property
+    def report(self) -> ReplayReport:
+        """The counts so far."""
+        ledger = self.transport.ledger
+        if self.dry_run:
+            self._dry.ranges = dict(ledger.ranges)
+            return self._dry
+        return ReplayReport(
+            new=self.metrics.processed,
+            duplicates=self.metrics.duplicates,
+            without_id=ledger.without_id,
+            dead_lettered=ledger.dead_lettered,
+            unsettled=ledger.unsettled,
+            ranges=dict(ledger.ranges),
+        )
+
+    def run(self) -> ReplayReport:
+        """Read the whole range (the transport is closed on the way out)."""
+        if not self.dry_run:
+            Worker(
+                self.consumer, self.transport, self.sessions, stop=self.stop, metrics=self.metrics
+            ).run(until_idle=True)
+            return self.report
+        tally = ReplayTally(self.consumer, self.sessions, self._dry)
+        try:
+            while not self.stop.requested:
+                batch = self.transport.fetch(self.consumer.batch_size, self.consumer.poll_timeout)
+                if not batch:
+                    break
+                tally.dry(batch)
+                self.transport.settle(batch)  # nothing was processed; the range moves on
+        finally:
+            self.transport.close()
+        return self.report
+
+
 class ReplayTally:
-    """Adds batches to a :class:`ReplayReport`."""
+    """Counts what processing batches *would* do, writing nothing (a dry run)."""
 
     def __init__(
         self, consumer: Consumer, sessions: sessionmaker[Session], report: ReplayReport
@@ -55,18 +186,6 @@ class ReplayTally:
         self.sessions = sessions
         self.report = report
         self._seen: set[str] = set()
-
-    def processed(self, batch: BatchReport) -> None:
-        """Count what the processor did with a batch."""
-        report = self.report
-        report.new += len(batch.processed)
-        report.duplicates += len(batch.duplicates)
-        report.unsettled += len(batch.unsettled)
-        for _delivery, record in batch.dead_lettered:
-            if record.reason.startswith(MISSING_ID_REASON):
-                report.without_id += 1
-            else:
-                report.dead_lettered += 1
 
     def dry(self, deliveries: Sequence[Delivery]) -> None:
         """Count what processing ``deliveries`` would do, writing nothing."""

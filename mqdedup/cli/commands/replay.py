@@ -53,7 +53,6 @@ def replay_kafka(
     progress: TextIO | None = None,
 ) -> Any:
     """Replay a Kafka consumer's topics over the range; return its ReplayReport."""
-    from mqdedup.kafka.horizon import partitions_before_horizon
     from mqdedup.kafka.replay import KafkaReplay
 
     replay = KafkaReplay(
@@ -65,19 +64,11 @@ def replay_kafka(
         dry_run=dry_run,
         stop=stop,
     )
-    horizon = DedupStore(consumer.table_prefix).retention_horizon(engine, consumer.consumer_name)
-    if horizon is not None and not allow_reprocess:
-        early = partitions_before_horizon(replay, horizon)
-        if early:
-            where = ", ".join(
-                f"{k} from {s} (horizon at {h})" for k, (s, h) in sorted(early.items())
-            )
-            raise ReplayRefusedError(
-                f"the range starts before the dedup retention horizon {horizon.isoformat()} "
-                f"(dedup records older than that may have been purged, so those messages could "
-                f"be applied twice): {where}; replay from after the horizon, or pass "
-                "--allow-reprocess to accept it"
-            )
+    try:
+        _check_kafka_horizon(replay, consumer, engine, allow_reprocess)
+    except BaseException:
+        replay.close()
+        raise
     done = threading.Event()
     reporter = threading.Thread(target=_progress, args=(replay, done, progress), daemon=True)
     reporter.start()
@@ -86,6 +77,26 @@ def replay_kafka(
     finally:
         done.set()
         reporter.join(timeout=2)
+
+
+def _check_kafka_horizon(
+    replay: Any, consumer: Consumer, engine: Engine, allow_reprocess: bool
+) -> None:
+    """Refuse a range starting before the dedup retention horizon (unless allowed)."""
+    from mqdedup.kafka.horizon import partitions_before_horizon
+
+    horizon = DedupStore(consumer.table_prefix).retention_horizon(engine, consumer.consumer_name)
+    if horizon is None or allow_reprocess:
+        return
+    early = partitions_before_horizon(replay, horizon)
+    if early:
+        where = ", ".join(f"{k} from {s} (horizon at {h})" for k, (s, h) in sorted(early.items()))
+        raise ReplayRefusedError(
+            f"the range starts before the dedup retention horizon {horizon.isoformat()} "
+            f"(dedup records older than that may have been purged, so those messages could "
+            f"be applied twice): {where}; replay from after the horizon, or pass "
+            "--allow-reprocess to accept it"
+        )
 
 
 def replay_stream(
