@@ -8,6 +8,7 @@ stays, with the new reason, when it is dead-lettered again.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -39,11 +40,15 @@ class ParkedTransport:
         self.ids = list(ids) if ids is not None else None
         self._after_id = 0
         self._kept_again: set[int] = set()
+        self._again: list[Delivery] = []
         self.settled = 0
         self.dead_lettered_again = 0
 
     def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
         """The next ``max_messages`` kept dead letters (none left: an empty list)."""
+        if self._again:
+            batch, self._again = self._again[:max_messages], self._again[max_messages:]
+            return batch
         with self.sessions() as session:
             rows = self.table.list(
                 session,
@@ -63,6 +68,13 @@ class ParkedTransport:
             return
         with self.sessions() as session, session.begin():
             self.settled += self.table.delete(session, done)
+
+    def give_back(self, deliveries: Sequence[Delivery]) -> None:
+        """Hand these unsettled rows out again, first (their rows are still there)."""
+        again = [
+            Delivery(dataclasses.replace(d.message, redelivered=True), d.token) for d in deliveries
+        ]
+        self._again = again + self._again
 
     def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
         """The message failed again: its row stays (the reason is logged by the worker)."""

@@ -181,3 +181,22 @@ def test_cli_lists_and_deletes_kept_dead_letters(sqlite_engine: Engine, tmp_path
     deleted = cli("dead-letters", "delete", "--consumer", "orders", "--all")
     assert deleted.returncode == 0 and "deleted 1" in deleted.stdout
     assert "no dead letters" in cli("dead-letters", "list").stdout
+
+
+def test_replay_hands_given_back_rows_out_again_first(sqlite_engine: Engine) -> None:
+    from mqdedup.consumers.parked import ParkedTransport
+    from mqdedup.db.engine import session_factory
+
+    broker = InMemoryBroker(seed=1)
+    _publish(broker, 6)
+    Worker(Orders(), _transport(broker, refuse=frozenset({"m3", "m7"})), sqlite_engine).run(
+        until_idle=True
+    )
+    transport = ParkedTransport(session_factory(sqlite_engine), "orders")
+    first = transport.fetch(10, 0)
+    assert [d.message.id for d in first] == ["m3"]
+    transport.give_back(first)
+    again = transport.fetch(10, 0)
+    assert [(d.message.id, d.message.redelivered) for d in again] == [("m3", True)]
+    transport.settle(again)
+    assert transport.fetch(10, 0) == [] and transport.settled == 1
