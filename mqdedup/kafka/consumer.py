@@ -398,6 +398,9 @@ class KafkaConsumer(Consumer):
     ) -> ReplayReport:
         """Run the consumer again over a past range, without joining the group.
 
+        The range is a transport (:class:`~mqdedup.kafka.range.KafkaRangeTransport`) run
+        by the same Worker and processor as :meth:`run`.
+
         ``start`` / ``end``: an offset (every selected partition) or a timestamp
         (``offsets_for_times``); default: from the beginning up to the end offsets at
         the start of the replay (exclusive). ``partitions`` defaults to all of each
