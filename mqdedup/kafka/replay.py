@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.replay import ReplayReport, ReplayRun
 from mqdedup.db.engine import session_factory
+from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.range import KafkaRangeTransport
 from mqdedup.stopping import StopToken
 
@@ -48,9 +49,15 @@ class KafkaReplay:
         self.consumer = consumer
         self.settings = consumer.kafka_settings()
         self.dry_run = dry_run
+        topics = list(topics or self.settings.topics)
+        if not topics:
+            raise ConfigurationError(
+                f"replay of {type(consumer).__name__} needs topics=[...] "
+                "(it subscribes by topic_pattern)"
+            )
         self.transport = KafkaRangeTransport(
             self.settings,
-            topics=list(topics or self.settings.topics),
+            topics=topics,
             partitions=partitions,
             start=start,
             end=end,
