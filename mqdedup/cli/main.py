@@ -34,10 +34,7 @@ from mqdedup.cli.config import (
 from mqdedup.consumers.base import Consumer
 from mqdedup.db.engine import check_connection, check_schema, create_engine, init_schema
 from mqdedup.errors import (
-    BrokerUnavailableError,
     ConfigurationError,
-    ConsumerImportError,
-    DatabaseUnavailableError,
     MqdedupError,
 )
 from mqdedup.logs import configure as configure_logging
@@ -45,13 +42,6 @@ from mqdedup.masking import mask_text
 
 log = logging.getLogger("mqdedup.cli.main")
 
-_EXIT_CODES: dict[type[MqdedupError], int] = {
-    ConfigurationError: exitcodes.CONFIGURATION,
-    ConsumerImportError: exitcodes.CONSUMER_IMPORT,
-    DatabaseUnavailableError: exitcodes.DATABASE_UNAVAILABLE,
-    BrokerUnavailableError: exitcodes.BROKER_UNAVAILABLE,
-    RefusedError: exitcodes.CHECK_FAILED,
-}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -457,14 +447,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def exit_code_for(error: MqdedupError) -> int:
-    """The documented exit code of an error (see :mod:`mqdedup.cli.exitcodes`)."""
-    return next(
-        (code for kind, code in _EXIT_CODES.items() if isinstance(error, kind)),
-        exitcodes.CONFIGURATION,
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     parser = build_parser()
@@ -477,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             log.exception("failed")
         print(f"mqdedup: error: {mask_text(str(exc))}", file=sys.stderr)
-        return exit_code_for(exc)
+        return exitcodes.exit_code_for(exc)
     except KeyboardInterrupt:
         print("mqdedup: interrupted", file=sys.stderr)
         return exitcodes.INTERRUPTED
@@ -818,8 +800,8 @@ def _broker_kind(consumer: Consumer) -> str | None:
 
 def _cmd_relay(args: argparse.Namespace) -> int:
     from mqdedup.cli.commands.reachability import check_relay_brokers
+    from mqdedup.cli.publishers import create_publishers
     from mqdedup.cli.supervisor import ChildSpec
-    from mqdedup.outbox.relay import create_publishers
 
     settings = _settings(
         args,

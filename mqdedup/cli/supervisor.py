@@ -364,10 +364,9 @@ def child_main(spec: ChildSpec, connection: Connection) -> None:
     except ImmediateStop:
         code = exitcodes.INTERRUPTED
     except MqdedupError as exc:
-        from mqdedup.cli.main import exit_code_for
 
         print(f"mqdedup: {spec.label}: error: {exc}", flush=True)
-        code = exit_code_for(exc)
+        code = exitcodes.exit_code_for(exc)
     finally:
         with contextlib.suppress(OSError, ValueError):
             connection.send(metrics.snapshot())

@@ -21,7 +21,7 @@ from mqdedup.masking import mask_url as _mask_url
 log = logging.getLogger(__name__)
 
 DATABASE_URL_ENV = "MQDEDUP_DATABASE_URL"
-DEFAULT_DATABASE_URL = "sqlite:///mqdedup.db.engine"
+DEFAULT_DATABASE_URL = "sqlite:///mqdedup.db"
 _DRIVER_ALIASES = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg"}
 SUPPORTED_DIALECTS = ("postgresql", "sqlite", "mysql", "mariadb")
 

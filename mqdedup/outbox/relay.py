@@ -732,30 +732,6 @@ class Relay:
             yield
 
 
-def create_publishers(
-    *, kafka_bootstrap: str | None = None, rabbitmq_url: str | None = None
-) -> dict[str, Publisher]:
-    """The standard publishers for the given brokers (``MQDEDUP_KAFKA_BOOTSTRAP`` and
-    ``MQDEDUP_RABBITMQ_URL`` when not given); at least one must be configured."""
-    kafka_bootstrap = kafka_bootstrap or os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
-    rabbitmq_url = rabbitmq_url or os.environ.get("MQDEDUP_RABBITMQ_URL")
-    publishers: dict[str, Publisher] = {}
-    if kafka_bootstrap:
-        from mqdedup.kafka.publisher import KafkaPublisher
-
-        publishers["kafka"] = KafkaPublisher(kafka_bootstrap)
-    if rabbitmq_url:
-        from mqdedup.rabbitmq.publisher import RabbitMQPublisher
-
-        publishers["rabbitmq"] = RabbitMQPublisher(rabbitmq_url)
-    if not publishers:
-        raise ConfigurationError(
-            "no broker configured for the relay: set MQDEDUP_KAFKA_BOOTSTRAP and/or "
-            "MQDEDUP_RABBITMQ_URL"
-        )
-    return publishers
-
-
 def _with_trace(record: OutboxRecord, trace_headers: Mapping[str, str]) -> OutboxRecord:
     """``record`` carrying ``trace_headers`` (the publish span) instead of its own."""
     if all(record.headers.get(name) == trace_headers.get(name) for name in TRACE_HEADERS):
