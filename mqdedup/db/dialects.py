@@ -86,7 +86,7 @@ def _is_transient_driver_error(orig: BaseException | None) -> bool:
     module = type(orig).__module__
     if module.startswith("psycopg"):
         # No SQLSTATE: the error never reached the server (refused, reset, timed out).
-        import psycopg
+        import psycopg  # lazy: the postgresql extra (only reached with a psycopg error)
 
         return isinstance(orig, psycopg.OperationalError | psycopg.InterfaceError)
     if isinstance(orig, sqlite3.Error):
@@ -128,7 +128,7 @@ def _is_data_driver_error(orig: BaseException | None) -> bool:
     if module.startswith("psycopg"):
         # Refused by psycopg before it reached the server (no SQLSTATE), e.g. a NUL
         # byte in a text parameter: psycopg raises the class of SQLSTATE class 22.
-        import psycopg
+        import psycopg  # lazy: the postgresql extra (only reached with a psycopg error)
 
         return isinstance(orig, psycopg.DataError | psycopg.IntegrityError)
     if isinstance(orig, sqlite3.Error):

@@ -41,6 +41,7 @@ from mqdedup.consumers.base import Consumer
 from mqdedup.db.engine import create_engine, init_schema
 from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError
+from mqdedup.outbox import Relay, RelayConfig
 from mqdedup.testing.effects import DownstreamMessage
 from mqdedup.testing.worker import CONFIG_ENV, load_class
 
@@ -304,7 +305,6 @@ class BrokerHarness:
 
     def run_relay(self, timeout: float = 60.0) -> int:
         """Publish this harness's committed outbox rows with the real relay; rows published."""
-        from mqdedup.outbox import Relay, RelayConfig
 
         relay = Relay(
             self.engine,
@@ -424,7 +424,7 @@ class KafkaHarness(BrokerHarness):
         return [DownstreamMessage.from_headers(value, headers) for value, headers in records]
 
     def publishers(self) -> dict[str, Any]:
-        from mqdedup.kafka.publisher import KafkaPublisher
+        from mqdedup.kafka.publisher import KafkaPublisher  # lazy: the kafka extra
 
         return {"kafka": KafkaPublisher(self.bootstrap)}
 
@@ -457,7 +457,7 @@ class RabbitMQHarness(BrokerHarness):
         timeout: float = 120.0,
     ) -> None:
         from mqdedup.rabbitmq import tools as rabbitmq_tools  # lazy: the rabbitmq extra
-        from mqdedup.rabbitmq.topology import declare_topology
+        from mqdedup.rabbitmq.topology import declare_topology  # lazy: the rabbitmq extra
 
         super().__init__(
             consumer_class, database_url, folder, attributes=attributes, timeout=timeout
@@ -553,7 +553,7 @@ class RabbitMQHarness(BrokerHarness):
             found.append(DownstreamMessage.from_headers(body, headers))
 
     def publishers(self) -> dict[str, Any]:
-        from mqdedup.rabbitmq.publisher import RabbitMQPublisher
+        from mqdedup.rabbitmq.publisher import RabbitMQPublisher  # lazy: the rabbitmq extra
 
         return {"rabbitmq": RabbitMQPublisher(self.url)}
 

@@ -37,7 +37,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine
@@ -50,15 +50,15 @@ from mqdedup.db.engine import create_engine, init_schema
 from mqdedup.db.schema import schema
 from mqdedup.errors import SimulatedCrash
 from mqdedup.message import Message
+from mqdedup.outbox import Relay, RelayConfig
+from mqdedup.outbox.memory import MemoryPublisher
+from mqdedup.testing.brokers import KafkaHarness, RabbitMQHarness
 from mqdedup.testing.effects import (
     DownstreamMessage,
     EffectivelyOnceError,
     assert_effectively_once,
     downstream_effects,
 )
-
-if TYPE_CHECKING:
-    from mqdedup.testing.brokers import KafkaHarness, RabbitMQHarness
 
 __all__ = [
     "ConsumerHarness",
@@ -144,8 +144,6 @@ class ConsumerHarness:
     def run_relay(self, timeout: float = 60.0) -> int:
         """Publish the committed outbox rows with the real relay into the in-memory
         broker (a queue per topic / routing key); returns the rows published."""
-        from mqdedup.outbox import Relay, RelayConfig
-        from mqdedup.outbox.memory import MemoryPublisher
 
         publisher = MemoryPublisher(self.broker)
         relay = Relay(
@@ -281,8 +279,6 @@ def mqdedup_kafka_harness(
     def make(
         consumer_class: type[Consumer], *, bootstrap: str | None = None, **options: Any
     ) -> KafkaHarness:
-        from mqdedup.testing.brokers import KafkaHarness
-
         address = bootstrap or os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
         if not address:
             _require("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
@@ -314,8 +310,6 @@ def mqdedup_rabbitmq_harness(
     def make(
         consumer_class: type[Consumer], *, url: str | None = None, **options: Any
     ) -> RabbitMQHarness:
-        from mqdedup.testing.brokers import RabbitMQHarness
-
         address = url or os.environ.get("MQDEDUP_RABBITMQ_URL")
         if not address:
             _require("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
