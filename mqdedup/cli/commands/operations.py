@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, func, select
 
 from mqdedup.cli.commands.tables import human_age, render_table
+from mqdedup.db.dialects import table_size
 from mqdedup.db.engine import create_engine
 from mqdedup.db.schema import schema
 from mqdedup.dedup.store import utcnow
@@ -47,11 +48,7 @@ def dedup_stats(engine: Engine, prefix: str) -> tuple[list[ConsumerStats], int |
             .group_by(table.c.consumer_name)
             .order_by(table.c.consumer_name)
         ).all()
-        size = None
-        if engine.dialect.name == "postgresql":
-            size = connection.execute(
-                text("SELECT pg_total_relation_size(CAST(:t AS regclass))"), {"t": table.name}
-            ).scalar()
+        size = table_size(connection, table.name)
     return [ConsumerStats(r[0], int(r[1]), r[2], r[3]) for r in rows], size
 
 
