@@ -479,9 +479,30 @@ class Traits:
     key_collation: bool
 
 
-_POSTGRESQL = Traits("postgresql", "advisory", True, True, True, False)
-_SQLITE = Traits("sqlite", None, False, True, True, False)
-_MYSQL = Traits("mysql", "named", False, False, False, True)
+_POSTGRESQL = Traits(
+    family="postgresql",
+    shard_locks="advisory",
+    notifies=True,
+    claim_in_one_statement=True,
+    limit_in_subquery=True,
+    key_collation=False,
+)
+_SQLITE = Traits(
+    family="sqlite",
+    shard_locks=None,
+    notifies=False,
+    claim_in_one_statement=True,
+    limit_in_subquery=True,
+    key_collation=False,
+)
+_MYSQL = Traits(
+    family="mysql",
+    shard_locks="named",
+    notifies=False,
+    claim_in_one_statement=False,
+    limit_in_subquery=False,
+    key_collation=True,
+)
 _TRAITS = {"postgresql": _POSTGRESQL, "sqlite": _SQLITE, "mysql": _MYSQL, "mariadb": _MYSQL}
 SUPPORTED = tuple(_TRAITS)
 
