@@ -64,10 +64,6 @@ class ShardCoordinator(Protocol):
         """Acquire or release shards to this relay's fair share; return the owned ones."""
         ...
 
-    def below_fair_share(self) -> bool:
-        """True when this relay holds fewer shards than its share (worth rebalancing soon)."""
-        ...
-
     def shard_filter(self, shards: set[int] | None = None) -> ShardFilter:
         """The claim filter for ``shards`` (default: all owned), with the still-held check."""
         ...
@@ -151,10 +147,6 @@ class FairShareCoordinator(ABC):
             if len(self.owned) != start:
                 log.info("took shards", extra={"owned": len(self.owned), "members": members})
         return set(self.owned)
-
-    def below_fair_share(self) -> bool:
-        """True when this relay holds fewer shards than its share (worth rebalancing soon)."""
-        return len(self.owned) < math.ceil(self.shards / max(1, self._members()))
 
 
 def _rotate(items: list[int], seed: int) -> Iterable[int]:

@@ -95,7 +95,6 @@ def test_relays_share_the_shards_fairly_and_take_over_those_of_a_relay_that_left
     assert max(len(shards) for shards in owned) == 4  # ceil(10 / 3), never more
     assert set().union(*owned) == set(range(10)), "every shard has an owner"
     assert sum(len(shards) for shards in owned) == 10, "no shard has two owners"
-    assert [relay.below_fair_share() for relay in relays] == [len(s) < 4 for s in owned]
 
     relays[1].close()  # dies: its locks go with its connection
     _settle([relays[0], relays[2]])
