@@ -2,7 +2,8 @@
 # The whole test suite, on a fresh machine or a warm one:
 #   1. a virtualenv in .venv with mqdedup and every extra installed from PyPI,
 #   2. the services the tests need started natively on loopback (scripts/services.sh),
-#   3. ruff and mypy, then pytest (unit, integration, acceptance) and, in a full run,
+#   3. ruff, mypy and lint-imports (the architecture's import contracts in pyproject.toml),
+#      then pytest (unit, integration, acceptance) and, in a full run,
 #      beside it the unit tests on the declared minimum versions (scripts/min_versions.sh).
 # Extra arguments go to pytest, e.g. `scripts/test.sh tests/unit -x`.
 set -euo pipefail
@@ -20,6 +21,7 @@ eval "$(bash scripts/services.sh env)"
 
 .venv/bin/ruff check .
 .venv/bin/mypy
+.venv/bin/lint-imports --no-cache
 min_pid=
 if [[ $# -eq 0 ]]; then
     # A full run also proves the declared minimum versions (the unit tests in .venv-min),

@@ -51,7 +51,7 @@ class Setting:
 
 SETTINGS: dict[str, Setting] = {
     "database_url": Setting(
-        "mqdedup", "database_url", "MQDEDUP_DATABASE_URL", "sqlite:///mqdedup.db.engine"
+        "mqdedup", "database_url", "MQDEDUP_DATABASE_URL", "sqlite:///mqdedup.db"
     ),
     "kafka_bootstrap": Setting("mqdedup", "kafka_bootstrap", "MQDEDUP_KAFKA_BOOTSTRAP", None),
     "rabbitmq_url": Setting("mqdedup", "rabbitmq_url", "MQDEDUP_RABBITMQ_URL", None),

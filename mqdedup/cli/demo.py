@@ -37,6 +37,7 @@ from mqdedup.consumers.base import Consumer, Context
 from mqdedup.consumers.memory import InMemoryBroker, MemoryTransport
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.engine import create_engine, init_schema
+from mqdedup.db.schema import schema
 from mqdedup.errors import SimulatedCrash
 from mqdedup.message import Message
 
@@ -152,8 +153,6 @@ def _run(
     init_schema(engine)
     _metadata.create_all(engine)
     with engine.begin() as connection:  # a rerun on the same database starts clean
-        from mqdedup.db.schema import schema
-
         connection.execute(
             schema().processed.delete().where(schema().processed.c.consumer_name == "demo-orders")
         )

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from mqdedup.cli.commands import RefusedError
+from mqdedup.errors import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    ConsumerImportError,
+    DatabaseUnavailableError,
+    MqdedupError,
+)
+
 OK = 0
 #: A check failed (``demo`` found a broken promise, ``db check`` found schema drift), or a
 #: safety check refused to go on (a replay before the retention horizon, ``dedup purge``
@@ -26,3 +35,19 @@ INTERRUPTED = 130
 SHUTDOWN_TIMEOUT = 7
 #: Exit codes of a child that restarting cannot fix: the supervisor stops with them.
 FATAL_CHILD_CODES = frozenset({CONFIGURATION, CONSUMER_IMPORT})
+
+_BY_ERROR: dict[type[MqdedupError], int] = {
+    ConfigurationError: CONFIGURATION,
+    ConsumerImportError: CONSUMER_IMPORT,
+    DatabaseUnavailableError: DATABASE_UNAVAILABLE,
+    BrokerUnavailableError: BROKER_UNAVAILABLE,
+    RefusedError: CHECK_FAILED,
+}
+
+
+def exit_code_for(error: MqdedupError) -> int:
+    """The documented exit code of an error (a setting's problem when none fits better)."""
+    return next(
+        (code for kind, code in _BY_ERROR.items() if isinstance(error, kind)),
+        CONFIGURATION,
+    )

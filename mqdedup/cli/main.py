@@ -21,7 +21,30 @@ from sqlalchemy import Engine
 from mqdedup import __version__
 from mqdedup.cli import exitcodes
 from mqdedup.cli.commands import RefusedError
-from mqdedup.cli.commands.operations import OutboxGauges
+from mqdedup.cli.commands.dead_letters import (
+    delete_dead_letters,
+    list_dead_letters,
+    replay_dead_letters,
+)
+from mqdedup.cli.commands.operations import (
+    OutboxGauges,
+    count_purgeable_claims,
+    count_purgeable_outbox_rows,
+    dedup_stats,
+    dedup_stats_data,
+    format_dedup_stats,
+    format_outbox_status,
+    outbox_status_data,
+)
+from mqdedup.cli.commands.reachability import check_relay_brokers, wait_for_consumer_broker
+from mqdedup.cli.commands.replay import (
+    format_replay_report,
+    parse_position,
+    replay_kafka,
+    replay_stream,
+    requeue_from_dlq,
+)
+from mqdedup.cli.commands.status import status_data, status_screen
 from mqdedup.cli.config import (
     CONFIG_ENV,
     consumer_table_prefix,
@@ -31,27 +54,27 @@ from mqdedup.cli.config import (
     resolve_with_source,
     use_table_prefix,
 )
+from mqdedup.cli.demo import existing_demo_rows, format_summary, run_demo
+from mqdedup.cli.loading import create_consumer, is_redis_consumer
+from mqdedup.cli.publishers import create_publishers
+from mqdedup.cli.runners import _export_environment
+from mqdedup.cli.supervisor import ChildSpec, Supervisor
 from mqdedup.consumers.base import Consumer
 from mqdedup.db.engine import check_connection, check_schema, create_engine, init_schema
+from mqdedup.db.migrations import schema_drift, upgrade_schema
+from mqdedup.db.schema import schema
+from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import (
-    BrokerUnavailableError,
     ConfigurationError,
-    ConsumerImportError,
-    DatabaseUnavailableError,
     MqdedupError,
 )
 from mqdedup.logs import configure as configure_logging
 from mqdedup.masking import mask_text
+from mqdedup.outbox.store import OutboxStore
+from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
 
 log = logging.getLogger("mqdedup.cli.main")
 
-_EXIT_CODES: dict[type[MqdedupError], int] = {
-    ConfigurationError: exitcodes.CONFIGURATION,
-    ConsumerImportError: exitcodes.CONSUMER_IMPORT,
-    DatabaseUnavailableError: exitcodes.DATABASE_UNAVAILABLE,
-    BrokerUnavailableError: exitcodes.BROKER_UNAVAILABLE,
-    RefusedError: exitcodes.CHECK_FAILED,
-}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -233,7 +256,6 @@ def _table_prefix(args: argparse.Namespace) -> tuple[str, str | None]:
     A prefix the tables cannot hold (characters, identifier length) is refused here,
     before anything connects.
     """
-    from mqdedup.db.schema import schema
 
     flag = getattr(args, "table_prefix", None)
     file_data = load_file(getattr(args, "config", None))
@@ -457,14 +479,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def exit_code_for(error: MqdedupError) -> int:
-    """The documented exit code of an error (see :mod:`mqdedup.cli.exitcodes`)."""
-    return next(
-        (code for kind, code in _EXIT_CODES.items() if isinstance(error, kind)),
-        exitcodes.CONFIGURATION,
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     parser = build_parser()
@@ -477,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             log.exception("failed")
         print(f"mqdedup: error: {mask_text(str(exc))}", file=sys.stderr)
-        return exit_code_for(exc)
+        return exitcodes.exit_code_for(exc)
     except KeyboardInterrupt:
         print("mqdedup: interrupted", file=sys.stderr)
         return exitcodes.INTERRUPTED
@@ -516,15 +530,11 @@ def _require_schema(engine: Engine, prefix: str) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from mqdedup.cli.demo import format_summary, run_demo
-
     if args.messages < 1:
         raise ConfigurationError("--messages must be at least 1")
     if not 0 <= args.duplicates <= 1 or not 0 <= args.crash_rate < 1:
         raise ConfigurationError("--duplicates must be in [0, 1] and --crash-rate in [0, 1)")
     if args.database:
-        from mqdedup.cli.demo import existing_demo_rows
-
         engine = create_engine(args.database)
         check_connection(engine)
         rows = existing_demo_rows(engine)
@@ -549,8 +559,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_init(args: argparse.Namespace) -> int:
-    from mqdedup.db.migrations import upgrade_schema
-
     engine, prefix = _engine(args, require_schema=False)
     created = init_schema(engine, prefix)
     changed = upgrade_schema(engine, prefix)
@@ -564,8 +572,6 @@ def _cmd_db_init(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_check(args: argparse.Namespace) -> int:
-    from mqdedup.db.migrations import schema_drift
-
     engine, prefix = _engine(args, require_schema=False)
     problems = check_schema(engine, prefix) + [str(d) for d in schema_drift(engine, prefix)]
     for problem in problems:
@@ -576,9 +582,6 @@ def _cmd_db_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_dedup_purge(args: argparse.Namespace) -> int:
-    from mqdedup.cli.commands.operations import count_purgeable_claims
-    from mqdedup.dedup.store import DedupStore
-
     engine, prefix = _engine(args)
     scope = f" of consumer {args.consumer!r}" if args.consumer else ""
     if args.dry_run:
@@ -609,8 +612,6 @@ def _confirm_short_purge(older_than: timedelta, scope: str) -> None:
 
 
 def _cmd_dedup_stats(args: argparse.Namespace) -> int:
-    from mqdedup.cli.commands.operations import dedup_stats, dedup_stats_data, format_dedup_stats
-
     stats = dedup_stats(*_engine(args))
     if args.json:
         _print_json(dedup_stats_data(*stats))
@@ -620,8 +621,6 @@ def _cmd_dedup_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_outbox_status(args: argparse.Namespace) -> int:
-    from mqdedup.cli.commands.operations import format_outbox_status, outbox_status_data
-
     if args.json:
         _print_json(outbox_status_data(*_engine(args)))
     else:
@@ -630,8 +629,6 @@ def _cmd_outbox_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_outbox_retry(args: argparse.Namespace) -> int:
-    from mqdedup.outbox.store import OutboxStore
-
     engine, prefix = _engine(args)
     count = OutboxStore(prefix).retry_failed(engine, ids=args.ids, destination=args.destination)
     print(f"{count} failed outbox row(s) back to pending")
@@ -639,9 +636,6 @@ def _cmd_outbox_retry(args: argparse.Namespace) -> int:
 
 
 def _cmd_outbox_purge(args: argparse.Namespace) -> int:
-    from mqdedup.cli.commands.operations import count_purgeable_outbox_rows
-    from mqdedup.outbox.store import OutboxStore
-
     engine, prefix = _engine(args)
     if args.dry_run:
         count = count_purgeable_outbox_rows(engine, prefix, args.older_than)
@@ -655,19 +649,12 @@ def _cmd_outbox_purge(args: argparse.Namespace) -> int:
 
 
 def _cmd_dead_letters_list(args: argparse.Namespace) -> int:
-    from mqdedup.cli.commands.dead_letters import list_dead_letters
-
     engine, prefix = _engine(args)
     print(list_dead_letters(engine, prefix, args.consumer, args.limit))
     return exitcodes.OK
 
 
 def _cmd_dead_letters_replay(args: argparse.Namespace) -> int:
-    from mqdedup.cli.commands.dead_letters import replay_dead_letters
-    from mqdedup.cli.loading import create_consumer
-    from mqdedup.cli.runners import _export_environment
-    from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
-
     settings = _settings(args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url")
     _export_environment(settings)
     consumer = create_consumer(args.consumer)
@@ -685,8 +672,6 @@ def _cmd_dead_letters_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_dead_letters_delete(args: argparse.Namespace) -> int:
-    from mqdedup.cli.commands.dead_letters import delete_dead_letters
-
     engine, prefix = _engine(args)
     count = delete_dead_letters(engine, prefix, args.consumer, args.ids, args.all)
     print(f"deleted {count} kept dead letter(s) of {args.consumer}")
@@ -694,10 +679,6 @@ def _cmd_dead_letters_delete(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from mqdedup.cli.commands.status import status_data, status_screen
-    from mqdedup.cli.loading import create_consumer
-    from mqdedup.cli.runners import _export_environment
-
     settings = _settings(args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url")
     _export_environment(settings)
     consumers = [create_consumer(reference) for reference in args.consumers]
@@ -723,17 +704,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from mqdedup.cli.commands.replay import (
-        format_replay_report,
-        parse_position,
-        replay_kafka,
-        replay_stream,
-        requeue_from_dlq,
-    )
-    from mqdedup.cli.loading import create_consumer
-    from mqdedup.cli.runners import _export_environment
-    from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
-
     settings = _settings(args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url")
     _export_environment(settings)
     start = parse_position(args.start)
@@ -796,7 +766,6 @@ def _connect_broker(consumer: Any) -> None:
     with BROKER_UNAVAILABLE; a broker that answers but refuses (login, topology) fails
     at once with the consumer's own check.
     """
-    from mqdedup.cli.commands.reachability import wait_for_consumer_broker
 
     wait_for_consumer_broker(consumer, lambda line: print(f"mqdedup: {line}", file=sys.stderr))
     consumer.check_connection()
@@ -817,10 +786,6 @@ def _broker_kind(consumer: Consumer) -> str | None:
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
-    from mqdedup.cli.commands.reachability import check_relay_brokers
-    from mqdedup.cli.supervisor import ChildSpec
-    from mqdedup.outbox.relay import create_publishers
-
     settings = _settings(
         args,
         "database_url",
@@ -871,7 +836,6 @@ def _supervise(
     ``outbox_gauges``: report the outbox backlog on /metrics (not for Redis-only workers,
     which have no database). ``prefix``: the outbox's table prefix (default: the setting).
     """
-    from mqdedup.cli.supervisor import Supervisor
 
     gauges = OutboxGauges(settings["database_url"], prefix or settings["table_prefix"])
     supervisor = Supervisor(
@@ -885,10 +849,6 @@ def _supervise(
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from mqdedup.cli.loading import create_consumer, is_redis_consumer
-    from mqdedup.cli.runners import _export_environment
-    from mqdedup.cli.supervisor import ChildSpec
-
     settings = _settings(
         args,
         "database_url",

@@ -33,8 +33,9 @@ def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> No
 
 def run_relay(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
     """Connect and relay committed outbox rows until the stop token is set."""
+    from mqdedup.cli.publishers import create_publishers
     from mqdedup.db.engine import check_connection, create_engine
-    from mqdedup.outbox.relay import Relay, RelayConfig, create_publishers
+    from mqdedup.outbox.relay import Relay, RelayConfig
 
     options = spec.options
     engine = create_engine(options["database_url"])

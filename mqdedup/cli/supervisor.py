@@ -11,6 +11,7 @@ children's state on ``/healthz``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import multiprocessing
 import os
@@ -25,6 +26,12 @@ from types import FrameType
 from typing import Any
 
 from mqdedup.cli import exitcodes
+from mqdedup.cli.exposition import process_stats
+from mqdedup.cli.health import HealthServer, snapshot_ready
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.errors import ConfigurationError, MqdedupError
+from mqdedup.logs import configure
+from mqdedup.stopping import ImmediateStop, StopToken
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +54,6 @@ class MetricsHolder:
 
     def snapshot(self) -> dict[str, Any]:
         """The source's current counters, with this process's CPU and memory figures."""
-        from mqdedup.cli.exposition import process_stats
 
         return {**self.source.snapshot(), "process": process_stats()}
 
@@ -126,7 +132,6 @@ class Supervisor:
     def status(self) -> tuple[bool, bool, dict[str, Any]]:
         """(live, ready, details) for ``/healthz``: ready when every child runs (and
         none reports a detached consumer, see :func:`mqdedup.cli.health.snapshot_ready`)."""
-        from mqdedup.cli.health import snapshot_ready
 
         with self._lock:
             running = sum(
@@ -305,8 +310,6 @@ class Supervisor:
     def _start_health(self) -> None:
         if self.health_port is None:
             return
-        from mqdedup.cli.health import HealthServer
-        from mqdedup.errors import ConfigurationError
 
         try:
             server = HealthServer(
@@ -330,12 +333,7 @@ class Supervisor:
 
 def child_main(spec: ChildSpec, connection: Connection) -> None:
     """Entry point of a child process: run ``spec.runner`` until SIGTERM, then exit."""
-    import importlib
 
-    from mqdedup.consumers.metrics import Metrics
-    from mqdedup.errors import MqdedupError
-    from mqdedup.logs import configure
-    from mqdedup.stopping import ImmediateStop, StopToken
 
     configure(spec.log_level, spec.log_format)
     # The supervisor forwards signals; a terminal's SIGINT to the whole group is ignored
@@ -364,10 +362,9 @@ def child_main(spec: ChildSpec, connection: Connection) -> None:
     except ImmediateStop:
         code = exitcodes.INTERRUPTED
     except MqdedupError as exc:
-        from mqdedup.cli.main import exit_code_for
 
         print(f"mqdedup: {spec.label}: error: {exc}", flush=True)
-        code = exit_code_for(exc)
+        code = exitcodes.exit_code_for(exc)
     finally:
         with contextlib.suppress(OSError, ValueError):
             connection.send(metrics.snapshot())

@@ -10,21 +10,45 @@
   MySQL error 1062), and the locking read used to see the latest committed row;
 * which errors belong to the data of one message (:func:`is_data_error`: SQLSTATE
   classes 22 and 23 and their SQLite / MySQL equivalents, encoding errors), so that they
-  fail that message alone and never a batch or a worker.
+  fail that message alone and never a batch or a worker;
+* for the outbox, the relay and the tools (the second half of this module): what each
+  database can do (:func:`traits`: shard locks, ``LISTEN``/``NOTIFY``, a one-statement
+  claim, ``LIMIT`` in subqueries), the relay's session settings and transactions, the
+  id-list clause, the checks that a relay still holds its shard locks, table sizes.
 """
 
 from __future__ import annotations
 
 import functools
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, Table, TextClause, select, text
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    Connection,
+    Dialect,
+    Engine,
+    Select,
+    Table,
+    TextClause,
+    and_,
+    any_,
+    bindparam,
+    event,
+    select,
+    text,
+)
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ColumnElement
+
+from mqdedup.errors import ConfigurationError
 
 # SQLSTATE classes and codes that mean "try the transaction again".
 _TRANSIENT_SQLSTATE_CLASSES = ("08",)  # connection exception
@@ -86,7 +110,7 @@ def _is_transient_driver_error(orig: BaseException | None) -> bool:
     module = type(orig).__module__
     if module.startswith("psycopg"):
         # No SQLSTATE: the error never reached the server (refused, reset, timed out).
-        import psycopg
+        import psycopg  # lazy: the postgresql extra (only reached with a psycopg error)
 
         return isinstance(orig, psycopg.OperationalError | psycopg.InterfaceError)
     if isinstance(orig, sqlite3.Error):
@@ -128,7 +152,7 @@ def _is_data_driver_error(orig: BaseException | None) -> bool:
     if module.startswith("psycopg"):
         # Refused by psycopg before it reached the server (no SQLSTATE), e.g. a NUL
         # byte in a text parameter: psycopg raises the class of SQLSTATE class 22.
-        import psycopg
+        import psycopg  # lazy: the postgresql extra (only reached with a psycopg error)
 
         return isinstance(orig, psycopg.DataError | psycopg.IntegrityError)
     if isinstance(orig, sqlite3.Error):
@@ -426,3 +450,221 @@ def insert_unless_present(session: Session, table: Table, values: dict[str, Any]
         session.execute(statement.on_duplicate_key_update({primary.name: primary}))
         return
     raise NotImplementedError(f"insert_unless_present is not implemented for {dialect!r}")
+
+
+# == The outbox, the relay and the tools (helper sections append below, one per part) ==
+#
+# What differs between databases for the outbox table, its relay and the operator tools:
+# one Traits object per dialect says what a database can do, and the statements and
+# session settings that exist on one database only are written here.
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What one database can do, as far as the outbox, the relay and the tools care."""
+
+    #: ``postgresql``, ``sqlite`` or ``mysql`` (MySQL and MariaDB alike).
+    family: str
+    #: How several relays share one outbox table: ``advisory`` locks (PostgreSQL),
+    #: ``named`` locks (``GET_LOCK``, MySQL/MariaDB), or ``None`` (SQLite: one relay).
+    shard_locks: str | None
+    #: ``LISTEN``/``NOTIFY`` wakes the relay when outbox rows commit (else it polls).
+    notifies: bool
+    #: The claim is one ``UPDATE … RETURNING`` statement (else a short transaction of a
+    #: few statements, :meth:`mqdedup.outbox.store.OutboxStore.claim`).
+    claim_in_one_statement: bool
+    #: ``LIMIT`` is allowed in an ``IN (…)`` subquery.
+    limit_in_subquery: bool
+    #: The key columns' collation can drift from the schema's (``db check`` looks).
+    key_collation: bool
+
+
+_POSTGRESQL = Traits(
+    family="postgresql",
+    shard_locks="advisory",
+    notifies=True,
+    claim_in_one_statement=True,
+    limit_in_subquery=True,
+    key_collation=False,
+)
+_SQLITE = Traits(
+    family="sqlite",
+    shard_locks=None,
+    notifies=False,
+    claim_in_one_statement=True,
+    limit_in_subquery=True,
+    key_collation=False,
+)
+_MYSQL = Traits(
+    family="mysql",
+    shard_locks="named",
+    notifies=False,
+    claim_in_one_statement=False,
+    limit_in_subquery=False,
+    key_collation=True,
+)
+_TRAITS = {"postgresql": _POSTGRESQL, "sqlite": _SQLITE, "mysql": _MYSQL, "mariadb": _MYSQL}
+SUPPORTED = tuple(_TRAITS)
+
+
+def traits(bind: Engine | Connection | Dialect) -> Traits:
+    """The :class:`Traits` of the database behind ``bind``; ConfigurationError if unknown."""
+    dialect = bind if isinstance(bind, Dialect) else bind.dialect
+    found = _TRAITS.get(dialect.name)
+    if found is None:
+        supported = "PostgreSQL, MySQL/MariaDB and SQLite"
+        raise ConfigurationError(f"mqdedup supports {supported}, not {dialect.name!r}")
+    return found
+
+
+# PostgreSQL settings of the relay's statements. The planner settings keep the claim on
+# the pending index in id order, stopping at the limit, and the update on the primary
+# key, even when the statistics still describe an almost empty table (a fresh backlog).
+# Leases and marks need no synchronous commit: one lost in a database crash only means a
+# row is published again, which the at-least-once contract allows anyway.
+_PLANNER = ("enable_sort", "enable_bitmapscan", "enable_hashjoin", "enable_mergejoin")
+RELAY_SESSION_SETTINGS = [f"SET {name} = off" for name in _PLANNER] + [
+    "SET synchronous_commit = off"
+]
+#: The same settings for one transaction (a claim on a pooled connection).
+CLAIM_SETTINGS = text(
+    "; ".join(setting.replace("SET ", "SET LOCAL ") for setting in RELAY_SESSION_SETTINGS)
+)
+#: For one transaction that marks or releases rows.
+MARK_SETTINGS = text("SET LOCAL synchronous_commit = off")
+
+
+def prepare_relay_connection(connection: Connection) -> Connection:
+    """Make ``connection`` a relay connection.
+
+    PostgreSQL: autocommit (each statement is its own short transaction, one round trip)
+    with the relay's session settings. MySQL/MariaDB: ``READ COMMITTED`` for the session
+    (the claim's locking read then locks only the rows it returns, and no gaps that
+    would hold up writers); each store method runs its own transaction on it.
+
+    Detach the connection from the pool afterwards (the settings stay on it).
+    """
+    if traits(connection).family == "mysql":
+        return connection.execution_options(isolation_level="READ COMMITTED")
+    connection = connection.execution_options(isolation_level="AUTOCOMMIT")
+    for setting in RELAY_SESSION_SETTINGS:
+        connection.exec_driver_sql(setting)
+    return connection
+
+
+@contextmanager
+def relay_transaction(bind: Engine | Connection, settings: TextClause) -> Iterator[Connection]:
+    """A short transaction on an engine or a relay connection.
+
+    On a PostgreSQL relay connection (autocommit) each statement is its own transaction;
+    on an engine, ``settings`` (:data:`CLAIM_SETTINGS`, :data:`MARK_SETTINGS`) apply to
+    the transaction. On MySQL/MariaDB the transaction runs at ``READ COMMITTED`` (see
+    :func:`prepare_relay_connection`; on an engine it is set for this transaction).
+    """
+    family = traits(bind).family
+    if isinstance(bind, Connection):
+        if family != "mysql":
+            yield bind
+            return
+        with bind.begin():
+            yield bind
+        return
+    with bind.begin() as connection:
+        if family == "postgresql":
+            connection.execute(settings)
+        elif family == "mysql":
+            # Before the transaction's first statement: applies to this transaction only.
+            connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        yield connection
+
+
+def ids_clause(column: Any, dialect: Dialect) -> ColumnElement[bool]:
+    """``column`` is one of the ``ids`` parameter (see :func:`ids_params`).
+
+    PostgreSQL: ``= ANY(:ids)`` with one array parameter, plus the ids' range, which lets
+    the planner walk the primary key instead of scanning the table (it underestimates
+    what ``= ANY(array)`` selects). Elsewhere: ``IN (…)``.
+    """
+    if traits(dialect).family == "postgresql":
+        array = bindparam("ids", type_=ARRAY(BigInteger))
+        clause: ColumnElement[bool] = and_(
+            column.between(bindparam("low", type_=BigInteger), bindparam("high", type_=BigInteger)),
+            column == any_(array),
+        )
+        return clause
+    membership: ColumnElement[bool] = column.in_(bindparam("ids", expanding=True))
+    return membership
+
+
+def ids_params(ids: Sequence[int]) -> dict[str, Any]:
+    """The parameters of :func:`ids_clause`."""
+    return {"ids": list(ids), "low": min(ids), "high": max(ids)}
+
+
+#: PostgreSQL: the relay's lock connection (backend ``owner_pid``) still holds the
+#: advisory locks ``(lock_class, s)`` of all ``owned`` shards. An uncorrelated subquery
+#: of the claim, evaluated once per claim.
+ADVISORY_LOCKS_HELD = text(
+    "(SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND classid = CAST(:lock_class AS oid) AND objsubid = 2 AND pid = :owner_pid "
+    "AND granted AND objid::bigint = ANY(CAST(:owned AS bigint[]))) = :owned_count"
+)
+
+
+def named_locks_held(connection: Connection, names: Sequence[str], owner: int) -> bool:
+    """MySQL/MariaDB: the connection ``owner`` still holds every named lock ``names``."""
+    if not names:
+        return False
+    checks = " AND ".join(f"IS_USED_LOCK(:n{i}) <=> :owner" for i in range(len(names)))
+    params: dict[str, Any] = {f"n{i}": name for i, name in enumerate(names)}
+    params["owner"] = owner
+    return bool(connection.execute(text(f"SELECT {checks}"), params).scalar())
+
+
+def table_size(connection: Connection, table_name: str) -> int | None:
+    """The table's size on disk in bytes, indexes included (PostgreSQL; else ``None``)."""
+    if traits(connection).family != "postgresql":
+        return None
+    size = connection.execute(
+        text("SELECT pg_total_relation_size(CAST(:t AS regclass))"), {"t": table_name}
+    ).scalar()
+    return None if size is None else int(size)
+
+
+def connect_defaults(backend: str, options: dict[str, Any]) -> None:
+    """Fill in ``create_engine`` options of one database (the caller's own ones win).
+
+    SQLite: a 30 s busy timeout, connections usable from other threads. PostgreSQL: a
+    5 s connect timeout and ``application_name=mqdedup`` (visible in
+    ``pg_stat_activity``).
+    """
+    if backend == "sqlite":
+        options.setdefault("connect_args", {"timeout": 30, "check_same_thread": False})
+    elif backend == "postgresql":
+        connect_args = options.setdefault("connect_args", {})
+        connect_args.setdefault("connect_timeout", 5)
+        connect_args.setdefault("application_name", "mqdedup")
+
+
+def configure_engine(engine: Engine) -> None:
+    """Per-connection setup of one database; SQLite: WAL and ``BEGIN IMMEDIATE``.
+
+    SQLAlchemy, not the sqlite3 module, decides where transactions begin, and they begin
+    with ``BEGIN IMMEDIATE`` so that savepoints and concurrent writers work.
+    """
+    if traits(engine).family != "sqlite":
+        return
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")

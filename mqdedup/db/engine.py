@@ -7,12 +7,13 @@ import os
 import re
 from typing import Any
 
-from sqlalchemy import Engine, event, inspect
+from sqlalchemy import Engine, inspect
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from mqdedup.db import dialects
 from mqdedup.db.schema import DEFAULT_PREFIX, schema
 from mqdedup.errors import ConfigurationError, DatabaseUnavailableError
 from mqdedup.masking import mask_text
@@ -21,9 +22,8 @@ from mqdedup.masking import mask_url as _mask_url
 log = logging.getLogger(__name__)
 
 DATABASE_URL_ENV = "MQDEDUP_DATABASE_URL"
-DEFAULT_DATABASE_URL = "sqlite:///mqdedup.db.engine"
+DEFAULT_DATABASE_URL = "sqlite:///mqdedup.db"
 _DRIVER_ALIASES = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg"}
-SUPPORTED_DIALECTS = ("postgresql", "sqlite", "mysql", "mariadb")
 
 
 def database_url_from_env(default: str = DEFAULT_DATABASE_URL) -> str:
@@ -47,7 +47,7 @@ def parse_url(url: str | URL) -> URL:
             "or sqlite:///path.db"
         ) from exc
     driver = _DRIVER_ALIASES.get(parsed.drivername, parsed.drivername)
-    if parsed.get_backend_name() not in SUPPORTED_DIALECTS:
+    if parsed.get_backend_name() not in dialects.SUPPORTED:
         raise ConfigurationError(
             f"unknown database kind {parsed.get_backend_name()!r} in database URL "
             f"{mask_url(parsed)!r} (supported: postgresql, sqlite, mysql/mariadb)"
@@ -90,13 +90,7 @@ def create_engine(url: str | URL | None = None, **options: Any) -> Engine:
     that does not retry transient errors itself.
     """
     parsed = parse_url(url if url is not None else database_url_from_env())
-    backend = parsed.get_backend_name()
-    if backend == "sqlite":
-        options.setdefault("connect_args", {"timeout": 30, "check_same_thread": False})
-    elif backend == "postgresql":
-        connect_args = options.setdefault("connect_args", {})
-        connect_args.setdefault("connect_timeout", 5)
-        connect_args.setdefault("application_name", "mqdedup")
+    dialects.connect_defaults(parsed.get_backend_name(), options)
     try:
         engine = sa_create_engine(parsed, **options)
     except ModuleNotFoundError as exc:
@@ -115,25 +109,8 @@ def create_engine(url: str | URL | None = None, **options: Any) -> Engine:
             f"cannot use database URL {mask_url(parsed)!r}: "
             f"{type(exc).__name__}: {mask_text(str(exc), parsed)}"
         ) from None
-    if backend == "sqlite":
-        _configure_sqlite(engine)
+    dialects.configure_engine(engine)
     return engine
-
-
-def _configure_sqlite(engine: Engine) -> None:
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # Let SQLAlchemy, not the sqlite3 module, decide where transactions begin.
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute("PRAGMA busy_timeout=30000")
-        cursor.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(connection: Any) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

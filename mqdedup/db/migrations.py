@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import Engine, Index, Table, create_mock_engine, inspect, text
 from sqlalchemy.schema import CreateIndex, DropIndex
 
-from mqdedup.db.dialects import MYSQL_DIALECTS
+from mqdedup.db.dialects import traits
 from mqdedup.db.schema import DEFAULT_PREFIX, KeyString, schema
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def schema_drift(engine: Engine, prefix: str = DEFAULT_PREFIX) -> list[Drift]:
             for index in sorted(table.indexes, key=lambda index: str(index.name))
             if index.name not in expected_indexes and index.name in live_indexes
         )
-        if engine.dialect.name in MYSQL_DIALECTS:
+        if traits(engine).key_collation:
             drift.extend(_collation_drift(engine, inspector, table))
     return drift
 

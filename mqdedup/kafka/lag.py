@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import kafka
+import kafka.errors
+from kafka.structs import TopicPartition
+
 from mqdedup.errors import BrokerUnavailableError
-from mqdedup.kafka.consumer import KafkaSettings
+from mqdedup.kafka.settings import KafkaSettings
 
 
 def group_lag(settings: KafkaSettings) -> dict[str, int]:
@@ -13,10 +17,6 @@ def group_lag(settings: KafkaSettings) -> dict[str, int]:
 
     A partition without a committed offset counts from its beginning.
     """
-    import kafka
-    import kafka.errors
-    from kafka.structs import TopicPartition
-
     config: dict[str, Any] = {
         key: value
         for key, value in settings.consumer_config.items()

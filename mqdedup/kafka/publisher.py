@@ -27,6 +27,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import kafka
+
+from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.producer import Outcome, ProducerRecord, RecoveringProducer
 from mqdedup.outbox.publishers import PUBLISHED, OutboxRecord, PublishResult, header_text
 
@@ -61,8 +64,6 @@ class KafkaPublisher:
             else list(bootstrap_servers)
         )
         if not servers:
-            from mqdedup.errors import ConfigurationError
-
             raise ConfigurationError("Kafka bootstrap servers are empty")
         self.flush_timeout = flush_timeout
         self.config: dict[str, Any] = {
@@ -143,8 +144,6 @@ class KafkaPublisher:
 
     def _ask_cluster(self, topic: str) -> bool | None:
         """Whether ``topic`` exists, from an admin client (None: no answer)."""
-        import kafka
-
         config = {
             k: v for k, v in self.config.items() if k in kafka.KafkaAdminClient.DEFAULT_CONFIG
         }

@@ -36,7 +36,8 @@ from mqdedup.kafka.transport import KafkaTransport
 from mqdedup.stopping import ImmediateStop, StopToken
 
 if TYPE_CHECKING:
-    from mqdedup.kafka.consumer import KafkaConsumer, KafkaSettings
+    from mqdedup.kafka.consumer import KafkaConsumer
+    from mqdedup.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import kafka
 import kafka.errors as kafka_errors
@@ -46,10 +46,8 @@ from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError, DeadLetterRefusedError
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
 from mqdedup.kafka.producer import Outcome, ProducerRecord, RecoveringProducer, Sent
+from mqdedup.kafka.settings import KafkaSettings
 from mqdedup.message import HeaderValue, Message
-
-if TYPE_CHECKING:
-    from mqdedup.kafka.consumer import KafkaSettings
 
 log = logging.getLogger(__name__)
 

@@ -8,13 +8,13 @@
   :class:`MemoryPublisher` in tests), at least once, with stable message ids;
 * :class:`OutboxStore` has the operator's tools: status, retry of failed rows, purge.
 
-The Kafka and RabbitMQ publishers live in their own modules so that importing this
-package needs neither ``kafka`` nor ``pika``.
+The Kafka and RabbitMQ publishers live in the adapter packages (``mqdedup.kafka``,
+``mqdedup.rabbitmq``): this package never imports them, nor ``kafka`` or ``pika``.
 """
 
 from mqdedup.outbox.memory import MemoryPublisher
 from mqdedup.outbox.publishers import OutboxRecord, Outcome, Publisher, PublishResult
-from mqdedup.outbox.relay import Relay, RelayConfig, RelayMetrics, create_publishers
+from mqdedup.outbox.relay import Relay, RelayConfig, RelayMetrics
 from mqdedup.outbox.store import DestinationStatus, OutboxStatus, OutboxStore
 from mqdedup.outbox.writer import (
     InvalidOutgoingMessageError,
@@ -38,6 +38,5 @@ __all__ = [
     "Relay",
     "RelayConfig",
     "RelayMetrics",
-    "create_publishers",
     "outgoing_message_id",
 ]

@@ -1,143 +1,125 @@
-"""The relay's dedicated PostgreSQL connection: ``LISTEN`` and shard ownership.
+"""Shard coordination: how several relays share one outbox table, behind one protocol.
 
 Rows are spread over ``shards`` shards by the hash of their key; each shard is owned by
-at most one relay at a time through a session-level advisory lock held on this
-connection, so rows with the same key are published by one relay, in order. Relays
-share the shards fairly: each holds a *member* advisory lock, counts the members and
-keeps ``ceil(shards / members)`` shards, releasing extra ones between batches and taking
-free ones. When a relay dies, PostgreSQL drops its locks and the others take over its
-shards (its leased rows come back when their lease expires).
+at most one relay at a time through a lock held on the relay's dedicated *control
+connection*, so a key's rows are published by one relay, in id order. When a relay dies
+the database drops its connection and with it every lock; the others take its shards
+(its leased rows come back when their lease expires, and a shard just taken over waits
+for them, see ``Relay._taken_over``).
 
-The claim statement checks ``pg_locks`` for this connection's backend pid, so if this
-connection is lost the relay claims nothing until it has reconnected and re-acquired
-shards.
+The relay uses only :class:`ShardCoordinator`:
+
+* ``open()`` connects, joins as a member and refuses to run beside relays with other
+  settings; ``close()`` releases everything (the connection goes);
+* ``rebalance()`` acquires or releases shards until this relay holds its fair share
+  (``ceil(shards / members)``), see :class:`FairShareCoordinator`;
+* ``shard_filter()`` restricts a claim to the owned shards and makes the claim check,
+  in its own transaction, that the locks are *still held*: a relay whose control
+  connection was lost claims nothing;
+* ``wait(timeout)`` sleeps until a commit notification (``notifies``) or the timeout.
+
+Two implementations, chosen by the database's ``shard_locks`` trait
+(:func:`mqdedup.db.dialects.traits`) in :func:`mqdedup.outbox.relay.create_coordinator`:
+PostgreSQL advisory locks with ``LISTEN`` (:mod:`mqdedup.outbox.postgresql_coordination`)
+and MySQL/MariaDB named locks, polled (:mod:`mqdedup.outbox.mysql_coordination`). SQLite
+has none: one relay, which polls.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import Any
-
-from sqlalchemy import Engine
-from sqlalchemy.dialects import postgresql
+from typing import Protocol
 
 from mqdedup.errors import ConfigurationError
 from mqdedup.outbox.store import ShardFilter
 
 log = logging.getLogger(__name__)
-_PREPARER: Any = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+
+MAX_SHARDS = 4096
 
 
-def _quote_identifier(name: str) -> str:
-    """``name`` as a PostgreSQL identifier (no psycopg import: SQLite users load this too)."""
-    return str(_PREPARER.quote_identifier(name))
+class ShardCoordinator(Protocol):
+    """What the relay needs to share an outbox table with other relays."""
 
-
-MAX_MEMBERS = 1024
-_CURRENT_DATABASE = (
-    "database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-    "AND locktype = 'advisory' AND objsubid = 2 AND granted"
-)
-
-
-def lock_class(table_name: str, purpose: str) -> int:
-    """The advisory-lock class (first int4 key) of ``purpose`` for one outbox table."""
-    return zlib.crc32(f"mqdedup:{table_name}:{purpose}".encode()) & 0x7FFFFFFF
-
-
-class ControlConnection:
-    """One relay's dedicated autocommit psycopg connection (PostgreSQL only)."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        *,
-        table_name: str,
-        channel: str,
-        shards: int,
-        fingerprint: str,
-        listen: bool = True,
-    ) -> None:
-        if not 1 <= shards <= 4096:
-            raise ConfigurationError(f"relay shards must be between 1 and 4096, got {shards}")
-        self.engine = engine
-        self.table_name = table_name
-        self.channel = channel
-        self.shards = shards
-        self.listen = listen
-        self.shard_class = lock_class(table_name, "shards")
-        self.member_class = lock_class(table_name, "members")
-        self.config_class = lock_class(table_name, "config")
-        self.config_key = zlib.crc32(f"{shards}:{fingerprint}".encode()) & 0x7FFFFFFF
-        self.owned: set[int] = set()
-        self._raw: Any = None
-        self._conn: Any = None
-
-    # -- connection ------------------------------------------------------------------------
+    #: The number of shards rows are spread over (the same for every relay of a table).
+    shards: int
+    #: The shards this relay holds now.
+    owned: set[int]
+    #: ``wait`` returns early when outbox rows commit (PostgreSQL ``LISTEN``).
+    notifies: bool
 
     @property
     def connected(self) -> bool:
-        """True while the connection is open (it may still turn out broken)."""
-        return self._conn is not None and not self._conn.closed
+        """True while the control connection is open (it may still turn out broken)."""
+        ...
 
     def open(self) -> None:
-        """Connect, ``LISTEN``, join as a member and check that relays agree on settings."""
-        self.close()
-        raw = self.engine.raw_connection()
-        conn: Any = raw.driver_connection
-        raw.detach()  # ours alone: never returned to the pool, closed for real
-        conn.rollback()
-        conn.autocommit = True
-        self._raw, self._conn = raw, conn
-        try:
-            if self.listen:
-                conn.execute(f"LISTEN {_quote_identifier(self.channel)}")
-            self._join()
-            self._check_config()
-        except BaseException:
-            self.close()
-            raise
-        log.info(
-            "relay control connection open",
-            extra={"table": self.table_name, "backend_pid": self.backend_pid},
-        )
+        """Connect, join as a member; ConfigurationError if other relays differ."""
+        ...
 
-    def close(self) -> None:
-        """Close the connection; PostgreSQL releases every lock it held."""
-        raw, self._raw, self._conn = self._raw, None, None
-        self.owned.clear()
-        if raw is not None:
-            try:
-                raw.close()
-            except Exception:  # already broken: nothing left to release
-                log.debug("closing a broken control connection", exc_info=True)
-
-    @property
-    def backend_pid(self) -> int:
-        """The server process id of this connection (the owner in ``pg_locks``)."""
-        return int(self._conn.info.backend_pid)
+    def rebalance(self) -> set[int]:
+        """Acquire or release shards to this relay's fair share; return the owned ones."""
+        ...
 
     def shard_filter(self, shards: set[int] | None = None) -> ShardFilter:
-        """The claim filter for ``shards`` (default: all this connection holds)."""
-        chosen = frozenset(self.owned if shards is None else shards & self.owned)
-        return ShardFilter(self.shards, chosen, self.shard_class, self.backend_pid)
-
-    # -- wake-up -----------------------------------------------------------------------------
+        """The claim filter for ``shards`` (default: all owned), with the still-held check."""
+        ...
 
     def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for a notification; True if one came (all are drained)."""
-        if not self.listen:
-            return False
-        woke = any(True for _ in self._conn.notifies(timeout=max(0.0, timeout), stop_after=1))
-        if woke:
-            for _ in self._conn.notifies(timeout=0):
-                pass
-        return woke
+        """Wait up to ``timeout`` s for a commit notification; True if one came."""
+        ...
 
-    # -- shards ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the control connection: every lock it held is released."""
+        ...
+
+
+class FairShareCoordinator(ABC):
+    """The rebalancing both implementations share; they provide the lock primitives.
+
+    Each relay keeps ``ceil(shards / members)`` shards: it releases extra ones between
+    batches and takes free ones, starting at a position that depends on its connection
+    id so that relays try different shards first.
+    """
+
+    notifies = False
+
+    def __init__(self, *, table_name: str, shards: int) -> None:
+        if not 1 <= shards <= MAX_SHARDS:
+            raise ConfigurationError(
+                f"relay shards must be between 1 and {MAX_SHARDS}, got {shards}"
+            )
+        self.table_name = table_name
+        self.shards = shards
+        self.owned: set[int] = set()
+
+    # -- what an implementation provides ---------------------------------------------------
+
+    @property
+    @abstractmethod
+    def backend_pid(self) -> int:
+        """The server's id of the control connection (the lock owner it reports)."""
+
+    @abstractmethod
+    def _holders(self) -> dict[int, set[int]]:
+        """Connection id → the shards it holds, for every held shard lock."""
+
+    @abstractmethod
+    def _members(self) -> int:
+        """How many relays of this table are members now."""
+
+    @abstractmethod
+    def _take(self, shard: int) -> bool:
+        """Try to lock ``shard`` without waiting; True if this connection holds it now."""
+
+    @abstractmethod
+    def _release(self, shard: int) -> None:
+        """Unlock ``shard``."""
+
+    # -- shared ------------------------------------------------------------------------------
 
     def rebalance(self) -> set[int]:
         """Keep this relay's fair share of shards; return the shards it owns now."""
@@ -145,14 +127,12 @@ class ControlConnection:
         members = max(1, self._members())
         fair = math.ceil(self.shards / members)
         mine = holders.get(self.backend_pid, set())
-        if mine != self.owned:  # locks lost behind our back (cannot happen while connected)
+        if mine != self.owned:  # cannot happen while connected; resync to the server's view
             log.warning("shard locks differ from what the relay believed; resyncing")
             self.owned = set(mine)
         if len(self.owned) > fair:
             for shard in sorted(self.owned, reverse=True)[: len(self.owned) - fair]:
-                self._conn.execute(
-                    "SELECT pg_advisory_unlock(%s::int, %s::int)", (self.shard_class, shard)
-                )
+                self._release(shard)
                 self.owned.discard(shard)
             log.info("released shards", extra={"owned": len(self.owned), "members": members})
         elif len(self.owned) < fair:
@@ -162,62 +142,11 @@ class ControlConnection:
             for shard in _rotate(free, self.backend_pid):
                 if len(self.owned) >= fair:
                     break
-                if self._try_lock(self.shard_class, shard):
+                if self._take(shard):
                     self.owned.add(shard)
             if len(self.owned) != start:
                 log.info("took shards", extra={"owned": len(self.owned), "members": members})
         return set(self.owned)
-
-    def below_fair_share(self) -> bool:
-        """True when this relay holds fewer shards than its share (worth rebalancing soon)."""
-        return len(self.owned) < math.ceil(self.shards / max(1, self._members()))
-
-    def _holders(self) -> dict[int, set[int]]:
-        rows = self._conn.execute(
-            f"SELECT pid, objid::bigint FROM pg_locks WHERE {_CURRENT_DATABASE} "
-            "AND classid = %s::oid",
-            (self.shard_class,),
-        ).fetchall()
-        holders: dict[int, set[int]] = {}
-        for pid, shard in rows:
-            holders.setdefault(int(pid), set()).add(int(shard))
-        return holders
-
-    def _members(self) -> int:
-        row = self._conn.execute(
-            f"SELECT count(*) FROM pg_locks WHERE {_CURRENT_DATABASE} AND classid = %s::oid",
-            (self.member_class,),
-        ).fetchone()
-        return int(row[0])
-
-    def _join(self) -> None:
-        for slot in range(MAX_MEMBERS):
-            if self._try_lock(self.member_class, slot):
-                return
-        raise ConfigurationError(f"more than {MAX_MEMBERS} relays on {self.table_name}")
-
-    def _check_config(self) -> None:
-        self._conn.execute(
-            "SELECT pg_try_advisory_lock_shared(%s::int, %s::int)",
-            (self.config_class, self.config_key),
-        )
-        rows = self._conn.execute(
-            f"SELECT DISTINCT objid::bigint FROM pg_locks WHERE {_CURRENT_DATABASE} "
-            "AND classid = %s::oid",
-            (self.config_class,),
-        ).fetchall()
-        others = {int(row[0]) for row in rows} - {self.config_key}
-        if others:
-            raise ConfigurationError(
-                f"another relay on {self.table_name} runs with different shards or publishers; "
-                "all relays of one outbox table need the same shards and brokers"
-            )
-
-    def _try_lock(self, lock_class_id: int, key: int) -> bool:
-        row = self._conn.execute(
-            "SELECT pg_try_advisory_lock(%s::int, %s::int)", (lock_class_id, key)
-        ).fetchone()
-        return bool(row[0])
 
 
 def _rotate(items: list[int], seed: int) -> Iterable[int]:

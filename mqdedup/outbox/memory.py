@@ -1,7 +1,8 @@
 """An in-memory publisher for tests and the demo, with fault injection.
 
-Records can go into an :class:`~mqdedup.consumers.memory.InMemoryBroker` so a test can
-run a whole chain (consumer → outbox → relay → consumer) without a real broker::
+Records can go into an :class:`~mqdedup.consumers.memory.InMemoryBroker` (any
+:class:`MessageSink`) so a test can run a whole chain (consumer → outbox → relay →
+consumer) without a real broker::
 
     broker = InMemoryBroker()
     relay = Relay(engine, {"kafka": MemoryPublisher(broker), "rabbitmq": MemoryPublisher(broker)})
@@ -10,10 +11,27 @@ run a whole chain (consumer → outbox → relay → consumer) without a real br
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
-from mqdedup.consumers.memory import InMemoryBroker
+from mqdedup.message import HeaderValue
 from mqdedup.outbox.publishers import PUBLISHED, OutboxRecord, PublishResult, header_text
+
+
+class MessageSink(Protocol):
+    """Where published records go: :class:`~mqdedup.consumers.memory.InMemoryBroker`."""
+
+    def publish(
+        self,
+        queue: str,
+        body: bytes | str,
+        *,
+        message_id: str | None = None,
+        key: bytes | None = None,
+        headers: Mapping[str, HeaderValue] | None = None,
+        properties: Mapping[str, Any] | None = None,
+    ) -> object:
+        """Append a message to ``queue``."""
 
 
 def queue_name(record: OutboxRecord) -> str:
@@ -35,7 +53,7 @@ class MemoryPublisher:
 
     def __init__(
         self,
-        broker: InMemoryBroker | None = None,
+        broker: MessageSink | None = None,
         *,
         reject: Callable[[OutboxRecord], str | None] | None = None,
     ) -> None:

@@ -1,12 +1,10 @@
-"""The relay's dedicated MySQL / MariaDB connection: shard ownership through named locks.
+"""Shard coordination on MySQL / MariaDB: named locks on the relay's connection, polled.
 
-The MySQL counterpart of :mod:`mqdedup.outbox.coordination`. Rows are spread over
-``shards`` shards by the hash of their key; each shard is owned by at most one relay at a
-time through a *named lock* (``GET_LOCK(name, 0)``, session-scoped) held on this
-connection, so rows with the same key are published by one relay, in id order. When a
-relay dies, the server drops its connection and with it every lock; the other relays
-take its shards (its leased rows come back when their lease expires, and a shard just
-taken over waits for them, see ``Relay._taken_over``).
+The MySQL/MariaDB :class:`~mqdedup.outbox.coordination.ShardCoordinator`. Each shard is
+owned through a *named lock* (``GET_LOCK(name, 0)``, session-scoped) held on the relay's
+dedicated connection; members hold named locks too, so relays can count each other and
+share the shards fairly (:class:`~mqdedup.outbox.coordination.FairShareCoordinator`).
+When a relay dies, the server drops its connection and with it every lock.
 
 Lock names are server-wide, so they carry a hash of the database and table name
 (``mqd:<crc32>:…``, well below the 64-character limit). Members hold two locks: one in
@@ -17,22 +15,23 @@ like on PostgreSQL.
 There is no ``LISTEN`` on MySQL/MariaDB: the relay polls every ``poll_interval``.
 
 The claim (:meth:`mqdedup.outbox.store.OutboxStore.claim`) checks with ``IS_USED_LOCK``
-that this connection still holds the shards it claims from, inside the claim's
-transaction, so a relay whose control connection was lost claims nothing.
+(:func:`mqdedup.db.dialects.named_locks_held`) that this connection still holds the
+shards it claims from, inside the claim's transaction, so a relay whose control
+connection was lost claims nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
 from mqdedup.errors import ConfigurationError
+from mqdedup.outbox.coordination import FairShareCoordinator
 from mqdedup.outbox.store import ShardFilter
 
 log = logging.getLogger(__name__)
@@ -51,24 +50,16 @@ def shard_lock_name(namespace: str, shard: int) -> str:
     return f"{namespace}:s:{shard}"
 
 
-class MySQLControlConnection:
+class MySQLCoordinator(FairShareCoordinator):
     """One relay's dedicated autocommit connection holding its named locks (MySQL/MariaDB).
 
-    Offers the same operations as :class:`~mqdedup.outbox.coordination.ControlConnection`
-    (``open``, ``close``, ``rebalance``, ``shard_filter``, ``wait``); ``listen`` is always
-    False: the relay polls.
+    ``notifies`` is False: there is no ``LISTEN`` on MySQL/MariaDB, the relay polls.
     """
 
-    listen = False
-
     def __init__(self, engine: Engine, *, table_name: str, shards: int, fingerprint: str) -> None:
-        if not 1 <= shards <= 4096:
-            raise ConfigurationError(f"relay shards must be between 1 and 4096, got {shards}")
+        super().__init__(table_name=table_name, shards=shards)
         self.engine = engine
-        self.table_name = table_name
-        self.shards = shards
         self.config_key = f"{zlib.crc32(f'{shards}:{fingerprint}'.encode()):08x}"
-        self.owned: set[int] = set()
         self.namespace = ""
         self._connection: Connection | None = None
         self._connection_id = 0
@@ -130,36 +121,11 @@ class MySQLControlConnection:
 
     # -- shards ------------------------------------------------------------------------------
 
-    def rebalance(self) -> set[int]:
-        """Keep this relay's fair share of shards; return the shards it owns now."""
-        holders = self._holders()
-        members = max(1, self._members())
-        fair = math.ceil(self.shards / members)
-        mine = holders.get(self._connection_id, set())
-        if mine != self.owned:  # cannot happen while connected; resync to the server's view
-            log.warning("shard locks differ from what the relay believed; resyncing")
-            self.owned = set(mine)
-        if len(self.owned) > fair:
-            for shard in sorted(self.owned, reverse=True)[: len(self.owned) - fair]:
-                self._execute("SELECT RELEASE_LOCK(:name)", name=self._shard(shard))
-                self.owned.discard(shard)
-            log.info("released shards", extra={"owned": len(self.owned), "members": members})
-        elif len(self.owned) < fair:
-            taken = set().union(*holders.values()) if holders else set()
-            free = [shard for shard in range(self.shards) if shard not in taken]
-            start = len(self.owned)
-            for shard in _rotate(free, self._connection_id):
-                if len(self.owned) >= fair:
-                    break
-                if self._try_lock(self._shard(shard)):
-                    self.owned.add(shard)
-            if len(self.owned) != start:
-                log.info("took shards", extra={"owned": len(self.owned), "members": members})
-        return set(self.owned)
+    def _take(self, shard: int) -> bool:
+        return self._try_lock(self._shard(shard))
 
-    def below_fair_share(self) -> bool:
-        """True when this relay holds fewer shards than its share (worth rebalancing soon)."""
-        return len(self.owned) < math.ceil(self.shards / max(1, self._members()))
+    def _release(self, shard: int) -> None:
+        self._execute("SELECT RELEASE_LOCK(:name)", name=self._shard(shard))
 
     # -- locks -------------------------------------------------------------------------------
 
@@ -230,10 +196,3 @@ class MySQLControlConnection:
             raise ConfigurationError("the relay control connection is not open")
         return connection.execute(text(statement), params)
 
-
-def _rotate(items: list[int], seed: int) -> Iterable[int]:
-    """``items`` starting at a seed-dependent position (relays try different shards first)."""
-    if not items:
-        return []
-    start = seed % len(items)
-    return items[start:] + items[:start]

@@ -4,7 +4,7 @@ On PostgreSQL the writer arranges one ``pg_notify(<prefix>outbox, '')`` per tran
 that wrote outbox rows. It is issued just before the outermost commit, inside the
 transaction, so PostgreSQL delivers it exactly when (and only if) the rows become
 visible. The relay ``LISTEN``s on a dedicated connection (see
-:mod:`mqdedup.outbox.coordination`) and polls as a fallback; other databases are
+:mod:`mqdedup.outbox.postgresql_coordination`) and polls as a fallback; other databases are
 polled only.
 """
 

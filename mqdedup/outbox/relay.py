@@ -17,14 +17,14 @@ A relay that dies between 2 and 3 leaves leased rows; they are claimed again whe
 lease expires and published a second time with the same message id, which the next
 consumer's dedup absorbs.
 
-On PostgreSQL several relays can run at once: rows are sharded by key hash and each
-shard is owned by one relay through an advisory lock
-(:mod:`mqdedup.outbox.coordination`), so a key's rows are published by one relay in id
-order. Commits wake the relay through ``LISTEN``/``NOTIFY``; ``poll_interval`` is the
-fallback. MySQL/MariaDB work the same way with named locks (``GET_LOCK``,
-:mod:`mqdedup.outbox.mysql_coordination`) in place of advisory locks; they have no
-``LISTEN``, so the relay polls every ``poll_interval``. SQLite has neither row locks nor
-advisory locks: run a single relay there, which polls.
+Several relays can run at once on PostgreSQL and MySQL/MariaDB: rows are sharded by key
+hash and each shard is owned by one relay through a lock, so a key's rows are published
+by one relay in id order. The relay sees this only through
+:class:`~mqdedup.outbox.coordination.ShardCoordinator` (acquire shards, the claim's
+still-held check, wake-ups, release), built by :func:`create_coordinator` from the
+database's traits: advisory locks and ``LISTEN``/``NOTIFY`` on PostgreSQL, named locks
+(``GET_LOCK``) and polling every ``poll_interval`` on MySQL/MariaDB. SQLite has neither
+row locks nor advisory locks: run a single relay there, which polls.
 """
 
 from __future__ import annotations
@@ -48,13 +48,14 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine
 from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential, wait_random
 
-from mqdedup.db.dialects import MYSQL_DIALECTS, is_transient
+from mqdedup.db.dialects import is_transient, prepare_relay_connection, traits
 from mqdedup.db.schema import DEFAULT_PREFIX
 from mqdedup.dedup.store import utcnow
 from mqdedup.errors import ConfigurationError
 from mqdedup.histograms import Histograms
-from mqdedup.outbox.coordination import ControlConnection
-from mqdedup.outbox.mysql_coordination import MySQLControlConnection
+from mqdedup.outbox.coordination import ShardCoordinator
+from mqdedup.outbox.mysql_coordination import MySQLCoordinator
+from mqdedup.outbox.postgresql_coordination import PostgreSQLCoordinator
 from mqdedup.outbox.publishers import (
     PUBLISHED,
     OutboxRecord,
@@ -66,7 +67,6 @@ from mqdedup.outbox.store import (
     OutboxStatus,
     OutboxStore,
     ShardFilter,
-    prepare_relay_connection,
 )
 from mqdedup.stopping import StopToken, graceful_signals
 from mqdedup.tracing import TRACE_HEADERS, PublishTrace
@@ -208,11 +208,7 @@ class Relay:
     ) -> None:
         if not publishers:
             raise ConfigurationError("a relay needs at least one publisher (kafka or rabbitmq)")
-        dialect = engine.dialect.name
-        if dialect not in ("postgresql", "sqlite", *MYSQL_DIALECTS):
-            raise ConfigurationError(
-                f"the outbox relay supports PostgreSQL, MySQL/MariaDB and SQLite, not {dialect!r}"
-            )
+        traits(engine)  # ConfigurationError for a database mqdedup does not support
         self.engine = engine
         self.publishers = dict(publishers)
         self.config = config or RelayConfig()
@@ -221,23 +217,14 @@ class Relay:
         self.metrics = RelayMetrics()
         self.stop = StopToken()
         self._brokers: dict[str, _BrokerState] = {name: _BrokerState() for name in publishers}
-        self._control: ControlConnection | MySQLControlConnection | None = None
-        if dialect in MYSQL_DIALECTS:
-            self._control = MySQLControlConnection(
-                engine,
-                table_name=self.store.table.name,
-                shards=self.config.shards,
-                fingerprint=",".join(sorted(publishers)),
-            )
-        elif dialect == "postgresql":
-            self._control = ControlConnection(
-                engine,
-                table_name=self.store.table.name,
-                channel=self.store.channel,
-                shards=self.config.shards,
-                fingerprint=",".join(sorted(publishers)),
-                listen=self.config.listen,
-            )
+        self._control: ShardCoordinator | None = create_coordinator(
+            engine,
+            table_name=self.store.table.name,
+            channel=self.store.channel,
+            shards=self.config.shards,
+            fingerprint=",".join(sorted(publishers)),
+            listen=self.config.listen,
+        )
         self._next_rebalance = 0.0
         self._next_purge = 0.0
         self._verified: set[int] = set()
@@ -626,7 +613,7 @@ class Relay:
         if pauses:
             timeout = min(timeout, max(0.0, min(pauses) - time.monotonic()))
         control = self._control
-        if control is not None and control.listen and control.connected and control.owned:
+        if control is not None and control.notifies and control.connected and control.owned:
             deadline = time.monotonic() + timeout
             # Short slices: heartbeats and stop requests are served while listening.
             while (remaining := deadline - time.monotonic()) > 0 and not self.stop.requested:
@@ -732,28 +719,37 @@ class Relay:
             yield
 
 
-def create_publishers(
-    *, kafka_bootstrap: str | None = None, rabbitmq_url: str | None = None
-) -> dict[str, Publisher]:
-    """The standard publishers for the given brokers (``MQDEDUP_KAFKA_BOOTSTRAP`` and
-    ``MQDEDUP_RABBITMQ_URL`` when not given); at least one must be configured."""
-    kafka_bootstrap = kafka_bootstrap or os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
-    rabbitmq_url = rabbitmq_url or os.environ.get("MQDEDUP_RABBITMQ_URL")
-    publishers: dict[str, Publisher] = {}
-    if kafka_bootstrap:
-        from mqdedup.kafka.publisher import KafkaPublisher
+def create_coordinator(
+    engine: Engine,
+    *,
+    table_name: str,
+    channel: str,
+    shards: int,
+    fingerprint: str,
+    listen: bool = True,
+) -> ShardCoordinator | None:
+    """The shard coordinator of ``engine``'s database; ``None`` where relays cannot share.
 
-        publishers["kafka"] = KafkaPublisher(kafka_bootstrap)
-    if rabbitmq_url:
-        from mqdedup.rabbitmq.publisher import RabbitMQPublisher
-
-        publishers["rabbitmq"] = RabbitMQPublisher(rabbitmq_url)
-    if not publishers:
-        raise ConfigurationError(
-            "no broker configured for the relay: set MQDEDUP_KAFKA_BOOTSTRAP and/or "
-            "MQDEDUP_RABBITMQ_URL"
+    Chosen by the ``shard_locks`` trait (:func:`mqdedup.db.dialects.traits`): advisory
+    locks (PostgreSQL), named locks (MySQL/MariaDB) or none (SQLite: one relay).
+    ``fingerprint`` names the relay's settings besides ``shards`` (its brokers): relays of
+    one table must agree on both. ``listen`` (PostgreSQL) wakes the relay on commits.
+    """
+    locks = traits(engine).shard_locks
+    if locks == "advisory":
+        return PostgreSQLCoordinator(
+            engine,
+            table_name=table_name,
+            channel=channel,
+            shards=shards,
+            fingerprint=fingerprint,
+            listen=listen,
         )
-    return publishers
+    if locks == "named":
+        return MySQLCoordinator(
+            engine, table_name=table_name, shards=shards, fingerprint=fingerprint
+        )
+    return None
 
 
 def _with_trace(record: OutboxRecord, trace_headers: Mapping[str, str]) -> OutboxRecord:

@@ -1,10 +1,12 @@
 """The outbox table's statements: claim, mark, retry, purge and status.
 
 Every method runs its own short transaction: on the engine, or as one autocommit
-statement on a relay connection (:func:`prepare_relay_connection`). The writer, which
-runs in the caller's transaction, lives in :mod:`mqdedup.outbox.writer`. Rows are claimed *by
-state* (``pending``, due, not leased), never by "id greater than the last one seen":
-a row whose transaction commits late is still found.
+statement on a relay connection (:func:`~mqdedup.db.dialects.prepare_relay_connection`).
+The writer, which runs in the caller's transaction, lives in :mod:`mqdedup.outbox.writer`.
+What differs between databases (session settings, the id-list clause, lock checks,
+capabilities) is in :mod:`mqdedup.db.dialects`. Rows are claimed *by state* (``pending``,
+due, not leased), never by "id greater than the last one seen": a row whose transaction
+commits late is still found.
 """
 
 from __future__ import annotations
@@ -12,21 +14,18 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
-    ARRAY,
-    BigInteger,
     Connection,
+    Dialect,
     Engine,
     Integer,
     Text,
     and_,
-    any_,
     bindparam,
     case,
     cast,
@@ -41,7 +40,16 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import ColumnElement
 
-from mqdedup.db.dialects import MYSQL_DIALECTS
+from mqdedup.db.dialects import (
+    ADVISORY_LOCKS_HELD,
+    CLAIM_SETTINGS,
+    MARK_SETTINGS,
+    ids_clause,
+    ids_params,
+    named_locks_held,
+    relay_transaction,
+    traits,
+)
 from mqdedup.db.schema import DEFAULT_PREFIX, schema
 from mqdedup.dedup.store import utcnow
 from mqdedup.outbox.notify import channel_name
@@ -52,64 +60,6 @@ log = logging.getLogger(__name__)
 
 MAX_ERROR_LENGTH = 2000
 Bind = Engine | Connection
-
-# PostgreSQL settings of the relay's statements. The planner settings keep the claim on
-# the pending index in id order, stopping at the limit, and the update on the primary
-# key, even when the statistics still describe an almost empty table (a fresh backlog).
-# Leases and marks need no synchronous commit: one lost in a database crash only means a
-# row is published again, which the at-least-once contract allows anyway.
-_PLANNER = ("enable_sort", "enable_bitmapscan", "enable_hashjoin", "enable_mergejoin")
-RELAY_SESSION_SETTINGS = [f"SET {name} = off" for name in _PLANNER] + [
-    "SET synchronous_commit = off"
-]
-_CLAIM_SETTINGS = text(
-    "; ".join(setting.replace("SET ", "SET LOCAL ") for setting in RELAY_SESSION_SETTINGS)
-)
-_MARK_SETTINGS = text("SET LOCAL synchronous_commit = off")
-
-
-def prepare_relay_connection(connection: Connection) -> Connection:
-    """Make ``connection`` a relay connection.
-
-    PostgreSQL: autocommit (each statement is its own short transaction, one round trip)
-    with the relay's session settings. MySQL/MariaDB: ``READ COMMITTED`` for the session
-    (the claim's locking read then locks only the rows it returns, and no gaps that
-    would hold up writers); each store method runs its own transaction on it.
-
-    Detach the connection from the pool afterwards (the settings stay on it).
-    """
-    if connection.dialect.name in MYSQL_DIALECTS:
-        return connection.execution_options(isolation_level="READ COMMITTED")
-    connection = connection.execution_options(isolation_level="AUTOCOMMIT")
-    for setting in RELAY_SESSION_SETTINGS:
-        connection.exec_driver_sql(setting)
-    return connection
-
-
-@contextmanager
-def _transaction(bind: Bind, settings: Any) -> Iterator[Connection]:
-    """A short transaction on an engine or a relay connection.
-
-    On a PostgreSQL relay connection (autocommit) each statement is its own transaction.
-    On MySQL/MariaDB the transaction runs at ``READ COMMITTED`` (see
-    :func:`prepare_relay_connection`; on an engine it is set for this transaction).
-    """
-    if isinstance(bind, Connection):
-        if bind.dialect.name not in MYSQL_DIALECTS:
-            yield bind
-            return
-        with bind.begin():
-            yield bind
-        return
-    with bind.begin() as connection:
-        dialect = bind.dialect.name
-        if dialect == "postgresql":
-            connection.execute(settings)
-        elif dialect in MYSQL_DIALECTS:
-            # Before the transaction's first statement: applies to this transaction only.
-            connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        yield connection
-
 
 class _ShardsLostError(Exception):
     """The relay's control connection no longer holds a shard it claims from."""
@@ -196,7 +146,8 @@ class OutboxStore:
         transaction of a few statements (see :meth:`_claim_mysql`). A row is skipped while
         an earlier row with the same key waits for its retry, so a key's rows leave in
         order. ``bind`` is an engine or a connection prepared with
-        :func:`prepare_relay_connection`. Returns the records sorted by id.
+        :func:`~mqdedup.db.dialects.prepare_relay_connection`. Returns the records sorted
+        by id.
         """
         now = utcnow()
         params: dict[str, Any] = {
@@ -215,10 +166,10 @@ class OutboxStore:
                 lock_class=shard_filter.lock_class,
                 owner_pid=shard_filter.backend_pid,
             )
-        if bind.dialect.name in MYSQL_DIALECTS:
+        if not traits(bind).claim_in_one_statement:
             return self._claim_mysql(bind, params, shard_filter)
         statement = self._claim_statement(shard_filter is not None)
-        with _transaction(bind, _CLAIM_SETTINGS) as connection:
+        with relay_transaction(bind, CLAIM_SETTINGS) as connection:
             rows = connection.execute(statement, params).all()
         return _records(rows)
 
@@ -245,7 +196,7 @@ class OutboxStore:
         """
         table = self.table
         try:
-            with _transaction(bind, _CLAIM_SETTINGS) as connection:
+            with relay_transaction(bind, CLAIM_SETTINGS) as connection:
                 ids = list(
                     connection.execute(self._claim_ids_mysql(shard_filter is not None), params)
                     .scalars()
@@ -263,7 +214,9 @@ class OutboxStore:
                     )
                     .values(locked_by=params["relay_id"], locked_until=params["until"])
                 )
-                if shard_filter is not None and not _locks_held(connection, shard_filter):
+                if shard_filter is not None and not named_locks_held(
+                    connection, shard_filter.lock_names, shard_filter.backend_pid
+                ):
                     raise _ShardsLostError
                 rows = connection.execute(
                     self._claimed_rows().where(
@@ -387,14 +340,14 @@ class OutboxStore:
         """Mark rows published (or delete them) in one statement."""
         if not ids:
             return
-        statement = self._mark_statement(delete_rows, bind.dialect.name == "postgresql")
-        with _transaction(bind, _MARK_SETTINGS) as connection:
-            connection.execute(statement, {**_ids_params(ids), "now": utcnow()})
+        statement = self._mark_statement(delete_rows, bind.dialect)
+        with relay_transaction(bind, MARK_SETTINGS) as connection:
+            connection.execute(statement, {**ids_params(ids), "now": utcnow()})
 
     @functools.cache  # noqa: B019 - four statements per store, built once
-    def _mark_statement(self, delete_rows: bool, postgresql: bool) -> Any:
+    def _mark_statement(self, delete_rows: bool, dialect: Dialect) -> Any:
         table = self.table
-        selected = _ids_clause(table.c.id, postgresql)
+        selected = ids_clause(table.c.id, dialect)
         if delete_rows:
             return delete(table).where(selected)
         return (
@@ -413,13 +366,13 @@ class OutboxStore:
         if not ids:
             return
         table = self.table
-        selected = _ids_clause(table.c.id, bind.dialect.name == "postgresql")
-        with _transaction(bind, _MARK_SETTINGS) as connection:
+        selected = ids_clause(table.c.id, bind.dialect)
+        with relay_transaction(bind, MARK_SETTINGS) as connection:
             connection.execute(
                 update(table)
                 .where(selected, table.c.locked_by == relay_id)
                 .values(locked_by=None, locked_until=None),
-                _ids_params(ids),
+                ids_params(ids),
             )
 
     def record_failures(
@@ -506,7 +459,7 @@ class OutboxStore:
                 )
             )
             count = result.rowcount
-            if count and engine.dialect.name == "postgresql":
+            if count and traits(engine).notifies:
                 self._notify(connection)
         log.info("failed outbox rows put back", extra={"rows": count, "table": table.name})
         return count
@@ -524,11 +477,11 @@ class OutboxStore:
             .limit(chunk_size)
         )
         statement = delete(table).where(table.c.id.in_(oldest))
-        mysql = engine.dialect.name in MYSQL_DIALECTS
+        read_ids_first = not traits(engine).limit_in_subquery
         total = 0
         while True:
             with engine.begin() as connection:
-                if mysql:  # no LIMIT in an IN subquery there: read the chunk's ids first
+                if read_ids_first:  # no LIMIT in an IN subquery (MySQL): read the chunk first
                     ids = list(connection.execute(oldest).scalars())
                     deleted = (
                         connection.execute(delete(table).where(table.c.id.in_(ids))).rowcount
@@ -615,58 +568,20 @@ def _aware(moment: datetime) -> datetime:
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
 
 
-def _locks_held(connection: Connection, shard_filter: ShardFilter) -> bool:
-    """MySQL/MariaDB: the relay's control connection still holds every claimed shard."""
-    names = shard_filter.lock_names
-    if not names:
-        return False
-    checks = " AND ".join(f"IS_USED_LOCK(:n{i}) <=> :owner" for i in range(len(names)))
-    params: dict[str, Any] = {f"n{i}": name for i, name in enumerate(names)}
-    params["owner"] = shard_filter.backend_pid
-    return bool(connection.execute(text(f"SELECT {checks}"), params).scalar())
-
-
 def _owned_shards(shard_hash: Any, *, pg_locks: bool = True) -> list[ColumnElement[bool]]:
     """The row's shard is one the relay owns, and (PostgreSQL) it still holds all of them.
 
     The second condition is an uncorrelated subquery on ``pg_locks`` (evaluated once per
     claim): if the relay's lock connection died, its shards may belong to another relay
     by now, and the claim returns nothing. MySQL/MariaDB check their named locks with a
-    separate statement in the claim's transaction (:func:`_locks_held`).
+    separate statement in the claim's transaction
+    (:func:`~mqdedup.db.dialects.named_locks_held`).
     """
-    still_held = text(
-        "(SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
-        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-        "AND classid = CAST(:lock_class AS oid) AND objsubid = 2 AND pid = :owner_pid "
-        "AND granted AND objid::bigint = ANY(CAST(:owned AS bigint[]))) = :owned_count"
-    )
     shard: ColumnElement[int] = shard_hash % bindparam("shards", type_=Integer)
     owned: ColumnElement[bool] = shard.in_(bindparam("owned_shards", expanding=True))
     if not pg_locks:
         return [owned]
-    return [owned, still_held]  # type: ignore[list-item]
-
-
-def _ids_clause(column: Any, postgresql: bool) -> ColumnElement[bool]:
-    """``column`` is one of the ``ids`` parameter (see :func:`_ids_params`).
-
-    PostgreSQL: ``= ANY(:ids)`` with one array parameter, plus the ids' range, which lets
-    the planner walk the primary key instead of scanning the table (it underestimates
-    what ``= ANY(array)`` selects). Elsewhere: ``IN (…)``.
-    """
-    if postgresql:
-        array = bindparam("ids", type_=ARRAY(BigInteger))
-        clause: ColumnElement[bool] = and_(
-            column.between(bindparam("low", type_=BigInteger), bindparam("high", type_=BigInteger)),
-            column == any_(array),
-        )
-        return clause
-    membership: ColumnElement[bool] = column.in_(bindparam("ids", expanding=True))
-    return membership
-
-
-def _ids_params(ids: Sequence[int]) -> dict[str, Any]:
-    return {"ids": list(ids), "low": min(ids), "high": max(ids)}
+    return [owned, ADVISORY_LOCKS_HELD]  # type: ignore[list-item]
 
 
 def _age(now: datetime, then: datetime) -> float:

@@ -35,6 +35,7 @@ from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
 from mqdedup import tracing
+from mqdedup.db.dialects import traits
 from mqdedup.db.schema import DEFAULT_PREFIX, schema
 from mqdedup.dedup.store import utcnow
 from mqdedup.errors import MessageError, MqdedupError
@@ -195,7 +196,7 @@ class OutboxWriter:
             return []
         self.session.connection().execute(insert(self.table), rows)
         if self._notify is None:
-            self._notify = self.session.get_bind().dialect.name == "postgresql"
+            self._notify = traits(self.session.get_bind()).notifies
         if self._notify:
             notify_on_commit(self.session, channel_name(self.prefix))
         return [row["message_id"] for row in rows]

@@ -4,13 +4,13 @@ The fixtures (``mqdedup_harness``, ``mqdedup_kafka_harness``, ...) come from
 :mod:`mqdedup.testing.plugin`, registered as a pytest plugin on install.
 """
 
-from mqdedup.testing.plugin import (
-    ConsumerHarness,
+from mqdedup.testing.effects import (
     DownstreamMessage,
     EffectivelyOnceError,
     assert_effectively_once,
     downstream_effects,
 )
+from mqdedup.testing.plugin import ConsumerHarness
 
 __all__ = [
     "ConsumerHarness",

@@ -41,6 +41,8 @@ from mqdedup.consumers.base import Consumer
 from mqdedup.db.engine import create_engine, init_schema
 from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError
+from mqdedup.outbox import Relay, RelayConfig
+from mqdedup.testing.effects import DownstreamMessage
 from mqdedup.testing.worker import CONFIG_ENV, load_class
 
 log = logging.getLogger("mqdedup.testing.plugin")
@@ -303,7 +305,6 @@ class BrokerHarness:
 
     def run_relay(self, timeout: float = 60.0) -> int:
         """Publish this harness's committed outbox rows with the real relay; rows published."""
-        from mqdedup.outbox import Relay, RelayConfig
 
         relay = Relay(
             self.engine,
@@ -342,13 +343,14 @@ class KafkaHarness(BrokerHarness):
         attributes: Mapping[str, Any] | None = None,
         timeout: float = 120.0,
     ) -> None:
-        import kafka
+        from mqdedup.kafka import tools as kafka_tools  # lazy: the kafka extra
 
         super().__init__(
             consumer_class, database_url, folder, attributes=attributes, timeout=timeout
         )
+        self._kafka = kafka_tools
         self.bootstrap = bootstrap
-        self.admin = kafka.KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=30000)
+        self.admin = kafka_tools.admin_client(bootstrap)
         self.topics: list[str] = []
         self.topic = self.create_topic("in", partitions)
         self.group = unique_name("group")
@@ -371,10 +373,8 @@ class KafkaHarness(BrokerHarness):
     def _send(
         self, messages: Sequence[tuple[bytes, str | None, Mapping[str, str], bytes | None]]
     ) -> None:
-        import kafka
-
         if self._producer is None:
-            self._producer = kafka.KafkaProducer(bootstrap_servers=self.bootstrap, acks="all")
+            self._producer = self._kafka.producer(self.bootstrap)
         for body, message_id, headers, key in messages:
             pairs = [(name, value.encode()) for name, value in headers.items()]
             if message_id is not None:
@@ -383,22 +383,7 @@ class KafkaHarness(BrokerHarness):
         self._producer.flush(timeout=60)
 
     def _offsets(self) -> tuple[dict[int, int], dict[int, int]]:
-        import kafka
-        from kafka.structs import TopicPartition
-
-        client = kafka.KafkaConsumer(
-            bootstrap_servers=self.bootstrap, group_id=self.group, enable_auto_commit=False
-        )
-        try:  # never subscribes: does not join the group
-            partitions = [
-                TopicPartition(self.topic, p)
-                for p in sorted(client.partitions_for_topic(self.topic) or ())
-            ]
-            ends = {tp.partition: offset for tp, offset in client.end_offsets(partitions).items()}
-            committed = {tp.partition: client.committed(tp) or 0 for tp in partitions}
-            return committed, ends
-        finally:
-            client.close()
+        return self._kafka.group_offsets(self.bootstrap, self.group, self.topic)
 
     def drained(self) -> bool:
         """The group's committed offsets reached the end of every partition."""
@@ -431,35 +416,15 @@ class KafkaHarness(BrokerHarness):
         return {"first": first.committed, "second": second.committed}
 
     def read_topic(self, topic: str, at_least: int = 0, timeout: float = 30.0) -> list[Any]:
-        """Every record of ``topic`` as :class:`~mqdedup.testing.plugin.DownstreamMessage`
+        """Every record of ``topic`` as :class:`~mqdedup.testing.effects.DownstreamMessage`
         (waits for ``at_least`` of them, then for a quiet second)."""
-        import kafka
-        from kafka.structs import TopicPartition
-
-        from mqdedup.testing.plugin import DownstreamMessage
-
-        client = kafka.KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
-        try:
-            wait_for(lambda: bool(client.partitions_for_topic(topic)), timeout, f"topic {topic}")
-            partitions = [TopicPartition(topic, p) for p in client.partitions_for_topic(topic)]
-            client.assign(partitions)
-            client.seek_to_beginning(*partitions)
-            records: list[Any] = []
-            deadline = time.monotonic() + timeout
-            quiet = 0
-            while time.monotonic() < deadline and (len(records) < at_least or quiet < 2):
-                batch = [r for rs in client.poll(timeout_ms=500).values() for r in rs]
-                records.extend(batch)
-                quiet = 0 if batch else quiet + 1
-        finally:
-            client.close()
-        return [
-            DownstreamMessage.from_headers(r.value, {k: v for k, v in r.headers or ()})
-            for r in records
-        ]
+        records = self._kafka.read_topic(
+            self.bootstrap, topic, at_least=at_least, timeout=timeout, wait_for=wait_for
+        )
+        return [DownstreamMessage.from_headers(value, headers) for value, headers in records]
 
     def publishers(self) -> dict[str, Any]:
-        from mqdedup.kafka.publisher import KafkaPublisher
+        from mqdedup.kafka.publisher import KafkaPublisher  # lazy: the kafka extra
 
         return {"kafka": KafkaPublisher(self.bootstrap)}
 
@@ -491,9 +456,8 @@ class RabbitMQHarness(BrokerHarness):
         attributes: Mapping[str, Any] | None = None,
         timeout: float = 120.0,
     ) -> None:
-        import pika
-
-        from mqdedup.rabbitmq.topology import connection_parameters, declare_topology
+        from mqdedup.rabbitmq import tools as rabbitmq_tools  # lazy: the rabbitmq extra
+        from mqdedup.rabbitmq.topology import declare_topology  # lazy: the rabbitmq extra
 
         super().__init__(
             consumer_class, database_url, folder, attributes=attributes, timeout=timeout
@@ -502,9 +466,8 @@ class RabbitMQHarness(BrokerHarness):
         self.queue = unique_name("in")
         self.queues: list[str] = [self.queue, f"{self.queue}.dlq"]
         self.attributes.update(queue=self.queue, url=url, dead_letter_queue=f"{self.queue}.dlq")
-        self.connection = pika.BlockingConnection(connection_parameters(url, "mqdedup-testing"))
-        self.channel = self.connection.channel()
-        self.channel.confirm_delivery()
+        self._rabbitmq = rabbitmq_tools
+        self.connection, self.channel = rabbitmq_tools.confirm_channel(url, "mqdedup-testing")
         consumer_type = type(
             "Declared", (consumer_class,), dict(self.attributes, **self.user_attributes)
         )
@@ -520,12 +483,8 @@ class RabbitMQHarness(BrokerHarness):
     def _send(
         self, messages: Sequence[tuple[bytes, str | None, Mapping[str, str], bytes | None]]
     ) -> None:
-        import pika
-
         for body, message_id, headers, _key in messages:
-            properties = pika.BasicProperties(
-                message_id=message_id, headers=dict(headers) or None, delivery_mode=2
-            )
+            properties = self._rabbitmq.persistent_properties(message_id, headers)
             self.channel.basic_publish("", self.queue, body, properties, mandatory=True)
 
     def _kill_when_held(self, worker: WorkerProcess) -> bool:
@@ -577,9 +536,8 @@ class RabbitMQHarness(BrokerHarness):
         raise HarnessError("the queue was not drained after three workers")
 
     def read_queue(self, queue: str, at_least: int = 0, timeout: float = 30.0) -> list[Any]:
-        """Take every message of ``queue`` as :class:`~mqdedup.testing.plugin.DownstreamMessage`."""
-        from mqdedup.testing.plugin import DownstreamMessage
-
+        """Take every message of ``queue`` (as
+        :class:`~mqdedup.testing.effects.DownstreamMessage`)."""
         found: list[Any] = []
         deadline = time.monotonic() + timeout
         while True:
@@ -595,7 +553,7 @@ class RabbitMQHarness(BrokerHarness):
             found.append(DownstreamMessage.from_headers(body, headers))
 
     def publishers(self) -> dict[str, Any]:
-        from mqdedup.rabbitmq.publisher import RabbitMQPublisher
+        from mqdedup.rabbitmq.publisher import RabbitMQPublisher  # lazy: the rabbitmq extra
 
         return {"rabbitmq": RabbitMQPublisher(self.url)}
 

@@ -35,8 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from mqdedup.consumers.base import BatchContext, Consumer, Context
+from mqdedup.db.engine import create_engine
 from mqdedup.errors import ConfigurationError
+from mqdedup.logs import configure
 from mqdedup.message import Message
+from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
 
 CONFIG_ENV = "MQDEDUP_TESTING_WORKER"
 #: How long a held worker waits to be killed before it gives up (a bound, not a timer).
@@ -123,9 +126,6 @@ def build_consumer_class(config: Mapping[str, Any]) -> type[Consumer]:
 
 def main() -> int:
     """Run the configured consumer until SIGTERM; 130 after an immediate stop."""
-    from mqdedup.db.engine import create_engine
-    from mqdedup.logs import configure
-    from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
 
     config: dict[str, Any] = json.loads(os.environ[CONFIG_ENV])
     configure(str(config.get("log_level") or "WARNING"))

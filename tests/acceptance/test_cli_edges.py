@@ -229,7 +229,7 @@ def test_config_typos_are_refused_with_the_nearest_name(
     config.write_text(content)
     result = cli("db", "check", "--config", str(config))
     assert_one_line(result, exitcodes.CONFIGURATION, text.format(path=config))
-    assert not (REPO / "mqdedup.db.engine").exists() or "elsewhere" not in content
+    assert not (REPO / "mqdedup.db").exists() or "elsewhere" not in content
 
 
 # -- dedup purge -------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def setup() -> Iterator[dict[str, Any]]:
             "ACCEPT_DELAY": "0.002",
             # No database anywhere: the default SQLite URL points at a directory that does
             # not exist, so any attempt to use it would fail the test.
-            "MQDEDUP_DATABASE_URL": "sqlite:////nonexistent/dir/mqdedup.db.engine",
+            "MQDEDUP_DATABASE_URL": "sqlite:////nonexistent/dir/mqdedup.db",
         }
     )
     yield {"admin": admin, "queue": queue, "redis": client, "namespace": namespace, "env": env}

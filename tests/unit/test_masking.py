@@ -59,7 +59,7 @@ def test_every_masker_is_the_one_function(url: str, _visible: str) -> None:
 def test_urls_without_secrets_are_unchanged() -> None:
     for url in (
         "postgresql://app@db:5432/app?sslmode=require",
-        "sqlite:///mqdedup.db.engine",
+        "sqlite:///mqdedup.db",
         "k1:9092,k2:9092",
         "amqp://rabbit/%2F",
         "redis://redis:6379/0",

@@ -9,11 +9,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, func, select
 
 from mqdedup.cli.commands.tables import human_age, render_table
+from mqdedup.db.dialects import table_size
+from mqdedup.db.engine import create_engine
 from mqdedup.db.schema import schema
 from mqdedup.dedup.store import utcnow
+from mqdedup.outbox.store import OutboxStore
+from mqdedup.outbox.writer import PUBLISHED
 
 log = logging.getLogger(__name__)
 #: How ``outbox status`` shows RabbitMQ's default (nameless) exchange.
@@ -44,11 +48,7 @@ def dedup_stats(engine: Engine, prefix: str) -> tuple[list[ConsumerStats], int |
             .group_by(table.c.consumer_name)
             .order_by(table.c.consumer_name)
         ).all()
-        size = None
-        if engine.dialect.name == "postgresql":
-            size = connection.execute(
-                text("SELECT pg_total_relation_size(CAST(:t AS regclass))"), {"t": table.name}
-            ).scalar()
+        size = table_size(connection, table.name)
     return [ConsumerStats(r[0], int(r[1]), r[2], r[3]) for r in rows], size
 
 
@@ -111,7 +111,6 @@ def count_purgeable_claims(
 
 def count_purgeable_outbox_rows(engine: Engine, prefix: str, older_than: timedelta) -> int:
     """How many published rows ``outbox purge --older-than`` would delete (``--dry-run``)."""
-    from mqdedup.outbox.writer import PUBLISHED
 
     table = schema(prefix).outbox
     query = select(func.count()).where(
@@ -146,7 +145,6 @@ def display_destination(broker: str, destination: str) -> str:
 
 def outbox_status_data(engine: Engine, prefix: str) -> dict[str, Any]:
     """``outbox status --json``: stable keys (a destination is ``""`` for the default exchange)."""
-    from mqdedup.outbox.store import OutboxStore
 
     status = OutboxStore(prefix).status(engine)
     return {
@@ -211,8 +209,6 @@ class OutboxGauges:
 
     def __call__(self) -> dict[str, float]:
         """``{"backlog": pending rows, "oldest_pending_seconds": age}`` ({} if unreadable)."""
-        from mqdedup.db.engine import create_engine
-        from mqdedup.outbox.store import OutboxStore
 
         with self._lock:
             if time.monotonic() - self._read_at < self.max_age:

@@ -39,7 +39,7 @@ from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError, DatabaseUnavailableError
 from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import MemoryPublisher, OutboxStore, OutboxWriter, Relay, RelayConfig
-from mqdedup.outbox.mysql_coordination import MySQLControlConnection
+from mqdedup.outbox.mysql_coordination import MySQLCoordinator
 from mqdedup.outbox.store import ShardFilter
 from mqdedup.rabbitmq import RabbitMQPublisher
 from mqdedup.rabbitmq.topology import declare_topology
@@ -191,7 +191,7 @@ def test_a_claim_from_shards_whose_named_locks_are_gone_leases_nothing(mdb: Outb
         for number in range(20):
             writer.publish({"n": number}, topic="t", key=f"k{number}")
     store = OutboxStore(mdb.prefix)
-    control = MySQLControlConnection(
+    control = MySQLCoordinator(
         mdb.engine, table_name=store.table.name, shards=4, fingerprint="kafka"
     )
     control.open()

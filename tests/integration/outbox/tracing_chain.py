@@ -22,9 +22,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import func, select
 
+from mqdedup.cli.publishers import create_publishers
 from mqdedup.db import create_engine
 from mqdedup.outbox import Relay, RelayConfig
-from mqdedup.outbox.relay import create_publishers
 from mqdedup.stopping import StopToken
 from tests.integration.outbox.chain_worker import build
 from tests.integration.outbox.helpers import events_table
