@@ -26,7 +26,7 @@ from mqdedup.kafka.producer import Outcome, ProducerRecord, RecoveringProducer, 
 from mqdedup.kafka.transport import KafkaToken, dead_letter_headers
 
 if TYPE_CHECKING:
-    from mqdedup.kafka.consumer import KafkaSettings
+    from mqdedup.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from mqdedup.kafka.transport import KafkaToken, partition_key, to_message
 from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
-    from mqdedup.kafka.consumer import KafkaSettings
+    from mqdedup.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 
