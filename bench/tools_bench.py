@@ -249,7 +249,7 @@ def main() -> None:
         figures["redis"] = bench_redis_tokens(redis_url, args.runs)
     if redis_url and "redis" in only:
         figures.setdefault("redis", {})
-        figures["redis"]["10k deliveries (30% dup) through the Processor with RedisDedup /s"] = bench_redis_dedup(
+        figures["redis"]["10k deliveries (30% dup) with RedisDedup /s"] = bench_redis_dedup(
             redis_url, args.runs
         )
     print(
