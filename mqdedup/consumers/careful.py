@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mqdedup.consumers.report import BatchReport, Outcome
-from mqdedup.consumers.transactions import SessionLease, TransactionalRuns
+from mqdedup.consumers.sessions import SessionLease
+from mqdedup.consumers.transactions import TransactionalRuns
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.dedup.claims import AttemptLog
 from mqdedup.errors import MessageError

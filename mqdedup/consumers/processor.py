@@ -1,12 +1,14 @@
 """The one Processor: id → claim → handle → commit → settle, for every claim store.
 
-Each module of the pipeline has one job: :mod:`~mqdedup.consumers.handling` calls the
+Each module of the pipeline has one job: :mod:`~mqdedup.consumers.identity` takes
+message ids and finds in-batch repeats; :mod:`~mqdedup.consumers.handling` calls the
 handlers and checks their results; :mod:`~mqdedup.consumers.transactions` is the unit
-of work of SQL claim stores (one database transaction), and
-:mod:`~mqdedup.consumers.leased` that of leasing stores (Redis);
-:mod:`~mqdedup.consumers.careful` runs redelivered messages carefully;
-:mod:`~mqdedup.consumers.dead_lettering` dead-letters and parks;
-:mod:`~mqdedup.consumers.report` holds what a batch came to.
+of work of SQL claim stores (one database transaction, sessions from
+:mod:`~mqdedup.consumers.sessions`) and :mod:`~mqdedup.consumers.leased` that of
+leasing stores (Redis); :mod:`~mqdedup.consumers.careful` runs redelivered messages
+carefully; :mod:`~mqdedup.consumers.dead_lettering` dead-letters and parks;
+:mod:`~mqdedup.consumers.report` holds what a batch came to. Outages of the claim
+store are waited out by :class:`mqdedup.outages.Outages`.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.careful import WORKER_DIED, CarefulRuns
 from mqdedup.consumers.dead_lettering import DeadLettering
 from mqdedup.consumers.handling import Handlers
+from mqdedup.consumers.identity import identify, resolve_repeats
 from mqdedup.consumers.leased import LeasedRuns
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.report import BatchAbandonedError, BatchReport, Outcome
-from mqdedup.consumers.transactions import SQLiteSelfDeadlockError, TransactionalRuns
-from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
+from mqdedup.consumers.sessions import SQLiteSelfDeadlockError
+from mqdedup.consumers.transactions import TransactionalRuns
+from mqdedup.consumers.transport import Delivery, Transport
 from mqdedup.db.dialects import is_transient
 from mqdedup.dedup.claims import AttemptLog, ClaimStore
-from mqdedup.dedup.ids import InvalidMessageIdError, check_message_id
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outages import Outages
 from mqdedup.stopping import StopToken
@@ -139,7 +142,7 @@ class Processor:
         started = time.monotonic()
         self.metrics.delivered += len(deliveries)
         report = BatchReport()
-        unique, repeats = self._identify(deliveries, report)
+        unique, repeats = identify(self.consumer, deliveries, report, self.letters.record)
         if unique:
             try:
                 if self.careful is not None and any(d.message.redelivered for d in unique):
@@ -150,7 +153,7 @@ class Processor:
             except BatchAbandonedError:
                 self._settle_committed(report)
                 raise
-        self._resolve_repeats(repeats, report)
+        resolve_repeats(self.consumer, repeats, report, self.metrics)
         self.letters.send(report)
         if report.settled:
             self.transport.settle(report.settled)
@@ -196,42 +199,6 @@ class Processor:
 
     # -- steps -------------------------------------------------------------------------
 
-    def _identify(
-        self, deliveries: Sequence[Delivery], report: BatchReport
-    ) -> tuple[list[Delivery], list[tuple[Delivery, str]]]:
-        """Attach message ids; split off messages without one and in-batch repeats."""
-        unique: list[Delivery] = []
-        repeats: list[tuple[Delivery, str]] = []
-        seen: set[str] = set()
-        for delivery in deliveries:
-            try:
-                message_id = self._message_id(delivery)
-            except MessageError as error:
-                report.dead_lettered.append((delivery, self.letters.record(error, 1)))
-                continue
-            if message_id in seen:
-                repeats.append((delivery, message_id))
-                continue
-            seen.add(message_id)
-            unique.append(Delivery(delivery.message.with_id(message_id), delivery.token))
-        return unique, repeats
-
-    def _message_id(self, delivery: Delivery) -> str:
-        """The delivery's message id, valid for every claim store, or a MessageError.
-
-        Whatever the strategy raises belongs to this message (a user function failing
-        on its body, say): it is dead-lettered with that reason, never a worker crash.
-        """
-        try:
-            message_id = self.consumer.message_id(delivery.message)
-        except MessageError:
-            raise
-        except Exception as error:
-            raise InvalidMessageIdError(
-                f"the message id strategy failed: {type(error).__name__}: {error}"
-            ) from error
-        return check_message_id(message_id, "the consumer's message id")
-
     def _retry(self, delivery: Delivery, error: Exception, report: BatchReport) -> None:
         """Rerun one failed message on its own until done or out of attempts."""
         message_id = str(delivery.message.id)
@@ -257,29 +224,6 @@ class Processor:
                 self.committed(outcome, report)
                 return
             error = outcome.failures[0][1]
-
-    def _resolve_repeats(self, repeats: list[tuple[Delivery, str]], report: BatchReport) -> None:
-        """A repeat inside the batch shares the fate of its first copy."""
-        if not repeats:
-            return
-        fate: dict[str, Any] = {}
-        for delivery in report.processed + report.duplicates:
-            fate[str(delivery.message.id)] = "done"
-        for delivery, record in report.dead_lettered:
-            if delivery.message.id is not None:
-                fate[delivery.message.id] = record
-        for delivery, message_id in repeats:
-            outcome = fate.get(message_id)
-            repeat = Delivery(delivery.message.with_id(message_id), delivery.token)
-            if outcome == "done":
-                report.duplicates.append(repeat)
-                self.metrics.duplicates += 1
-                if self.consumer.wants_duplicate_results:
-                    self.consumer.on_duplicate(repeat.message, report.results.get(message_id))
-            elif isinstance(outcome, DeadLetter):
-                report.dead_lettered.append((repeat, outcome))
-            else:
-                report.unsettled.append(repeat)
 
     def _settle_committed(self, report: BatchReport) -> None:
         """Abandoning a batch: still settle what has committed (fewer redeliveries)."""

@@ -15,67 +15,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.base import guard_session, unguard_session
 from mqdedup.consumers.report import BatchReport, Outcome
+from mqdedup.consumers.sessions import SessionLease, self_deadlock, waits_for_own_lock
 from mqdedup.consumers.transport import Delivery
 from mqdedup.db import sqlite_lock
-from mqdedup.db.dialects import is_data_error, is_sqlite_lock_error, is_transient
+from mqdedup.db.dialects import is_data_error, is_transient
 
 if TYPE_CHECKING:
     from mqdedup.consumers.processor import Processor
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class SQLiteSelfDeadlockError(RuntimeError):
-    """A handler waited for the SQLite write lock its own consumer transaction holds.
-
-    SQLite allows one writer per database file. The processor's transaction takes the
-    lock with the claim (mqdedup's engines with ``BEGIN IMMEDIATE``), so a handler that
-    writes to the same file through another connection waits until its busy timeout and
-    could never succeed. It fails that message instead of retrying the batch forever.
-    """
-
-
-class SessionLease:
-    """One connection and one session for a batch's transactions (one per message).
-
-    Checking a connection out of the pool and building a session for every message
-    costs ~100 µs of CPU, a sizeable part of a one-message transaction. The session is
-    bound to a connection held for the batch; each message still begins and commits
-    its own transaction on it. Any error closes both (the next use starts afresh).
-    """
-
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
-        self._sessions = sessions
-        self._session: Session | None = None
-        self._connection: Connection | None = None
-
-    def session(self) -> Session:
-        """The leased session (opened on first use)."""
-        if self._session is None:
-            bind = self._sessions.kw.get("bind")
-            if isinstance(bind, Engine):
-                self._connection = bind.connect()
-                self._session = self._sessions(bind=self._connection)
-            else:  # bound elsewhere (several engines, a connection): plain sessions
-                self._session = self._sessions()
-        return self._session
-
-    def close(self) -> None:
-        """Close the session and give the connection back."""
-        session, self._session = self._session, None
-        connection, self._connection = self._connection, None
-        try:
-            if session is not None:
-                session.close()
-        finally:
-            if connection is not None:
-                connection.close()
 
 
 class _RerunWithoutError(Exception):
@@ -320,9 +274,9 @@ class TransactionalRuns:
         except Exception as raised:
             error = raised
             if is_transient(error):
-                if not _waits_for_own_lock(session, error):
+                if not waits_for_own_lock(session, error):
                     raise
-                error = _self_deadlock(error)
+                error = self_deadlock(error)
             if savepoint is None:
                 raise _RerunWithoutError(delivery, error) from error
             savepoint.rollback()
@@ -331,27 +285,3 @@ class TransactionalRuns:
         if savepoint is not None:
             savepoint.commit()
         return value
-
-
-def _waits_for_own_lock(session: Session, error: Exception) -> bool:
-    """True when a handler's SQLite "database is locked" is our own transaction's lock.
-
-    The processor's transaction on SQLite holds the file's write lock from its claim
-    on (the only writer SQLite allows): a lock wait seen inside a handler then comes
-    from the handler's own connection to that file and can never end in success.
-    """
-    return (
-        is_sqlite_lock_error(error)
-        and session.in_transaction()
-        and session.get_bind().dialect.name == "sqlite"
-    )
-
-
-def _self_deadlock(error: Exception) -> SQLiteSelfDeadlockError:
-    deadlock = SQLiteSelfDeadlockError(
-        "the handler waited for the SQLite write lock that its own consumer transaction "
-        "holds (SQLite allows one writer per file): write through ctx.session, not "
-        "through another connection or engine to the same database file"
-    )
-    deadlock.__cause__ = error
-    return deadlock
