@@ -14,11 +14,9 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mqdedup.consumers.report import BatchReport, Outcome
-from mqdedup.consumers.sessions import SessionLease
-from mqdedup.consumers.transactions import TransactionalRuns
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.dedup.claims import AttemptLog
 from mqdedup.errors import MessageError
@@ -33,10 +31,35 @@ log = logging.getLogger(__name__)
 WORKER_DIED = "the worker died while handling it"
 
 
-class CarefulRuns:
-    """Runs the redelivered deliveries of a batch carefully (SQL claim stores)."""
+class Lease(Protocol):
+    """The claim store's unit of work, held for a run of single messages."""
 
-    def __init__(self, processor: Processor, runs: TransactionalRuns, store: AttemptLog) -> None:
+    def unit(self) -> Any:
+        """The ``unit`` argument of the claim store (a session, a worker id)."""
+        ...
+
+    def close(self) -> None:
+        """Give it back."""
+        ...
+
+
+class RunsAlone(Protocol):
+    """What careful mode needs from a claim store's unit of work."""
+
+    def lease(self) -> Lease:
+        """A unit of work for a run of single messages."""
+        ...
+
+    def alone(self, delivery: Delivery, lease: Any) -> Outcome:
+        """Run one message on its own (its own transaction, its own claim round)."""
+        ...
+
+
+class CarefulRuns:
+    """Runs the redelivered deliveries of a batch carefully (claim stores that are an
+    :class:`~mqdedup.dedup.claims.AttemptLog`: SQL and Redis)."""
+
+    def __init__(self, processor: Processor, runs: RunsAlone, store: AttemptLog) -> None:
         self.p = processor
         self.runs = runs
         self.store = store
@@ -48,7 +71,7 @@ class CarefulRuns:
         careful = [d for d in deliveries if d.message.redelivered]
         others = [d for d in deliveries if not d.message.redelivered]
         fresh = self._skip_processed(careful, report)
-        lease = SessionLease(self.runs.sessions)
+        lease = self.runs.lease()
         try:
             for index, delivery in enumerate(fresh):
                 if self.p.stop.requested:
@@ -73,7 +96,7 @@ class CarefulRuns:
         self.p.committed(Outcome(duplicates=duplicates, stored_results=stored), report)
         return [d for d in deliveries if d.message.id not in done]
 
-    def _careful_one(self, delivery: Delivery, lease: SessionLease, report: BatchReport) -> None:
+    def _careful_one(self, delivery: Delivery, lease: Lease, report: BatchReport) -> None:
         """Count the attempt first, then run the message alone; retry up to the policy."""
         message_id = str(delivery.message.id)
         outages = self.p.outages
@@ -93,7 +116,7 @@ class CarefulRuns:
                     },
                 )
                 return
-            outcome = outages.run(functools.partial(self.runs.own_transaction, delivery, lease))
+            outcome = outages.run(functools.partial(self.runs.alone, delivery, lease))
             self.p.committed(outcome, report)
             if outcome.duplicates:  # claimed meanwhile by another worker: nothing ran
                 outages.run(functools.partial(self.store.undo_attempt, self.name, message_id))
@@ -117,11 +140,11 @@ class CarefulRuns:
                 return
             self.p.metrics.retries += 1
 
-    def _start_attempt(self, message_id: str, lease: SessionLease) -> tuple[int, str | None, bool]:
-        session = lease.session()
+    def _start_attempt(self, message_id: str, lease: Lease) -> tuple[int, str | None, bool]:
+        unit = lease.unit()
         try:
             return self.store.start_attempt(
-                session, self.name, message_id, WORKER_DIED, self.policy.max_attempts
+                unit, self.name, message_id, WORKER_DIED, self.policy.max_attempts
             )
         except BaseException:
             lease.close()

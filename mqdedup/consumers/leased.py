@@ -47,6 +47,14 @@ class LeasedRuns:
         """Run one failed message again."""
         return self._until_claimed([delivery])
 
+    def lease(self) -> _WorkerLease:
+        """This worker's id, for careful mode's attempts."""
+        return _WorkerLease(self.worker_id)
+
+    def alone(self, delivery: Delivery, lease: _WorkerLease) -> Outcome:
+        """One message on its own claim round."""
+        return self._until_claimed([delivery])
+
     def _until_claimed(self, deliveries: Sequence[Delivery]) -> Outcome:
         total = Outcome()
         waiting = list(deliveries)
@@ -110,3 +118,17 @@ class LeasedRuns:
         outcome.processed.append(delivery)
         if result is not None:
             outcome.results[message_id] = result
+
+
+class _WorkerLease:
+    """The unit of work of a leasing store is the worker id: nothing to open or close."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+
+    def unit(self) -> str:
+        """The worker id the claims are held under."""
+        return self.worker_id
+
+    def close(self) -> None:
+        """Nothing to give back."""

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.base import Consumer
-from mqdedup.consumers.careful import WORKER_DIED, CarefulRuns
+from mqdedup.consumers.careful import WORKER_DIED, CarefulRuns, RunsAlone
 from mqdedup.consumers.dead_lettering import DeadLettering
 from mqdedup.consumers.handling import Handlers
 from mqdedup.consumers.identity import identify, resolve_repeats
@@ -49,7 +49,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class _Runs(Protocol):
+class _Runs(RunsAlone, Protocol):
     """A claim store's unit of work, as the Processor drives it."""
 
     def first(
@@ -107,7 +107,6 @@ class Processor:
         self.database_outages = (
             self.outages if self.store.transactional else self._outages(is_transient, "database")
         )
-        self.careful: CarefulRuns | None = None
         self.runs: _Runs
         if self.store.transactional:
             if sessions is None:
@@ -115,12 +114,12 @@ class Processor:
                     f"{type(consumer).__name__} keeps its claims in the database: it needs "
                     "a database engine or session factory"
                 )
-            runs = TransactionalRuns(self, sessions)
-            self.runs = runs
-            if isinstance(self.store, AttemptLog):
-                self.careful = CarefulRuns(self, runs, self.store)
+            self.runs = TransactionalRuns(self, sessions)
         else:
             self.runs = LeasedRuns(self)
+        self.careful: CarefulRuns | None = None
+        if isinstance(self.store, AttemptLog):
+            self.careful = CarefulRuns(self, self.runs, self.store)
 
     def _outages(self, check: Any, what: str) -> Outages:
         return Outages(

@@ -32,8 +32,9 @@ class SessionLease:
         self._session: Session | None = None
         self._connection: Connection | None = None
 
-    def session(self) -> Session:
-        """The leased session (opened on first use)."""
+    def unit(self) -> Session:
+        """The unit of work careful mode counts attempts in: the leased session (opened
+        on first use)."""
         if self._session is None:
             bind = self._sessions.kw.get("bind")
             if isinstance(bind, Engine):

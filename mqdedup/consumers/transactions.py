@@ -70,6 +70,14 @@ class TransactionalRuns:
         rerun = self.own_transaction if self.per_message else self._run_one
         return self.p.outages.run(functools.partial(rerun, delivery))
 
+    def lease(self) -> SessionLease:
+        """One session for a run of single-message transactions (careful mode)."""
+        return SessionLease(self.sessions)
+
+    def alone(self, delivery: Delivery, lease: SessionLease) -> Outcome:
+        """One message in its own transaction on ``lease``'s session."""
+        return self.own_transaction(delivery, lease)
+
     # -- transactions ----------------------------------------------------------------------
 
     def _run_each(
@@ -101,7 +109,7 @@ class TransactionalRuns:
             with self.sessions() as session:
                 return self._own_transaction_in(session, delivery)
         try:
-            return self._own_transaction_in(lease.session(), delivery)
+            return self._own_transaction_in(lease.unit(), delivery)
         except BaseException:
             lease.close()  # e.g. a dead connection: the retry starts on a fresh one
             raise

@@ -122,6 +122,28 @@ return n
 """
 
 
+# KEYS[1] the attempts hash. ARGV[1] marker, ARGV[2] max attempts, ARGV[3] retention ms.
+# Counts an attempt before it runs unless max attempts are reached: {attempts, error, 1|0}.
+_START_ATTEMPT = """
+local n = tonumber(redis.call('HGET', KEYS[1], 'n') or '0')
+if n >= tonumber(ARGV[2]) then
+  return {n, redis.call('HGET', KEYS[1], 'e') or false, 0}
+end
+n = redis.call('HINCRBY', KEYS[1], 'n', 1)
+redis.call('HSET', KEYS[1], 'e', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {n, ARGV[1], 1}
+"""
+
+# KEYS[1] the attempts hash. Takes back one counted attempt (never below zero).
+_UNDO_ATTEMPT = """
+if tonumber(redis.call('HGET', KEYS[1], 'n') or '0') > 0 then
+  redis.call('HINCRBY', KEYS[1], 'n', -1)
+end
+return 0
+"""
+
+
 class RedisClaimStore:
     """:class:`~mqdedup.dedup.claims.ClaimStore` in Redis, with leases.
 
@@ -158,6 +180,8 @@ class RedisClaimStore:
         self._complete: Any = self.redis.register_script(_COMPLETE)
         self._release: Any = self.redis.register_script(_RELEASE)
         self._renew: Any = self.redis.register_script(_RENEW)
+        self._start_attempt: Any = self.redis.register_script(_START_ATTEMPT)
+        self._undo_attempt: Any = self.redis.register_script(_UNDO_ATTEMPT)
 
     @classmethod
     def from_settings(
@@ -178,7 +202,7 @@ class RedisClaimStore:
         return f"{self.namespace}{{{scope_tag(consumer)}}}:m:{message_id}"
 
     def attempts_key(self, consumer: str, message_id: str) -> str:
-        """The failed-attempt counter of one message id."""
+        """The attempts hash of one message id (``n``: attempts, ``e``: the last error)."""
         return f"{self.namespace}{{{scope_tag(consumer)}}}:a:{message_id}"
 
     def _keys(self, consumer: str, ids: Iterable[str]) -> list[str]:
@@ -246,15 +270,54 @@ class RedisClaimStore:
         """Count one failed attempt (kept ``retention``); return the attempts so far."""
         key = self.attempts_key(consumer, message_id)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.incr(key)
+        pipe.hincrby(key, "n", 1)
+        pipe.hset(key, "e", error[:2000])
         pipe.pexpire(key, self.retention_ms)
-        count, _ = pipe.execute()
+        count, _, _ = pipe.execute()
         return int(count)
+
+    def attempts(self, consumer: str, message_id: str) -> tuple[int, str | None]:
+        """The attempts counted for one message id, and the last error recorded."""
+        values = self.redis.hmget(self.attempts_key(consumer, message_id), ["n", "e"])
+        count, error = values[0], values[1]
+        return int(count or 0), error.decode() if isinstance(error, bytes) else None
 
     def forget_attempts(self, consumer: str, ids: Sequence[str]) -> None:
         """Delete attempt counters (a replay gives those messages their full retries)."""
         if ids:
             self.redis.delete(*(self.attempts_key(consumer, i) for i in ids))
+
+    # -- careful mode: attempts counted before the handler runs ---------------------------
+
+    def processed(self, consumer: str, ids: Sequence[str]) -> dict[str, Any]:
+        """The completed ids among ``ids``, with their stored results (one MGET)."""
+        if not ids:
+            return {}
+        values = self.redis.mget(self._keys(consumer, ids))
+        return {
+            message_id: _load_result(value[2:].decode())
+            for message_id, value in zip(ids, values, strict=True)
+            if isinstance(value, bytes) and value.startswith(b"D|")
+        }
+
+    def start_attempt(
+        self, unit: str, consumer: str, message_id: str, marker: str, max_attempts: int
+    ) -> tuple[int, str | None, bool]:
+        """Count an attempt before its handler runs, unless ``max_attempts`` is reached."""
+        count, error, started = self._start_attempt(
+            keys=[self.attempts_key(consumer, message_id)],
+            args=[marker, max_attempts, self.retention_ms],
+        )
+        text = error.decode() if isinstance(error, bytes) else error or None
+        return int(count), text, bool(started)
+
+    def finish_attempt(self, consumer: str, message_id: str, error: str) -> None:
+        """Record how a counted attempt failed (no second count)."""
+        self.redis.hset(self.attempts_key(consumer, message_id), "e", error[:2000])
+
+    def undo_attempt(self, consumer: str, message_id: str) -> None:
+        """Take back a counted attempt whose handler never ran."""
+        self._undo_attempt(keys=[self.attempts_key(consumer, message_id)])
 
     # -- lower level and operator tools ----------------------------------------------------
 

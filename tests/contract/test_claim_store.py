@@ -26,7 +26,7 @@ from sqlalchemy import Engine
 from mqdedup.db import check_connection, create_engine, init_schema
 from mqdedup.db.engine import session_factory
 from mqdedup.db.schema import schema
-from mqdedup.dedup.claims import ClaimStore
+from mqdedup.dedup.claims import AttemptLog, ClaimStore
 from mqdedup.dedup.sql_claims import SqlClaimStore
 from mqdedup.errors import DatabaseUnavailableError
 from tests.conftest import require_service
@@ -50,6 +50,8 @@ class Harness:
     leases: bool = False
     #: Build another store of the same kind with a short lease / retention (seconds).
     short_lived: Callable[[float], ClaimStore] | None = None
+    #: Careful mode's unit of work (a context manager), held for a run of messages.
+    attempt_unit: Callable[[], Any] | None = None
 
 
 def _sql_harness(kind: str, engine: Engine) -> Iterator[Harness]:
@@ -67,11 +69,16 @@ def _sql_harness(kind: str, engine: Engine) -> Iterator[Harness]:
         with sessions() as session, session.begin():
             yield session
 
+    @contextmanager
+    def lease() -> Iterator[Any]:  # careful mode's session: it begins its own transactions
+        with sessions() as session:
+            yield session
+
     def purge() -> None:
         store.table.purge(engine, older_than=timedelta(0))
 
     try:
-        yield Harness(kind, store, unit, purge)
+        yield Harness(kind, store, unit, purge, attempt_unit=lease)
     finally:
         schema(prefix).metadata.drop_all(engine)
         engine.dispose()
@@ -104,7 +111,9 @@ def _redis_harness() -> Iterator[Harness]:
         return RedisClaimStore(client, namespace=namespace, lease=seconds, retention=seconds)
 
     try:
-        yield Harness("redis", store, unit, purge, leases=True, short_lived=short_lived)
+        yield Harness(
+            "redis", store, unit, purge, leases=True, short_lived=short_lived, attempt_unit=unit
+        )
     finally:
         purge()
         client.close()
@@ -229,3 +238,23 @@ def test_a_crashed_workers_lease_runs_out(harness: Harness) -> None:
         store.save_results(rival, CONSUMER, {"l-1": 1})
         assert store.claim(rival, CONSUMER, ["l-1"]).done == {"l-1": 1}
         wait_for(lambda: store.claim(rival, CONSUMER, ["l-1"]).new == {"l-1"}, 5, "retention")
+
+
+def test_careful_mode_counts_an_attempt_before_it_runs(harness: Harness) -> None:
+    """The attempt log (``AttemptLog``): count first, refuse past the limit, finish or
+    take back an attempt; ``processed`` finds completed ids in one read."""
+    store = harness.store
+    assert isinstance(store, AttemptLog) and harness.attempt_unit is not None
+    marker = "the worker died while handling it"
+    with harness.attempt_unit() as unit:  # the count commits on its own, before any handler
+        assert store.start_attempt(unit, CONSUMER, "k-1", marker, 2) == (1, marker, True)
+    store.finish_attempt(CONSUMER, "k-1", "RuntimeError: boom")
+    with harness.attempt_unit() as unit:
+        assert store.start_attempt(unit, CONSUMER, "k-1", marker, 2) == (2, marker, True)
+    with harness.attempt_unit() as unit:  # the limit: nothing written, the stored state returned
+        assert store.start_attempt(unit, CONSUMER, "k-1", marker, 2) == (2, marker, False)
+    store.undo_attempt(CONSUMER, "k-1")  # the last one never ran (a duplicate meanwhile)
+    with harness.attempt_unit() as unit:
+        assert store.start_attempt(unit, CONSUMER, "k-1", marker, 2)[2] is True
+    claim(harness, ["k-2", "k-3"], {"k-2": {"ok": True}})
+    assert store.processed(CONSUMER, ["k-1", "k-2", "k-3"]) == {"k-2": {"ok": True}, "k-3": None}

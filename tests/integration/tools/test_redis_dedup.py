@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,12 @@ from mqdedup import (
     RetryPolicy,
     Worker,
 )
+from mqdedup.consumers.memory import run_until_idle_restarting
 from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.processor import WORKER_DIED
 from mqdedup.dedup.redis_claims import RedisClaimStore
 from mqdedup.dedup.redis_client import RedisUnavailableError
+from mqdedup.errors import SimulatedCrash
 from mqdedup.stopping import StopToken
 from tests.conftest import require_service
 from tests.services import REPO, PrivateService, free_port, wait_for
@@ -171,7 +175,7 @@ def test_failures_release_the_claim_retry_and_dead_letter(
     assert dead.message.properties["message_id"] == "sms-13" and dead.record.attempts == 3
     assert "RuntimeError: provider refused sms-13" in dead.record.reason
     assert redis_conn.get(store.key("sms", "sms-13")) is None  # no claim left behind
-    assert int(redis_conn.get(store.attempts_key("sms", "sms-13")) or 0) == 3
+    assert store.attempts("sms", "sms-13")[0] == 3
     assert (metrics.processed, metrics.dead_lettered, metrics.retries) == (19, 1, 3)
     assert broker.settled_count["sms"] == 20
 
@@ -327,3 +331,37 @@ def test_a_redis_claimed_handler_has_no_transaction(
     assert metrics.dead_lettered == 1 and broker.settled_count["sms"] == 1
     store = RedisClaimStore(redis_conn, namespace=namespace)
     assert redis_conn.get(store.key("sms", "sms-1")) is None
+
+
+def test_a_message_that_kills_its_worker_is_dead_lettered_alone(
+    redis_conn: redis.Redis, namespace: str
+) -> None:
+    """Careful mode with Redis claims: each redelivered message gets its attempt counted
+    in Redis before its handler runs, so a process-killer reaches ``max_attempts`` and
+    is dead-lettered unrun; its batch-mates are processed once. (Each death leaves the
+    killer's claim leased: the next worker waits out the short lease first.)"""
+    runs: Counter[str] = Counter()
+
+    class Killer(sms_consumer(namespace, effects=redis_conn, lease=0.3)):  # type: ignore[misc]
+        def handle(self, message: Message, ctx: Context) -> Any:
+            runs[str(message.id)] += 1
+            if message.id == "sms-3":
+                raise SimulatedCrash("the handler killed its process")
+            return super().handle(message, ctx)
+
+    broker = InMemoryBroker()
+    for number in range(10):
+        broker.publish("sms", "x", message_id=f"sms-{number}")
+    run = run_until_idle_restarting(Killer(), broker, "sms", None)  # type: ignore[arg-type]
+
+    assert run.crashes == 3 + 1  # the first death was in an ordinary batch, uncounted
+    assert runs["sms-3"] == run.crashes
+    [dead] = broker.dead_letters["sms"]
+    assert dead.message.properties["message_id"] == "sms-3"
+    assert (dead.record.reason, dead.record.attempts) == (WORKER_DIED, 3)
+    done = effects(redis_conn, namespace)
+    assert sorted(done) == sorted(f"sms-{n}" for n in range(10) if n != 3)
+    assert len(done) == 9  # no batch-mate twice
+    store = RedisClaimStore(redis_conn, namespace=namespace)
+    assert store.attempts("sms", "sms-3") == (3, WORKER_DIED)
+    assert broker.pending("sms") == 0
