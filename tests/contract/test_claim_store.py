@@ -255,6 +255,10 @@ def test_careful_mode_counts_an_attempt_before_it_runs(harness: Harness) -> None
         assert store.start_attempt(unit, CONSUMER, "k-1", marker, 2) == (2, marker, False)
     store.undo_attempt(CONSUMER, "k-1")  # the last one never ran (a duplicate meanwhile)
     with harness.attempt_unit() as unit:
-        assert store.start_attempt(unit, CONSUMER, "k-1", marker, 2)[2] is True
+        assert store.start_attempt(unit, CONSUMER, "k-1", marker, 2) == (2, marker, True)
+    store.finish_attempt(CONSUMER, "k-1", "ValueError: bad \x00 amount")
+    with harness.attempt_unit() as unit:  # the stored error comes back at the limit
+        count, error, started = store.start_attempt(unit, CONSUMER, "k-1", marker, 2)
+    assert (count, started) == (2, False) and error and error.startswith("ValueError: bad")
     claim(harness, ["k-2", "k-3"], {"k-2": {"ok": True}})
     assert store.processed(CONSUMER, ["k-1", "k-2", "k-3"]) == {"k-2": {"ok": True}, "k-3": None}
