@@ -97,9 +97,10 @@ class Outages:
             before_sleep=self._before_sleep,
             reraise=True,
         )
-        value = retrying(work)
-        self.on_change(None)
-        return value
+        try:
+            return retrying(work)
+        finally:
+            self.on_change(None)  # the outage is over (or no longer ours to wait out)
 
     def pause(self, seconds: float) -> bool:
         """Wait ``seconds`` running ``keepalive``; False if a stop was requested."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import redis
@@ -162,8 +163,8 @@ class RedisClaimStore:
         client: redis.Redis | str | None = None,
         *,
         namespace: str = DEFAULT_REDIS_NAMESPACE,
-        lease: Any = 60.0,
-        retention: Any = 7 * 24 * 3600.0,
+        lease: timedelta | float = 60.0,
+        retention: timedelta | float = timedelta(days=7),
     ) -> None:
         if "{" in namespace or "}" in namespace:
             raise ConfigurationError(

@@ -98,3 +98,25 @@ def test_pause_serves_keepalives_and_reports_a_stop() -> None:
     assert outages.pause(0.05) is True and len(keepalives) >= 2
     stop.request()
     assert outages.pause(5) is False
+
+
+def test_the_flag_clears_when_the_outage_ends_in_another_error() -> None:
+    """Down, then back with a real error: no longer an outage, /healthz may be ready."""
+    flags: list[str | None] = []
+    calls: list[int] = []
+    outages = Outages(
+        stop=StopToken(),
+        is_transient=lambda e: isinstance(e, Down),
+        backoff_max=0.01,
+        on_change=flags.append,
+    )
+
+    def work() -> None:
+        calls.append(1)
+        if len(calls) < 3:
+            raise Down("down")
+        raise ValueError("the message's own fault")
+
+    with pytest.raises(ValueError, match="own fault"):
+        outages.run(work)
+    assert flags[0] == "database unavailable: Down" and flags[-1] is None
