@@ -14,15 +14,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from mqdedup.consumers.pipeline import Pipeline
 from mqdedup.consumers.report import BatchReport, Outcome
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.dedup.claims import AttemptLog
 from mqdedup.errors import MessageError
-
-if TYPE_CHECKING:
-    from mqdedup.consumers.processor import Processor
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +57,7 @@ class CarefulRuns:
     """Runs the redelivered deliveries of a batch carefully (claim stores that are an
     :class:`~mqdedup.dedup.claims.AttemptLog`: SQL and Redis)."""
 
-    def __init__(self, processor: Processor, runs: RunsAlone, store: AttemptLog) -> None:
+    def __init__(self, processor: Pipeline, runs: RunsAlone, store: AttemptLog) -> None:
         self.p = processor
         self.runs = runs
         self.store = store

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.report import BatchAbandonedError, BatchReport
-from mqdedup.consumers.transport import DeadLetter, Delivery
+from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
 from mqdedup.dedup.dead_letters import DeadLetterCause, DeadLetterTable, clean_text
 from mqdedup.errors import DeadLetterRefusedError, MessageError
-
-if TYPE_CHECKING:
-    from mqdedup.consumers.processor import Processor
+from mqdedup.outages import Outages
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +27,20 @@ class DeadLettering:
     unsettled and an error line says so.
     """
 
-    def __init__(self, processor: Processor, sessions: sessionmaker[Session] | None) -> None:
-        self.p = processor
+    def __init__(
+        self,
+        consumer: Consumer,
+        transport: Transport,
+        metrics: Metrics,
+        sessions: sessionmaker[Session] | None,
+        database_outages: Outages,
+    ) -> None:
+        self.name = consumer.consumer_name
+        self.transport = transport
+        self.metrics = metrics
         self.sessions = sessions
-        self.name = processor.name
-        self.table = DeadLetterTable(processor.consumer.table_prefix)
+        self.database_outages = database_outages
+        self.table = DeadLetterTable(consumer.table_prefix)
 
     def record(self, error: Exception, attempts: int) -> DeadLetter:
         """The dead letter of a message that failed ``attempts`` times with ``error``."""
@@ -51,7 +59,7 @@ class DeadLettering:
 
     def send(self, report: BatchReport) -> None:
         """Store dead letters durably; one that cannot be stored stays unsettled."""
-        metrics = self.p.metrics
+        metrics = self.metrics
         kept: list[tuple[Delivery, DeadLetter]] = []
         for delivery, record in report.dead_lettered:
             extra = {
@@ -60,7 +68,7 @@ class DeadLettering:
                 "coordinates": delivery.message.coordinates,
             }
             try:
-                self.p.transport.dead_letter(delivery, record)
+                self.transport.dead_letter(delivery, record)
             except DeadLetterRefusedError as refusal:
                 metrics.dead_letter_failures += 1
                 if not self._park(delivery, record, refusal):
@@ -108,7 +116,7 @@ class DeadLettering:
                 self.table.park(session, self.name, delivery.message, cause)
 
         try:
-            self.p.database_outages.run(park)
+            self.database_outages.run(park)
         except BatchAbandonedError:
             return False  # stopping while the database is down: the broker keeps it
         except Exception:

@@ -14,22 +14,19 @@ import functools
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from mqdedup.consumers.pipeline import Pipeline
 from mqdedup.consumers.report import BatchReport, Outcome
 from mqdedup.consumers.transport import Delivery
-
-if TYPE_CHECKING:
-    from mqdedup.consumers.processor import Processor
 
 #: Bounds of one wait for a busy claim (seconds): the lease left, clamped to these.
 BUSY_WAIT = (0.05, 0.5)
 
 
 class LeasedRuns:
-    """Runs deliveries against a leasing claim store for the :class:`Processor`."""
+    """Runs deliveries against a leasing claim store for the Processor."""
 
-    def __init__(self, processor: Processor, worker_id: str | None = None) -> None:
+    def __init__(self, processor: Pipeline, worker_id: str | None = None) -> None:
         self.p = processor
         self.name = processor.name
         #: Identifies this worker's claims; unique per processor.

@@ -100,13 +100,13 @@ class Processor:
             consumer.table_prefix, sessions
         )
         self.handlers = Handlers(consumer, self.metrics)
-        self.letters = DeadLettering(self, sessions)
         #: When the last claim became durable (for the commit -> settle histogram).
         self.last_commit: float | None = None
         self.outages = self._outages(self.store.is_transient, self.store.infrastructure)
-        self.database_outages = (
+        database_outages = (
             self.outages if self.store.transactional else self._outages(is_transient, "database")
         )
+        self.letters = DeadLettering(consumer, transport, self.metrics, sessions, database_outages)
         self.runs: _Runs
         if self.store.transactional:
             if sessions is None:
