@@ -3,6 +3,7 @@ worker, failures, outages — through the same Worker and Processor as every con
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -25,12 +26,13 @@ from mqdedup import (
     RetryPolicy,
     Worker,
 )
-from mqdedup.consumers.memory import run_until_idle_restarting
+from mqdedup.consumers.memory import MemoryTransport, run_until_idle_restarting
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import WORKER_DIED
+from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.dedup.redis_claims import RedisClaimStore
 from mqdedup.dedup.redis_client import RedisUnavailableError
-from mqdedup.errors import SimulatedCrash
+from mqdedup.errors import DeadLetterRefusedError, SimulatedCrash
 from mqdedup.stopping import StopToken
 from tests.conftest import require_service
 from tests.services import REPO, PrivateService, free_port, wait_for
@@ -365,3 +367,26 @@ def test_a_message_that_kills_its_worker_is_dead_lettered_alone(
     store = RedisClaimStore(redis_conn, namespace=namespace)
     assert store.attempts("sms", "sms-3") == (3, WORKER_DIED)
     assert broker.pending("sms") == 0
+
+
+def test_a_refused_dead_letter_without_a_database_stays_unsettled(
+    redis_conn: redis.Redis, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No dead-letter table to park it in: the message is not acked silently (promise 5);
+    it stays with the broker and an error line says why. Its batch-mates settle."""
+
+    class Refusing(MemoryTransport):
+        def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+            raise DeadLetterRefusedError("MessageSizeTooLargeError: the record is too large")
+
+    consumer = sms_consumer(namespace, effects=redis_conn, fail_ids=frozenset({"sms-2"}))
+    broker = InMemoryBroker()
+    for number in range(5):
+        broker.publish("sms", "x", message_id=f"sms-{number}")
+    with caplog.at_level(logging.ERROR, logger="mqdedup.consumers.dead_lettering"):
+        metrics = Worker(consumer(), Refusing(broker, "sms"), None).run(max_batches=1)
+    assert metrics.dead_letter_failures == 1 and metrics.dead_letters_parked == 0
+    assert broker.settled_count["sms"] == 4 and broker.pending("sms") == 1  # sms-2 is back
+    assert not broker.dead_letters.get("sms")
+    [line] = [r for r in caplog.records if "no database to keep it" in r.getMessage()]
+    assert line.consumer == "sms"  # type: ignore[attr-defined]
