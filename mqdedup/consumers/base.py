@@ -275,7 +275,8 @@ class Consumer:
         """Called for each duplicate with the first delivery's stored result (or None)."""
 
     def after_commit(self, messages: Sequence[Message]) -> None:
-        """Called after the transaction committed and before the broker is settled."""
+        """Called after the transaction committed (``RedisDedup``: after the completions
+        were written) and before the broker is settled."""
 
     def create_transport(self) -> Transport:
         """The transport this consumer reads from; broker subclasses implement it."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -121,7 +121,7 @@ class Processor:
         if isinstance(self.store, AttemptLog):
             self.careful = CarefulRuns(self, self.runs, self.store)
 
-    def _outages(self, check: Any, what: str) -> Outages:
+    def _outages(self, check: Callable[[BaseException], bool], what: str) -> Outages:
         return Outages(
             stop=self.stop,
             is_transient=check,
