@@ -26,6 +26,7 @@ from mqdedup import (
     RetryPolicy,
     Worker,
 )
+from mqdedup.cli.health import snapshot_ready
 from mqdedup.consumers.memory import MemoryTransport, run_until_idle_restarting
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import WORKER_DIED
@@ -245,7 +246,8 @@ def test_redis_outage_pauses_and_resumes_without_loss(
         wait_for(lambda: metrics.processed >= 200, 60, "the worker to get going")
         service.kill()
         wait_for(lambda: metrics.database_retries >= 3, 60, "the worker to notice the outage")
-        assert metrics.outage is not None and "redis" in metrics.outage  # not ready meanwhile
+        assert metrics.outage is not None and "redis" in metrics.outage
+        assert not snapshot_ready(metrics.snapshot())  # /healthz: not ready meanwhile
         stalled = metrics.processed
         assert not broker.dead_letters  # an outage is never the message's fault
         service.start()
@@ -264,7 +266,7 @@ def test_redis_outage_pauses_and_resumes_without_loss(
     # The batch in flight kept its place: no handler ran twice, none was skipped.
     assert len(handled) == 2_000 and len(set(handled)) == 2_000
     assert metrics.processed == 2_000
-    assert metrics.outage is None  # ready again
+    assert metrics.outage is None and snapshot_ready(metrics.snapshot())  # ready again
 
 
 def test_unreachable_redis_is_a_one_line_error() -> None:
