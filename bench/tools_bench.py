@@ -27,11 +27,10 @@ import redis
 from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, insert
 from sqlalchemy.orm import Session
 
-from mqdedup import InMemoryBroker, Message, run_until_idle
+from mqdedup import Context, InMemoryBroker, Message, RedisDedup, Worker, run_until_idle
 from mqdedup.consumers.base import BatchContext, Consumer
 from mqdedup.db import create_engine, dialects, init_schema
 from mqdedup.db.schema import MYSQL_TABLE_OPTIONS, KeyString, schema
-from mqdedup.dedup.redis_store import RedisConsumer, RedisContext, RedisDedupStore, RedisWorker
 from mqdedup.dedup.redis_tokens import RedisTokenStore
 from mqdedup.dedup.tokens import DatabaseTokenStore
 from mqdedup.dedup.transitions import StateMachine
@@ -200,20 +199,18 @@ def bench_redis_dedup(url: str, runs: int) -> float:
     def once() -> tuple[int, float]:
         namespace = f"bench:{uuid.uuid4().hex[:8]}:"
 
-        class Sms(RedisConsumer):
+        class Sms(Consumer):
             name = "bench"
             batch_size = 500
             poll_timeout = 0.01
+            dedup = RedisDedup(url=url, namespace=namespace)
 
-            def handle(self, message: Message, ctx: RedisContext) -> Any:
+            def handle(self, message: Message, ctx: Context) -> Any:
                 return None
 
-        Sms.namespace = namespace
         broker, deliveries = _published_broker()
         started = time.perf_counter()
-        metrics = RedisWorker(
-            Sms(), broker.transport("q"), RedisDedupStore(client, namespace=namespace)
-        ).run(until_idle=True)
+        metrics = Worker(Sms(), broker.transport("q"), None).run(until_idle=True)
         seconds = time.perf_counter() - started
         assert metrics.processed == N_MESSAGES, metrics
         _delete_namespace(client, namespace)
@@ -252,7 +249,7 @@ def main() -> None:
         figures["redis"] = bench_redis_tokens(redis_url, args.runs)
     if redis_url and "redis" in only:
         figures.setdefault("redis", {})
-        figures["redis"]["10k deliveries (30% dup) through RedisProcessor /s"] = bench_redis_dedup(
+        figures["redis"]["10k deliveries (30% dup) with RedisDedup /s"] = bench_redis_dedup(
             redis_url, args.runs
         )
     print(

@@ -17,9 +17,13 @@ from mqdedup.consumers import (
     Worker,
     run_until_idle,
 )
-from mqdedup.consumers.base import HandlerEndedTransactionError, InvalidResultError
+from mqdedup.consumers.base import (
+    HandlerEndedTransactionError,
+    InvalidResultError,
+    NoTransactionError,
+)
 from mqdedup.db.engine import create_engine, init_schema
-from mqdedup.dedup import DedupStore, ids
+from mqdedup.dedup import ClaimStore, DedupStore, RedisDedup, SqlDedup, ids
 from mqdedup.dedup.ids import InvalidMessageIdError
 from mqdedup.errors import (
     ConfigurationError,
@@ -34,6 +38,7 @@ from mqdedup.message import Message
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClaimStore",
     "ConfigurationError",
     "Consumer",
     "Context",
@@ -50,7 +55,10 @@ __all__ = [
     "Metrics",
     "MissingMessageIdError",
     "MqdedupError",
+    "NoTransactionError",
+    "RedisDedup",
     "RetryPolicy",
+    "SqlDedup",
     "StopToken",
     "Transport",
     "UndecodableMessageError",

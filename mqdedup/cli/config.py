@@ -6,7 +6,7 @@ Precedence: flag > environment variable > config file > default. Example file::
     database_url = "postgresql://app:secret@db/app"
     kafka_bootstrap = "kafka-1:9092,kafka-2:9092"
     rabbitmq_url = "amqp://app:secret@rabbit/%2F"
-    redis_url = "redis://redis:6379/0"    # RedisConsumer classes only
+    redis_url = "redis://redis:6379/0"    # consumers with dedup = RedisDedup(...) only
     table_prefix = "mqdedup_"
     log_level = "INFO"
 

@@ -22,9 +22,11 @@ def snapshot_ready(snapshot: Mapping[str, Any]) -> bool:
 
     A transport that reports ``consumer_attached`` (RabbitMQ) is not ready while no
     consumer is attached: the broker closed its channel or the connection is being
-    re-established, so nothing is consumed.
+    re-established, so nothing is consumed. A worker or relay waiting out an outage
+    (``outage``: the database or Redis unreachable, see :mod:`mqdedup.outages`) is not
+    ready either.
     """
-    return snapshot.get("consumer_attached") is not False
+    return snapshot.get("consumer_attached") is not False and not snapshot.get("outage")
 
 
 class HealthServer:

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mqdedup.consumers.base import Consumer
 from mqdedup.errors import ConsumerImportError, MqdedupError
-
-if TYPE_CHECKING:
-    from typing_extensions import TypeIs
-
-    from mqdedup.dedup.redis_store import RedisConsumer
 
 
 def load_consumer_class(reference: str) -> type[Consumer]:
@@ -24,22 +18,13 @@ def load_consumer_class(reference: str) -> type[Consumer]:
     return target
 
 
-def load_worker_class(reference: str) -> type[Consumer] | type[RedisConsumer]:
-    """Import what ``mqdedup worker`` can run: a Consumer or a RedisConsumer subclass."""
-    target = _import_reference(reference)
-    if isinstance(target, type) and (issubclass(target, Consumer) or _is_redis_consumer(target)):
-        return target
-    raise ConsumerImportError(f"{reference!r} is not a mqdedup Consumer or RedisConsumer subclass")
-
-
-def create_consumer(reference: str, *, worker: bool = False) -> Any:
+def create_consumer(reference: str) -> Consumer:
     """Load ``module.path:ClassName`` and create the consumer (its ``__init__`` takes none).
 
-    ``worker``: accept what ``mqdedup worker`` runs (RedisConsumer classes too). A class
-    whose ``__init__`` needs arguments, or that raises while being created, is refused
-    with one line naming it.
+    A class whose ``__init__`` needs arguments, or that raises while being created, is
+    refused with one line naming it.
     """
-    cls = load_worker_class(reference) if worker else load_consumer_class(reference)
+    cls = load_consumer_class(reference)
     try:
         inspect.signature(cls).bind()
     except TypeError as exc:
@@ -57,17 +42,6 @@ def create_consumer(reference: str, *, worker: bool = False) -> Any:
         raise ConsumerImportError(
             f"creating {reference} failed: {type(exc).__name__}: {exc}"
         ) from exc
-
-
-def is_redis_consumer(consumer: object) -> TypeIs[RedisConsumer]:
-    """True for a RedisConsumer instance (without importing redis for everyone else)."""
-    return _is_redis_consumer(type(consumer))
-
-
-def _is_redis_consumer(cls: type) -> bool:
-    # A RedisConsumer subclass was defined by importing redis_store, so it is loaded.
-    module = sys.modules.get("mqdedup.dedup.redis_store")
-    return module is not None and issubclass(cls, module.RedisConsumer)
 
 
 def _import_reference(reference: str) -> Any:

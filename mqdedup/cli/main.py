@@ -55,7 +55,7 @@ from mqdedup.cli.config import (
     use_table_prefix,
 )
 from mqdedup.cli.demo import existing_demo_rows, format_summary, run_demo
-from mqdedup.cli.loading import create_consumer, is_redis_consumer
+from mqdedup.cli.loading import create_consumer
 from mqdedup.cli.publishers import create_publishers
 from mqdedup.cli.runners import _export_environment
 from mqdedup.cli.supervisor import ChildSpec, Supervisor
@@ -460,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
         "consumers",
         nargs="+",
         metavar="CONSUMER",
-        help="module.path:ConsumerClass (a Consumer or RedisConsumer subclass)",
+        help="module.path:ConsumerClass (a Consumer subclass)",
     )
     _database_option(worker)
     _broker_options(worker)
@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-url",
         metavar="URL",
         default=None,
-        help="Redis for RedisConsumer classes" + env_help("redis_url"),
+        help="Redis for consumers with dedup = RedisDedup(...)" + env_help("redis_url"),
     )
     worker.add_argument(
         "--processes", type=int, default=None, help="processes per consumer" + env_help("processes")
@@ -864,16 +864,17 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if settings["processes"] < 1:
         raise ConfigurationError("--processes must be at least 1")
     _export_environment(settings)
-    consumers = [create_consumer(reference, worker=True) for reference in args.consumers]
-    # RedisConsumer classes keep their dedup records in Redis: they need no database.
-    database_consumers = [c for c in consumers if not is_redis_consumer(c)]
+    consumers = [create_consumer(reference) for reference in args.consumers]
+    # Consumers whose claims live outside the database (RedisDedup) need none.
+    database_consumers = [c for c in consumers if c.dedup.needs_database]
     prefixes = {
         reference: _consumer_prefix(args, reference, consumer)
         for reference, consumer in zip(args.consumers, consumers, strict=True)
-        if not is_redis_consumer(consumer)
+        if consumer.dedup.needs_database
     }
     for consumer in consumers:
         consumer.validate()
+        consumer.dedup.check()  # e.g. Redis unreachable: one line, exit code 5
     if database_consumers:
         engine = create_engine(settings["database_url"])
         check_connection(engine)

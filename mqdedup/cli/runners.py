@@ -12,14 +12,14 @@ from mqdedup.stopping import StopToken
 def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
     """Import the consumer, connect, and consume until the stop token is set."""
     from mqdedup.cli.config import use_table_prefix
-    from mqdedup.cli.loading import create_consumer, is_redis_consumer
+    from mqdedup.cli.loading import create_consumer
     from mqdedup.db.engine import check_connection, create_engine
 
     _export_environment(spec.options)
-    consumer = create_consumer(spec.options["consumer"], worker=True)
+    consumer = create_consumer(spec.options["consumer"])
     consumer.validate()
-    if is_redis_consumer(consumer):  # dedup records in Redis: no database
-        consumer.run(None, stop=stop, metrics=metrics.source)
+    if not consumer.dedup.needs_database:  # claims in Redis: no database to connect to
+        consumer.run(None, stop=stop, metrics=metrics.source)  # type: ignore[arg-type]
         return
     # The supervisor resolved the consumer's table prefix (flag / env / TOML / class).
     use_table_prefix(consumer, spec.options["table_prefix"])

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from sqlalchemy.orm import Session
 
 from mqdedup.db.schema import DEFAULT_PREFIX
+from mqdedup.dedup.choices import SqlDedup
+from mqdedup.dedup.claims import Dedup
 from mqdedup.dedup.ids import MAX_ID_LENGTH, MessageIdStrategy, from_header
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.message import Message
@@ -125,18 +127,39 @@ def unguard_session(session: Session) -> None:
         namespace.pop(method, None)
 
 
+class NoTransactionError(ConfigurationError):
+    """A handler used ``ctx.session`` or ``ctx.outbox`` of a consumer whose claims live
+    outside the database (``dedup = RedisDedup(...)``): there is no transaction."""
+
+
 class Context:
     """What a handler gets besides the message: the transaction's session and outbox.
 
     ``session`` is the processor's transaction, guarded: ``commit()``, ``rollback()``,
     ``close()`` or ``begin()`` raise :class:`HandlerEndedTransactionError` (use
-    ``begin_nested()`` for a savepoint of your own).
+    ``begin_nested()`` for a savepoint of your own). A consumer whose claim store has
+    no transaction (``dedup = RedisDedup(...)``) has neither: using them raises
+    :class:`NoTransactionError` saying why.
     """
 
-    def __init__(self, session: Session, consumer: Consumer, message: Message) -> None:
-        self.session = session
+    def __init__(self, session: Session | None, consumer: Consumer, message: Message) -> None:
+        self._session = session
         self.consumer = consumer
         self.message = message
+
+    @property
+    def session(self) -> Session:
+        """The transaction's (guarded) session."""
+        if self._session is None:
+            raise NoTransactionError(self._no_transaction("ctx.session"))
+        return self._session
+
+    def _no_transaction(self, what: str) -> str:
+        return (
+            f"{what} is not available: {type(self.consumer).__name__} keeps its claims in "
+            f"{self.consumer.dedup.describe()}, so its handler runs in no database "
+            "transaction (use the default SQL dedup to write to a database)"
+        )
 
     @cached_property
     def log(self) -> logging.LoggerAdapter[logging.Logger]:
@@ -156,6 +179,8 @@ class Context:
         """Add outgoing messages to the outbox, in this transaction."""
         from mqdedup.outbox.writer import OutboxWriter
 
+        if self._session is None:
+            raise NoTransactionError(self._no_transaction("ctx.outbox"))
         return OutboxWriter(
             self.session,
             consumer_name=self.consumer.consumer_name,
@@ -168,7 +193,9 @@ class Context:
 class BatchContext(Context):
     """Context of :meth:`Consumer.handle_batch`; ``message`` is the batch's first one."""
 
-    def __init__(self, session: Session, consumer: Consumer, messages: Sequence[Message]) -> None:
+    def __init__(
+        self, session: Session | None, consumer: Consumer, messages: Sequence[Message]
+    ) -> None:
         super().__init__(session, consumer, messages[0])
         self.messages = messages
 
@@ -206,6 +233,11 @@ class Consumer:
     table_prefix: ClassVar[str] = DEFAULT_PREFIX
     #: Skip the claim entirely (a baseline for benchmarks; never for real consumers).
     deduplicate: ClassVar[bool] = True
+    #: Where claims live: ``SqlDedup()`` (default: the dedup table, in the handler's
+    #: transaction) or ``RedisDedup(lease=..., retention=...)`` for handlers without a
+    #: database write (no ``ctx.session`` / ``ctx.outbox`` then). See
+    #: :mod:`mqdedup.dedup.choices`.
+    dedup: ClassVar[Dedup] = SqlDedup()
 
     @property
     def consumer_name(self) -> str:
@@ -243,7 +275,8 @@ class Consumer:
         """Called for each duplicate with the first delivery's stored result (or None)."""
 
     def after_commit(self, messages: Sequence[Message]) -> None:
-        """Called after the transaction committed and before the broker is settled."""
+        """Called after the transaction committed (``RedisDedup``: after the completions
+        were written) and before the broker is settled."""
 
     def create_transport(self) -> Transport:
         """The transport this consumer reads from; broker subclasses implement it."""

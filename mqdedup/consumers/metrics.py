@@ -24,6 +24,9 @@ class Metrics:
     retries: int = 0
     failures: int = 0
     database_retries: int = 0
+    #: What the worker is waiting for while it cannot make progress (the database or
+    #: Redis unreachable); None: nothing. ``/healthz`` is not ready meanwhile.
+    outage: str | None = None
     batches: int = 0
     batch_seconds: float = 0.0
     lag: dict[str, int] = field(default_factory=dict)

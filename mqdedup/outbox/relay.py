@@ -46,13 +46,13 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
-from tenacity import Retrying, retry_if_exception, stop_never, wait_exponential, wait_random
 
 from mqdedup.db.dialects import is_transient, prepare_relay_connection, traits
 from mqdedup.db.schema import DEFAULT_PREFIX
 from mqdedup.dedup.store import utcnow
 from mqdedup.errors import ConfigurationError
 from mqdedup.histograms import Histograms
+from mqdedup.outages import Outages
 from mqdedup.outbox.coordination import ShardCoordinator
 from mqdedup.outbox.mysql_coordination import MySQLCoordinator
 from mqdedup.outbox.postgresql_coordination import PostgreSQLCoordinator
@@ -148,6 +148,8 @@ class RelayMetrics:
     unavailable: int = 0
     broker_outages: int = 0
     database_retries: int = 0
+    #: What the relay is waiting for while it cannot make progress (None: nothing).
+    outage: str | None = None
     purged: int = 0
     seconds_publishing: float = 0.0
     #: ``publish_delay_seconds``: an outbox row's commit to its confirmed publish.
@@ -632,13 +634,10 @@ class Relay:
 
     def _pause(self, seconds: float) -> bool:
         """Sleep, serving publisher heartbeats; False if a stop was requested."""
-        deadline = time.monotonic() + seconds
-        while (remaining := deadline - time.monotonic()) > 0:
-            if self.stop.requested:
-                return False
-            self._keepalive()
-            self.stop.wait(min(remaining, 0.5))
-        return not self.stop.requested
+        outages = Outages(
+            stop=self.stop, is_transient=is_transient, keepalive=self._keepalive, slice_seconds=0.5
+        )
+        return outages.pause(seconds)
 
     def _keepalive(self) -> None:
         for name, publisher in self.publishers.items():
@@ -673,42 +672,30 @@ class Relay:
     # -- infrastructure ------------------------------------------------------------------------
 
     def _with_database_retry(self, work: Callable[[], T], *, background: bool = False) -> T:
-        """Run ``work``; on a transient database error wait with backoff and run it again.
+        """Run ``work`` through database outages (:class:`~mqdedup.outages.Outages`).
 
         ``background``: called from a helper thread, which must not touch the publishers
         (their connections belong to the relay's thread).
         """
-        retrying = Retrying(
-            retry=retry_if_exception(is_transient),
-            wait=wait_exponential(multiplier=0.1, max=self.config.database_backoff_max)
-            + wait_random(0, 0.1),
-            stop=stop_never,
-            sleep=self._background_sleep if background else self._database_sleep,
-            before_sleep=self._log_database_retry,
-            reraise=True,
+        outages = Outages(
+            stop=self.stop,
+            is_transient=is_transient,
+            backoff_max=self.config.database_backoff_max,
+            keepalive=self._keepalive,
+            on_retry=self._count_database_retry,
+            on_change=self._set_outage,
+            stopped=_RelayStoppedError,
+            context={"relay": self.relay_id},
+            slice_seconds=0.5,
         )
-        return retrying(work)
+        return outages.run(work, background=background)
 
-    def _database_sleep(self, seconds: float) -> None:
-        if not self._pause(seconds):
-            raise _RelayStoppedError("stop requested while the database was unavailable")
-
-    def _background_sleep(self, seconds: float) -> None:
-        if self.stop.wait(seconds):
-            raise _RelayStoppedError("stop requested while the database was unavailable")
-
-    def _log_database_retry(self, state: Any) -> None:
+    def _count_database_retry(self) -> None:
         with self._metrics_lock:
             self.metrics.database_retries += 1
-        error = state.outcome.exception() if state.outcome else None
-        log.warning(
-            "database unavailable; relay retrying",
-            extra={
-                "relay": self.relay_id,
-                "attempt": state.attempt_number,
-                "error": type(error).__name__ if error else None,
-            },
-        )
+
+    def _set_outage(self, cause: str | None) -> None:
+        self.metrics.outage = cause
 
     @contextmanager
     def _signals(self, enabled: bool) -> Iterator[None]:

@@ -1,4 +1,5 @@
-"""``mqdedup worker`` running a RedisConsumer (no database) against real RabbitMQ + Redis."""
+"""``mqdedup worker`` running consumers with ``dedup = RedisDedup(...)`` (no database)
+against real RabbitMQ / Kafka + Redis."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import redis
 
 from mqdedup.cli import exitcodes
-from tests.acceptance.redis_consumers import SmsRequests
+from tests.acceptance.redis_consumers import SendSms
 from tests.acceptance.test_cli_operations import MQDEDUP, cli, healthz, metrics_text
 from tests.conftest import require_service
 from tests.integration.kafka.helpers import KafkaHelper, Outgoing
@@ -41,7 +42,7 @@ def setup() -> Iterator[dict[str, Any]]:
     tag = uuid.uuid4().hex[:8]
     queue = f"accept-sms-{tag}"
     namespace = f"accept:{tag}:"
-    admin.declare(type("Requests", (SmsRequests,), {"queue": queue})())
+    admin.declare(type("Requests", (SendSms,), {"queue": queue})())
     env = {
         key: value
         for key, value in os.environ.items()
@@ -136,15 +137,15 @@ def test_redis_worker_bad_input_is_one_line_with_a_documented_code(setup: dict[s
     down = f"redis://127.0.0.1:{free_port()}/0"
     unreachable = cli("worker", CONSUMER, "--redis-url", down, env=env)
     assert unreachable.returncode == exitcodes.DATABASE_UNAVAILABLE, unreachable.stderr
-    no_source = cli("worker", "tests.acceptance.redis_consumers:NoSource", env=env)
-    assert no_source.returncode == exitcodes.CONFIGURATION, no_source.stderr
-    for result, words in ((unreachable, "Redis"), (no_source, "no transport")):
+    bad_url = cli("worker", "tests.acceptance.redis_consumers:BadRedisUrl", env=env)
+    assert bad_url.returncode == exitcodes.CONFIGURATION, bad_url.stderr
+    for result, words in ((unreachable, "Redis"), (bad_url, "must start with redis://")):
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], result.stderr
         assert "Traceback" not in result.stderr
 
 
-def test_worker_runs_a_redis_consumer_whose_source_is_a_kafka_topic(
+def test_worker_runs_a_redis_claimed_kafka_consumer(
     setup: dict[str, Any],
 ) -> None:
     """500 requests + 150 duplicates on Kafka: each effect once, offsets committed."""

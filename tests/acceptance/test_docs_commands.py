@@ -61,7 +61,7 @@ ALLOWED_SKIPS: dict[tuple[str, str], str] = {
     ("docs/guide.md", "mqdedup replay shop.consumers:PaymentStream"): "a RabbitMQ stream",
     ("examples/README.md", "docker compose up"): "no Docker here",
     ("docs/tools.md", "mqdedup worker myapp.sms:SendSms"): (
-        "an illustration; tests/acceptance/test_cli_redis_worker.py runs a RedisConsumer so"
+        "an illustration; tests/acceptance/test_cli_redis_worker.py runs a RedisDedup consumer so"
     ),
     ("scripts/README-services.md", "docker compose up"): "no Docker here",
 }

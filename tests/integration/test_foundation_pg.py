@@ -190,12 +190,15 @@ def test_database_down_mid_run_pauses_and_resumes_without_loss(
             lambda: worker.metrics.database_retries >= 3, 60, "the worker to notice the outage"
         )
         assert not broker.dead_letters  # an outage is never the message's fault
+        outage = worker.metrics.outage  # /healthz: not ready, naming the cause
+        assert outage is not None and outage.startswith("database unavailable")
         service.start()
         wait_for(
             lambda: broker.pending("orders") == 0 and transport.in_flight == 0,
             120,
             "the worker to finish after the database came back",
         )
+        assert worker.metrics.outage is None  # ready again
     finally:
         stop.request()
         thread.join(timeout=30)

@@ -12,6 +12,7 @@ import pytest
 from mqdedup.cli.commands.reachability import check_kafka_reachable, wait_for_consumer_broker
 from mqdedup.cli.config import check_keys, resolve_with_source
 from mqdedup.cli.main import parse_duration
+from mqdedup.dedup import RedisDedup
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 
 
@@ -84,14 +85,14 @@ def test_a_reachable_broker_is_not_waited_for(listening: int) -> None:
     assert said == []
 
 
-def test_a_redis_consumer_is_waited_for_through_its_source(listening: int) -> None:
-    class Redisish:
-        def source_consumer(self) -> Any:
-            return _Rabbit(listening)
+def test_a_redis_claimed_consumer_is_waited_for_through_its_own_broker(listening: int) -> None:
+    """The claim store is an attribute: the broker is still the consumer's own."""
 
-    class NoSource:
-        def source_consumer(self) -> Any:
-            return None
+    class RedisClaimed(_Rabbit):
+        dedup = RedisDedup(lease=5)
 
-    wait_for_consumer_broker(Redisish())
-    wait_for_consumer_broker(NoSource())  # nothing to wait for
+    said: list[Any] = []
+    wait_for_consumer_broker(RedisClaimed(listening), said.append)
+    assert said == []
+    with pytest.raises(BrokerUnavailableError, match="cannot reach RabbitMQ"):
+        wait_for_consumer_broker(RedisClaimed(_closed_port()), poll=0.05)

@@ -54,14 +54,8 @@ def consumer_broker(consumer: Any) -> tuple[str, str, float] | None:
     """``(broker, address, start-up timeout)`` of a Kafka or RabbitMQ consumer, else None.
 
     The timeout is the consumer's own: ``startup_timeout`` (RabbitMQ) or
-    ``connect_timeout`` (Kafka), 30 s by default for both. A RedisConsumer answers for
-    its ``source``.
+    ``connect_timeout`` (Kafka), 30 s by default for both.
     """
-    source_consumer = getattr(consumer, "source_consumer", None)
-    if callable(source_consumer):  # a RedisConsumer reads from its source's broker
-        consumer = source_consumer()
-        if consumer is None:
-            return None
     kafka_settings = getattr(consumer, "kafka_settings", None)
     if kafka_settings is not None:
         servers = ",".join(kafka_settings().bootstrap_servers)

@@ -15,32 +15,33 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mqdedup import InMemoryBroker, Message
-from mqdedup.dedup.redis_store import RedisConsumer, RedisContext, RedisWorker
+import redis
+
+from mqdedup import Consumer, Context, InMemoryBroker, Message, RedisDedup, Worker
 
 
 def main() -> None:
     url, namespace, lease, gate = sys.argv[1], sys.argv[2], float(sys.argv[3]), Path(sys.argv[4])
 
-    class Sms(RedisConsumer):
+    effects = redis.Redis.from_url(url)
+
+    class Sms(Consumer):
         name = "sms"
         poll_timeout = 0.05
+        dedup = RedisDedup(url=url, namespace=namespace, lease=lease)
 
-        def handle(self, message: Message, ctx: RedisContext) -> Any:
+        def handle(self, message: Message, ctx: Context) -> Any:
             if message.id == "sms-1":
                 (gate / "entered").touch()
                 time.sleep(120)  # the test kills this process long before
                 raise TimeoutError("the test never killed the holder")
-            store.redis.rpush(f"{namespace}effects", str(message.id))
+            effects.rpush(f"{namespace}effects", str(message.id))
             return {"sent": message.id}
 
-    Sms.namespace = namespace
-    Sms.lease = lease
-    store = Sms().create_store(url)
     broker = InMemoryBroker()
     for number in range(3):
         broker.publish("sms", f"hello {number}", message_id=f"sms-{number}")
-    RedisWorker(Sms(), broker.transport("sms"), store).run(until_idle=True)
+    Worker(Sms(), broker.transport("sms"), None).run(until_idle=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Careful mode's attempt statements on PostgreSQL and MariaDB (each dialect's own SQL)."""
+"""Careful mode on PostgreSQL and MariaDB (the attempt statements themselves are in the
+claim-store contract suite, tests/contract/test_claim_store.py)."""
 
 from __future__ import annotations
 
@@ -8,40 +9,14 @@ from typing import Any, ClassVar
 
 import pytest
 from sqlalchemy import insert
-from sqlalchemy.orm import Session
 
 from mqdedup import Consumer, Context, InMemoryBroker, Message, RetryPolicy
 from mqdedup.consumers.memory import run_until_idle_restarting
 from mqdedup.consumers.processor import WORKER_DIED
-from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import SimulatedCrash
 from tests.integration.tools.conftest import Database
 
 pytestmark = pytest.mark.integration
-
-
-def test_attempts_are_counted_before_running_and_stop_at_the_limit(database: Database) -> None:
-    store = DedupStore(database.prefix)
-
-    def start() -> tuple[int, str | None, bool]:
-        with Session(database.engine) as session, session.begin():
-            return store.start_attempt(session, "c", "m1", WORKER_DIED, 3)
-
-    assert start() == (1, WORKER_DIED, True)
-    with Session(database.engine) as session, session.begin():
-        store.finish_attempt(session, "c", "m1", "ValueError: bad amount")
-    assert start() == (2, WORKER_DIED, True)
-    with Session(database.engine) as session, session.begin():
-        store.undo_attempt(session, "c", "m1")  # its handler never ran
-    assert start() == (2, WORKER_DIED, True)
-    assert start() == (3, WORKER_DIED, True)
-    # The limit is reached: nothing is written, the stored state comes back.
-    assert start() == (3, WORKER_DIED, False)
-    with Session(database.engine) as session, session.begin():
-        store.finish_attempt(session, "c", "m1", "ValueError: bad amount")
-    assert start() == (3, "ValueError: bad amount", False)
-    with Session(database.engine) as session, session.begin():
-        assert store.processed(session, "c", ["m1"]) == {}
 
 
 def test_a_message_that_kills_its_worker_is_dead_lettered_alone(database: Database) -> None:

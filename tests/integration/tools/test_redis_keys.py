@@ -7,14 +7,8 @@ from typing import Any
 import pytest
 import redis
 
-from mqdedup import InMemoryBroker, Message
-from mqdedup.dedup.redis_store import (
-    ClaimState,
-    RedisConsumer,
-    RedisContext,
-    RedisDedupStore,
-    RedisWorker,
-)
+from mqdedup import Consumer, Context, InMemoryBroker, Message, RedisDedup, Worker
+from mqdedup.dedup.redis_claims import RedisClaimStore
 from mqdedup.errors import ConfigurationError
 
 pytestmark = pytest.mark.integration
@@ -24,13 +18,13 @@ pytestmark = pytest.mark.integration
 PAIRS = [("a}:m:b", "c"), ("a", "b}:m:c")]
 
 
-def consumer_named(name: str, namespace: str, effects: redis.Redis) -> RedisConsumer:
-    class Recorder(RedisConsumer):
+def consumer_named(name: str, namespace: str, effects: redis.Redis) -> Consumer:
+    class Recorder(Consumer):
         batch_size = 10
         poll_timeout = 0.05
         duplicates_seen: list[Any]
 
-        def handle(self, message: Message, ctx: RedisContext) -> Any:
+        def handle(self, message: Message, ctx: Context) -> Any:
             effects.rpush(f"{namespace}effects", f"{ctx.consumer_name}|{message.id}")
             return {"consumer": ctx.consumer_name}
 
@@ -38,7 +32,7 @@ def consumer_named(name: str, namespace: str, effects: redis.Redis) -> RedisCons
             self.duplicates_seen.append(stored_result)
 
     Recorder.name = name
-    Recorder.namespace = namespace
+    Recorder.dedup = RedisDedup(namespace=namespace)
     consumer = Recorder()
     consumer.duplicates_seen = []
     return consumer
@@ -47,13 +41,13 @@ def consumer_named(name: str, namespace: str, effects: redis.Redis) -> RedisCons
 def test_two_consumers_whose_name_and_id_concatenate_alike_both_process(
     redis_conn: redis.Redis, namespace: str
 ) -> None:
-    store = RedisDedupStore(redis_conn, namespace=namespace)
+    store = RedisClaimStore(redis_conn, namespace=namespace)
     results = []
     for name, message_id in PAIRS:
         broker = InMemoryBroker()
         broker.publish("q", "hello", message_id=message_id)
         consumer = consumer_named(name, namespace, redis_conn)
-        metrics = RedisWorker(consumer, broker.transport("q"), store).run(until_idle=True)
+        metrics = Worker(consumer, broker.transport("q"), None).run(until_idle=True)
         results.append((metrics.processed, metrics.duplicates, consumer.duplicates_seen))
         assert store.result(name, message_id) == {"consumer": name}
 
@@ -65,7 +59,7 @@ def test_two_consumers_whose_name_and_id_concatenate_alike_both_process(
 
 
 def test_the_hash_tag_is_the_whole_consumer_name(redis_conn: redis.Redis, namespace: str) -> None:
-    store = RedisDedupStore(redis_conn, namespace=namespace)
+    store = RedisClaimStore(redis_conn, namespace=namespace)
     for name in ("a}:m:b", "q{1}", "100%", "orders"):
         key = store.key(name, "x}y")
         tag = key[key.index("{") + 1 : key.index("}")]
@@ -73,8 +67,8 @@ def test_the_hash_tag_is_the_whole_consumer_name(redis_conn: redis.Redis, namesp
         assert tag == store.attempts_key(name, "other")[len(namespace) + 1 :].split("}")[0]
         assert "}" not in tag and "{" not in tag
     assert store.key("orders", "m-1") == f"{namespace}{{orders}}:m:m-1"  # unchanged format
-    assert store.claim("a}:m:b", ["c"], "w1")["c"].state is ClaimState.NEW
-    assert store.claim("a", ["b}:m:c"], "w2")["b}:m:c"].state is ClaimState.NEW
+    assert store.claim("w1", "a}:m:b", ["c"]).new == {"c"}
+    assert store.claim("w2", "a", ["b}:m:c"]).new == {"b}:m:c"}
 
 
 @pytest.mark.parametrize("bad", [{"lease": float("inf")}, {"retention": float("nan")}])
@@ -82,9 +76,9 @@ def test_unbounded_lease_or_retention_is_refused(
     redis_conn: redis.Redis, bad: dict[str, float]
 ) -> None:
     with pytest.raises(ConfigurationError, match="at most"):
-        RedisDedupStore(redis_conn, **bad)
+        RedisDedup(**bad)
 
 
 def test_a_namespace_with_braces_is_refused(redis_conn: redis.Redis) -> None:
     with pytest.raises(ConfigurationError, match="must not contain"):
-        RedisDedupStore(redis_conn, namespace="app:{x}:")
+        RedisDedup(namespace="app:{x}:")

@@ -1,0 +1,108 @@
+"""Calling the consumer's handlers and checking what they return."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from mqdedup import tracing
+from mqdedup.consumers.base import BatchContext, Consumer, Context, InvalidResultError
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.transport import Delivery
+
+#: Built once: ``json.dumps(..., allow_nan=False)`` would build an encoder per call.
+_STRICT_JSON = json.JSONEncoder(allow_nan=False)
+
+
+class Handlers:
+    """Runs ``handle`` / ``handle_batch`` of one consumer: span, timing, result checks.
+
+    ``session`` is the transaction's session, or None for a consumer whose claim store
+    has no transaction (its ``ctx.session`` then says why it is missing).
+    """
+
+    def __init__(self, consumer: Consumer, metrics: Metrics) -> None:
+        self.consumer = consumer
+        self.metrics = metrics
+        self.name = consumer.consumer_name
+
+    def call(self, session: Session | None, delivery: Delivery) -> Any:
+        """One message's handler; its (checked) result."""
+        if not self.consumer.has_single_handler:
+            return self.call_batch(session, [delivery]).get(str(delivery.message.id))
+        context = Context(session, self.consumer, delivery.message)
+        started = time.monotonic()
+        with tracing.consume_span(self.name, delivery.message):
+            result = self.consumer.handle(delivery.message, context)
+        self.metrics.histograms.observe("handler_seconds", time.monotonic() - started)
+        ensure_json(result)
+        return result
+
+    def call_batch(self, session: Session | None, new: list[Delivery]) -> dict[str, Any]:
+        """The batch handler over ``new``; its checked results by message id."""
+        messages = [d.message for d in new]
+        started = time.monotonic()
+        with tracing.batch_span(self.name, messages):
+            results = self.consumer.handle_batch(
+                messages, BatchContext(session, self.consumer, messages)
+            )
+        self.metrics.histograms.observe("handler_seconds", time.monotonic() - started)
+        if not results:
+            return {}
+        # Only results of this batch's messages: another key would overwrite the stored
+        # result of an earlier message (or reach the database as an invalid id).
+        ids = {d.message.id for d in new}
+        clean = {key: value for key, value in results.items() if value is not None and key in ids}
+        for value in clean.values():
+            ensure_json(value)
+        return clean
+
+
+def ensure_json(result: Any) -> None:
+    """A handler's result must be strict JSON every database stores the same way.
+
+    Refused, as :class:`InvalidResultError` (the message is dead-lettered at once):
+    types JSON does not have, NaN and infinities (PostgreSQL's JSONB rejects them),
+    strings with a NUL character or a lone surrogate (JSONB and UTF-8 reject them),
+    nesting too deep to serialise.
+    """
+    if result is None:
+        return
+    try:
+        # ASCII output (the C encoder's fastest path): NUL shows as \u0000 and a
+        # surrogate as \udXXX, so two substring searches clear the common result.
+        text = _STRICT_JSON.encode(result)
+    except TypeError as error:
+        raise InvalidResultError(f"handler result is not JSON-serialisable: {error}") from None
+    except ValueError as error:  # NaN, Infinity, a circular reference
+        raise InvalidResultError(f"handler result is not strict JSON: {error}") from None
+    except RecursionError:
+        raise InvalidResultError("handler result is nested too deeply to store") from None
+    if "\\u0000" in text:
+        try:
+            has_nul = _has_nul(result)
+        except RecursionError:
+            has_nul = True  # too deep to look through: refuse rather than guess
+        if has_nul:
+            raise InvalidResultError("handler result contains a NUL character (\\u0000)")
+    if "\\ud" in text or "\\uD" in text:  # surrogates: a valid pair or a lone one
+        try:
+            json.dumps(result, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidResultError(
+                "handler result is not valid Unicode: a string with a lone surrogate"
+            ) from None
+
+
+def _has_nul(value: Any) -> bool:
+    """True when a string anywhere in ``value`` (keys included) contains a NUL character."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(key) or _has_nul(item) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_nul(item) for item in value)
+    return False

@@ -1,0 +1,87 @@
+"""Which deliveries of a batch are the same message: message ids and in-batch repeats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.report import BatchReport
+from mqdedup.consumers.transport import DeadLetter, Delivery
+from mqdedup.dedup.ids import InvalidMessageIdError, check_message_id
+from mqdedup.errors import MessageError
+
+
+def identify(
+    consumer: Consumer,
+    deliveries: Sequence[Delivery],
+    report: BatchReport,
+    dead_letter: Callable[[Exception, int], DeadLetter],
+) -> tuple[list[Delivery], list[tuple[Delivery, str]]]:
+    """Attach message ids; split off messages without one and in-batch repeats.
+
+    A message without a valid id is dead-lettered (``dead_letter`` builds the record);
+    a repeat of an id seen earlier in the batch is returned with that id.
+    """
+    unique: list[Delivery] = []
+    repeats: list[tuple[Delivery, str]] = []
+    seen: set[str] = set()
+    for delivery in deliveries:
+        try:
+            message_id = message_id_of(consumer, delivery)
+        except MessageError as error:
+            report.dead_lettered.append((delivery, dead_letter(error, 1)))
+            continue
+        if message_id in seen:
+            repeats.append((delivery, message_id))
+            continue
+        seen.add(message_id)
+        unique.append(Delivery(delivery.message.with_id(message_id), delivery.token))
+    return unique, repeats
+
+
+def message_id_of(consumer: Consumer, delivery: Delivery) -> str:
+    """The delivery's message id, valid for every claim store, or a MessageError.
+
+    Whatever the strategy raises belongs to this message (a user function failing
+    on its body, say): it is dead-lettered with that reason, never a worker crash.
+    """
+    try:
+        message_id = consumer.message_id(delivery.message)
+    except MessageError:
+        raise
+    except Exception as error:
+        raise InvalidMessageIdError(
+            f"the message id strategy failed: {type(error).__name__}: {error}"
+        ) from error
+    return check_message_id(message_id, "the consumer's message id")
+
+
+def resolve_repeats(
+    consumer: Consumer,
+    repeats: list[tuple[Delivery, str]],
+    report: BatchReport,
+    metrics: Metrics,
+) -> None:
+    """A repeat inside the batch shares the fate of its first copy."""
+    if not repeats:
+        return
+    fate: dict[str, Any] = {}
+    for delivery in report.processed + report.duplicates:
+        fate[str(delivery.message.id)] = "done"
+    for delivery, record in report.dead_lettered:
+        if delivery.message.id is not None:
+            fate[delivery.message.id] = record
+    for delivery, message_id in repeats:
+        outcome = fate.get(message_id)
+        repeat = Delivery(delivery.message.with_id(message_id), delivery.token)
+        if outcome == "done":
+            report.duplicates.append(repeat)
+            metrics.duplicates += 1
+            if consumer.wants_duplicate_results:
+                consumer.on_duplicate(repeat.message, report.results.get(message_id))
+        elif isinstance(outcome, DeadLetter):
+            report.dead_lettered.append((repeat, outcome))
+        else:
+            report.unsettled.append(repeat)

@@ -1,0 +1,53 @@
+"""What a batch came to: the report the Processor returns, and one pass's outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mqdedup.consumers.transport import DeadLetter, Delivery
+
+
+class BatchAbandonedError(Exception):
+    """A stop was requested while the claim store was unreachable; only what had
+    committed was settled."""
+
+
+@dataclass
+class BatchReport:
+    """Where each delivery of a batch ended."""
+
+    processed: list[Delivery] = field(default_factory=list)
+    duplicates: list[Delivery] = field(default_factory=list)
+    dead_lettered: list[tuple[Delivery, DeadLetter]] = field(default_factory=list)
+    unsettled: list[Delivery] = field(default_factory=list)
+    #: Handler results by message id: stored by this batch, or (when ``on_duplicate``
+    #: is overridden) read back for its duplicates. Repeats inside the batch get them.
+    results: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def settled(self) -> list[Delivery]:
+        """Deliveries handed to ``Transport.settle``."""
+        return self.processed + self.duplicates + [d for d, _ in self.dead_lettered]
+
+
+@dataclass
+class Outcome:
+    """What one unit of work did (a committed transaction, a round of Redis claims)."""
+
+    processed: list[Delivery] = field(default_factory=list)
+    duplicates: list[Delivery] = field(default_factory=list)
+    failures: list[tuple[Delivery, Exception]] = field(default_factory=list)
+    #: Deliveries left for the next owner (a stop while waiting for a busy claim).
+    unsettled: list[Delivery] = field(default_factory=list)
+    stored_results: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, other: Outcome) -> None:
+        """Add what another (committed) unit of work did."""
+        self.processed.extend(other.processed)
+        self.duplicates.extend(other.duplicates)
+        self.failures.extend(other.failures)
+        self.unsettled.extend(other.unsettled)
+        self.stored_results.update(other.stored_results)
+        self.results.update(other.results)

@@ -1,0 +1,293 @@
+"""SQL claim stores: claim, handlers and results in one database transaction.
+
+The unit of work of a transactional claim store (``SqlDedup``, the default): each
+transaction claims the ids, runs the handlers for the new ones with ``ctx.session``
+and ``ctx.outbox``, stores their results and commits. A failing handler's writes and
+claim are undone (a savepoint, or a rerun of the transaction without it) and its
+batch-mates still commit (``failure_isolation``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from mqdedup.consumers.base import guard_session, unguard_session
+from mqdedup.consumers.pipeline import Pipeline
+from mqdedup.consumers.report import BatchReport, Outcome
+from mqdedup.consumers.sessions import SessionLease, self_deadlock, waits_for_own_lock
+from mqdedup.consumers.transport import Delivery
+from mqdedup.db import sqlite_lock
+from mqdedup.db.dialects import is_data_error, is_transient
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _RerunWithoutError(Exception):
+    def __init__(self, delivery: Delivery | None, error: Exception) -> None:
+        super().__init__(str(error))
+        self.delivery = delivery  # None: the batch handler failed, rerun per message
+        self.error = error
+
+
+class TransactionalRuns:
+    """Runs deliveries in database transactions for the Processor."""
+
+    def __init__(self, processor: Pipeline, sessions: sessionmaker[Session]) -> None:
+        self.p = processor
+        self.sessions = sessions
+        self.consumer = processor.consumer
+        self.name = processor.name
+        self.per_message = self.consumer.failure_isolation == "transaction"
+        bind = sessions.kw.get("bind")
+        self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
+        if self._sqlite:
+            sqlite_lock.install()  # a handler's own connection to the file fails fast
+
+    # -- what the Processor calls --------------------------------------------------------
+
+    def first(
+        self, deliveries: Sequence[Delivery], report: BatchReport
+    ) -> list[tuple[Delivery, Exception]]:
+        """Run a batch once (one transaction, or one per message); return the failures."""
+        if self.per_message:
+            return self._run_each(deliveries, report)
+        outcome = self.p.outages.run(lambda: self._run_pass(deliveries))
+        self.p.committed(outcome, report)
+        return outcome.failures
+
+    def again(self, delivery: Delivery) -> Outcome:
+        """Run one failed message again in a transaction of its own."""
+        rerun = self.own_transaction if self.per_message else self._run_one
+        return self.p.outages.run(functools.partial(rerun, delivery))
+
+    def lease(self) -> SessionLease:
+        """One session for a run of single-message transactions (careful mode)."""
+        return SessionLease(self.sessions)
+
+    def alone(self, delivery: Delivery, lease: SessionLease) -> Outcome:
+        """One message in its own transaction on ``lease``'s session."""
+        return self.own_transaction(delivery, lease)
+
+    # -- transactions ----------------------------------------------------------------------
+
+    def _run_each(
+        self, deliveries: Sequence[Delivery], report: BatchReport
+    ) -> list[tuple[Delivery, Exception]]:
+        """Transaction mode: one transaction per message, each committed on its own.
+
+        On a stop request the rest of the batch is left unsettled for the next owner.
+        """
+        failures: list[tuple[Delivery, Exception]] = []
+        lease = SessionLease(self.sessions)
+        try:
+            for index, delivery in enumerate(deliveries):
+                if self.p.stop.requested:
+                    report.unsettled.extend(deliveries[index:])
+                    break
+                outcome = self.p.outages.run(
+                    functools.partial(self.own_transaction, delivery, lease)
+                )
+                self.p.committed(outcome, report)
+                failures.extend(outcome.failures)
+        finally:
+            lease.close()
+        return failures
+
+    def own_transaction(self, delivery: Delivery, lease: SessionLease | None = None) -> Outcome:
+        """One message in its own transaction; a handler failure rolls back only it."""
+        if lease is None:
+            with self.sessions() as session:
+                return self._own_transaction_in(session, delivery)
+        try:
+            return self._own_transaction_in(lease.unit(), delivery)
+        except BaseException:
+            lease.close()  # e.g. a dead connection: the retry starts on a fresh one
+            raise
+
+    def _own_transaction_in(self, session: Session, delivery: Delivery) -> Outcome:
+        try:
+            return self._transaction_in(session, [delivery], False, False)
+        except _RerunWithoutError as failed:  # rolled back: its claim is gone too
+            self.p.log_failure(delivery, failed.error)
+            return Outcome(failures=[(delivery, failed.error)])
+        except Exception as error:
+            if is_transient(error) or not is_data_error(error):
+                raise
+            # Its own data, outside the handler (e.g. a deferred constraint at commit).
+            self.p.log_failure(delivery, error)
+            return Outcome(failures=[(delivery, error)])
+        finally:
+            session.expunge_all()  # the next message starts with an empty session
+
+    def _run_one(self, delivery: Delivery) -> Outcome:
+        return self._run_pass([delivery])
+
+    def _run_pass(self, deliveries: Sequence[Delivery]) -> Outcome:
+        """One transaction over ``deliveries``: claim, handle the new ones, commit.
+
+        Without savepoints a handler failure rolls the transaction back; it is then run
+        again without the failing message (``auto`` reruns with savepoints, so one more
+        failure does not cost another rerun).
+        """
+        pending = list(deliveries)
+        excluded: list[tuple[Delivery, Exception]] = []
+        use_batch_handler = self.consumer.has_batch_handler
+        savepoints = self.consumer.failure_isolation == "savepoint"
+        while pending:
+            try:
+                with self.sessions() as session:
+                    outcome = self._transaction_in(session, pending, use_batch_handler, savepoints)
+            except _RerunWithoutError as rerun:
+                if rerun.delivery is None:
+                    use_batch_handler = False
+                else:
+                    pending.remove(rerun.delivery)
+                    excluded.append((rerun.delivery, rerun.error))
+                    self.p.log_failure(rerun.delivery, rerun.error)
+                savepoints = self.consumer.failure_isolation == "auto" or savepoints
+                continue
+            except Exception as error:
+                if is_transient(error) or not is_data_error(error):
+                    raise
+                return self._find_data_error(pending, excluded, error)
+            outcome.failures.extend(excluded)
+            return outcome
+        return Outcome(failures=excluded)
+
+    def _find_data_error(
+        self,
+        pending: list[Delivery],
+        excluded: list[tuple[Delivery, Exception]],
+        error: Exception,
+    ) -> Outcome:
+        """A data error outside any handler's boundary: find the message it belongs to.
+
+        Ids and results are validated before the database sees them, so this is the
+        defensive path (e.g. a handler's write that breaks a deferred constraint at
+        commit). The transaction has rolled back; each message then runs in its own, so
+        the culprit fails alone (retry policy) and its batch-mates commit.
+        """
+        log.warning(
+            "a data error outside the handlers; running the batch one message at a time",
+            extra={"consumer": self.name, "error": f"{type(error).__name__}: {error}"},
+        )
+        if len(pending) == 1:
+            self.p.log_failure(pending[0], error)
+            return Outcome(failures=[*excluded, (pending[0], error)])
+        outcome = Outcome(failures=list(excluded))
+        for delivery in pending:
+            outcome.add(self._run_pass([delivery]))
+        return outcome
+
+    def _transaction_in(
+        self,
+        session: Session,
+        deliveries: Sequence[Delivery],
+        use_batch_handler: bool,
+        savepoints: bool,
+    ) -> Outcome:
+        """Claim, handle and store results in one transaction of ``session``; commit."""
+        outcome = Outcome()
+        store = self.p.store
+        metrics = self.p.metrics
+        deduplicate = self.consumer.deduplicate
+        started = time.monotonic()
+        with session.begin():
+            ids = [d.message.id for d in deliveries if d.message.id is not None]
+            if deduplicate:
+                new_ids = store.claim(session, self.name, ids).new
+                metrics.histograms.observe("claim_seconds", time.monotonic() - started)
+            else:
+                new_ids = set(ids)
+            new = [d for d in deliveries if d.message.id in new_ids]
+            outcome.duplicates = [d for d in deliveries if d.message.id not in new_ids]
+            if outcome.duplicates and self.consumer.wants_duplicate_results:
+                outcome.stored_results = store.results(
+                    session, self.name, [str(d.message.id) for d in outcome.duplicates]
+                )
+            guard_session(session)  # the handlers must not end this transaction
+            if self._sqlite:
+                sqlite_lock.enter(session)
+            try:
+                results = self._handle(session, new, outcome, use_batch_handler, savepoints)
+            finally:
+                unguard_session(session)
+                if self._sqlite:
+                    sqlite_lock.leave()
+            outcome.results = results
+            if outcome.failures and deduplicate:
+                store.forget(session, self.name, [str(d.message.id) for d, _ in outcome.failures])
+            if deduplicate and results:
+                store.save_results(session, self.name, results)
+        self.p.last_commit = time.monotonic()
+        metrics.histograms.observe("transaction_seconds", self.p.last_commit - started)
+        return outcome
+
+    def _handle(
+        self,
+        session: Session,
+        new: list[Delivery],
+        outcome: Outcome,
+        use_batch_handler: bool,
+        savepoints: bool,
+    ) -> dict[str, Any]:
+        """Run the handlers; fill ``outcome.processed`` / ``failures``; return results."""
+        handlers = self.p.handlers
+        results: dict[str, Any] = {}
+        if use_batch_handler and new:
+            batch_results = self._isolated(
+                session, savepoints, None, lambda: handlers.call_batch(session, new)
+            )
+            if not isinstance(batch_results, Exception):
+                outcome.processed.extend(new)
+                return batch_results
+        for delivery in new:
+            result = self._isolated(
+                session, savepoints, delivery, functools.partial(handlers.call, session, delivery)
+            )
+            if isinstance(result, Exception):
+                outcome.failures.append((delivery, result))
+                continue
+            outcome.processed.append(delivery)
+            if result is not None:
+                results[str(delivery.message.id)] = result
+        return results
+
+    def _isolated(
+        self,
+        session: Session,
+        savepoints: bool,
+        delivery: Delivery | None,
+        call: Callable[[], T],
+    ) -> T | Exception:
+        """Run ``call`` so that its failure undoes only its own work.
+
+        Returns the call's value, or the (non-transient) exception it raised. In rerun
+        mode a failure aborts the whole transaction to be rerun without ``delivery``.
+        """
+        savepoint = session.begin_nested() if savepoints else None
+        try:
+            value = call()
+            session.flush()
+        except Exception as raised:
+            error = raised
+            if is_transient(error):
+                if not waits_for_own_lock(session, error):
+                    raise
+                error = self_deadlock(error)
+            if savepoint is None:
+                raise _RerunWithoutError(delivery, error) from error
+            savepoint.rollback()
+            self.p.log_failure(delivery, error)
+            return error
+        if savepoint is not None:
+            savepoint.commit()
+        return value
