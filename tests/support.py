@@ -10,6 +10,8 @@ from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, i
 
 from mqdedup import Consumer, Context, Message
 from mqdedup.consumers.base import BatchContext
+from mqdedup.db import init_schema
+from mqdedup.db.schema import schema
 
 business = MetaData()
 # Deliberately no unique constraint on message_id: only mqdedup's dedup may prevent doubles.
@@ -85,3 +87,11 @@ class Gate:
         self.entered.set()
         if not self.release.wait(timeout):
             raise TimeoutError("gate was never released")
+
+
+def reset_database(engine: Engine) -> None:
+    """Drop and recreate the framework's and the tests' tables (unprefixed)."""
+    business.drop_all(engine)
+    schema().metadata.drop_all(engine)
+    init_schema(engine)
+    business.create_all(engine)

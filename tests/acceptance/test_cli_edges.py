@@ -32,10 +32,8 @@ from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
 from mqdedup.dedup.store import utcnow
 from mqdedup.outbox.writer import OutboxWriter
-from tests.conftest import require_service
 from tests.integration.kafka.consumers import orders_table
-from tests.integration.kafka.helpers import KafkaHelper, Outgoing
-from tests.services import REPO, free_port
+from tests.services import REPO, KafkaHelper, Outgoing, free_port, require_service
 
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 EDGES = "tests.acceptance.edge_consumers"

@@ -16,10 +16,9 @@ import pytest
 from mqdedup.cli import exitcodes
 from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
-from tests.conftest import require_service
 from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import row_counts
-from tests.services import REPO
+from tests.services import REPO, require_service
 
 pytestmark = pytest.mark.integration
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")

@@ -25,8 +25,7 @@ from sqlalchemy import Engine, MetaData, func, select, text
 from examples.payments.produce import expected
 from mqdedup.db import create_engine
 from mqdedup.db.schema import schema
-from tests.conftest import require_service
-from tests.services import REPO, free_port, wait_for
+from tests.services import REPO, free_port, require_service, wait_for
 
 pytestmark = [pytest.mark.integration]
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")

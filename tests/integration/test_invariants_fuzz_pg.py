@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from mqdedup.db import check_connection, create_engine
 from mqdedup.errors import DatabaseUnavailableError
 from tests import fuzz_scenarios as fuzz
-from tests.conftest import require_service
+from tests.services import require_service
 
 pytestmark = pytest.mark.integration
 EXAMPLES = 100

@@ -23,7 +23,7 @@ from examples.testing_sample.notify import (
 )
 from mqdedup.testing import EffectivelyOnceError, assert_effectively_once, downstream_effects
 from mqdedup.testing.brokers import BrokerHarness, KafkaHarness, RabbitMQHarness
-from tests.conftest import require_service
+from tests.services import require_service
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

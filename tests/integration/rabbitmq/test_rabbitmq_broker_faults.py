@@ -41,12 +41,12 @@ from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.private_node import PrivateNode, private_node
 from tests.integration.rabbitmq.support import (
     REPO,
-    BrokerAdmin,
     ThreadedWorker,
     make_consumer,
     order_counts,
     wait_for,
 )
+from tests.services import RabbitAdmin
 
 pytestmark = [pytest.mark.integration]
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff=0.05, max_backoff=0.1)
@@ -98,7 +98,7 @@ def test_consumer_timeout_closes_the_channel_mid_batch_worker_reattaches_effects
             time.sleep(5)  # longer than consumer_timeout: the broker closes the channel
 
     consumer = make_consumer(queue, db.prefix, node.url, batch_size=20, before_write=slow_once)()
-    admin = BrokerAdmin(node.url)
+    admin = RabbitAdmin(node.url)
     admin.declare(consumer)
     ids = [f"m-{n:04d}" for n in range(200)]
     admin.publish(queue, ids)
@@ -141,7 +141,7 @@ def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks
         before_write=_poison,
         connection_name=f"worker-{queue}",
     )()
-    admin = BrokerAdmin(node.url)
+    admin = RabbitAdmin(node.url)
     admin.declare(consumer)
     ids = [f"poison-{n}" if n % 50 == 7 else f"m-{n:04d}" for n in range(1_000)]
     admin.publish(queue, ids)
@@ -225,12 +225,12 @@ def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks
 
 
 def test_dead_letter_queue_that_refuses_raises_dead_letter_refused_promptly(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
     consumer = make_consumer(
         queue,
         db.prefix,
-        rabbit_url,
+        rabbitmq_url,
         batch_size=20,
         dead_letter_queue_arguments={"x-max-length": 5, "x-overflow": "reject-publish"},
     )()
@@ -259,7 +259,7 @@ def test_dead_letter_queue_that_refuses_raises_dead_letter_refused_promptly(
 
 
 def test_dlq_refusing_by_policy_handler_runs_at_most_max_attempts_good_messages_flow(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
     runs: dict[str, int] = {}
 
@@ -272,7 +272,7 @@ def test_dlq_refusing_by_policy_handler_runs_at_most_max_attempts_good_messages_
     consumer = make_consumer(
         queue,
         db.prefix,
-        rabbit_url,
+        rabbitmq_url,
         batch_size=100,
         retry_policy=RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02),
         before_write=poison,
@@ -297,9 +297,9 @@ def test_dlq_refusing_by_policy_handler_runs_at_most_max_attempts_good_messages_
 
 
 def test_topology_mismatch_after_a_reconnect_is_one_clear_error_and_exit_code_3(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str, rabbitmqctl: list[str]
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str, rabbitmqctl: list[str]
 ) -> None:
-    consumer = make_consumer(queue, db.prefix, rabbit_url, batch_size=50)()
+    consumer = make_consumer(queue, db.prefix, rabbitmq_url, batch_size=50)()
     broker.declare(consumer)
     broker.publish(queue, [f"a-{n}" for n in range(20)])
     env = {
@@ -317,7 +317,7 @@ def test_topology_mismatch_after_a_reconnect_is_one_clear_error_and_exit_code_3(
         "--table-prefix",
         db.prefix,
         "--rabbitmq-url",
-        rabbit_url,
+        rabbitmq_url,
     ]
     worker = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

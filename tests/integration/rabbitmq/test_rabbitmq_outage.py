@@ -14,7 +14,6 @@ import pytest
 from mqdedup import Message
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import (
-    BrokerAdmin,
     ThreadedWorker,
     make_consumer,
     order_counts,
@@ -22,7 +21,7 @@ from tests.integration.rabbitmq.support import (
     wait_for,
     with_duplicates,
 )
-from tests.services import PrivateService
+from tests.services import PrivateService, RabbitAdmin
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 OUTAGE_SECONDS = 20.0
@@ -72,7 +71,7 @@ def test_rabbitmq_stopped_for_20s_mid_run_the_worker_waits_reconnects_and_resume
     db: Database, private_rabbit: PrivateRabbit
 ) -> None:
     url = private_rabbit.url
-    admin = BrokerAdmin(url)
+    admin = RabbitAdmin(url)
     ids = with_duplicates(3_000, 0.2, seed=5)
     unique = sorted(set(ids))
     in_handler, release = threading.Event(), threading.Event()
@@ -114,7 +113,7 @@ def test_rabbitmq_stopped_for_20s_mid_run_the_worker_waits_reconnects_and_resume
         assert hold_id in order_counts(db.engine, db.orders)
 
         private_rabbit.service.start()
-        admin = BrokerAdmin(url)
+        admin = RabbitAdmin(url)
         wait_for(
             lambda: (
                 len(order_counts(db.engine, db.orders)) == len(unique)

@@ -18,8 +18,7 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.dedup.redis_client import RedisUnavailableError
 from mqdedup.dedup.redis_store import RedisConsumer, RedisContext, RedisDedupStore, RedisWorker
 from mqdedup.stopping import StopToken
-from tests.conftest import require_service
-from tests.services import REPO, PrivateService, free_port, wait_for
+from tests.services import REPO, PrivateService, free_port, require_service, wait_for
 
 pytestmark = pytest.mark.integration
 FAST_RETRY = RetryPolicy(
