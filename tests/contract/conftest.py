@@ -18,6 +18,7 @@ import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -27,10 +28,13 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, insert
 from mqdedup import Consumer, Context, Message
 from mqdedup.consumers.memory import InMemoryBroker
 from mqdedup.consumers.transport import Delivery, Transport
+from mqdedup.outbox.memory import MemoryPublisher
+from mqdedup.outbox.publishers import OutboxRecord, Publisher
 from tests.services import (
     KafkaHelper,
     RabbitAdmin,
     TestDatabase,
+    free_port,
     prefixed_database,
     table_prefix,
     unique_name,
@@ -420,3 +424,258 @@ def orders_db(
         url, service = request.getfixturevalue("pg_url"), "PostgreSQL"
     with prefixed_database(url, service, orders.metadata, prefix=prefix) as db:
         yield OrdersDatabase(db, orders)
+
+
+# -- the Publisher suite's kits ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Received:
+    """A record as a consumer of the destination reads it."""
+
+    message_id: str | None
+    key: bytes | None
+    headers: Mapping[str, str]
+    payload: bytes
+
+
+class PublisherKit(abc.ABC):
+    """One broker, as the Publisher suite sees it: a publisher, a fresh destination."""
+
+    name: ClassVar[str]
+    broker: ClassVar[str]
+    #: Where order is kept: per ``key`` (Kafka partitions) or the whole ``queue``.
+    ordering: ClassVar[Literal["key", "queue"]]
+    keeps_key: ClassVar[bool]
+
+    def __init__(self) -> None:
+        self._publishers: list[Publisher] = []
+        self._ids = iter(range(1, 1_000_000))
+
+    @abc.abstractmethod
+    def _publisher(self) -> Publisher:
+        """A publisher connected to the shared broker."""
+
+    @abc.abstractmethod
+    def _unreachable(self) -> Publisher:
+        """A publisher whose broker is down (nothing listens at its address)."""
+
+    @abc.abstractmethod
+    def record(self, message_id: str, payload: bytes, key: bytes | None) -> OutboxRecord:
+        """An outbox record for the kit's destination."""
+
+    @abc.abstractmethod
+    def refused_record(self, message_id: str) -> OutboxRecord:
+        """A record this broker refuses for good (too large, unroutable)."""
+
+    @abc.abstractmethod
+    def on_broker(self) -> int:
+        """How many records the destination holds now (no waiting)."""
+
+    @abc.abstractmethod
+    def read(self, expected: int) -> list[Received]:
+        """The destination's records in order (per partition for Kafka)."""
+
+    def publisher(self, *, reachable: bool = True) -> Publisher:
+        made = self._publisher() if reachable else self._unreachable()
+        self._publishers.append(made)
+        return made
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def close(self) -> None:
+        for publisher in self._publishers:
+            publisher.close()
+
+
+def outbox_record(
+    number: int,
+    broker: str,
+    destination: str,
+    routing_key: str | None,
+    message_id: str,
+    payload: bytes,
+    key: bytes | None,
+) -> OutboxRecord:
+    """An outbox row as the relay hands it to a publisher (``message-id`` header set)."""
+    return OutboxRecord(
+        id=number,
+        message_id=message_id,
+        broker=broker,
+        destination=destination,
+        routing_key=routing_key,
+        key=key,
+        headers={"message-id": message_id, "x-test": f"h-{message_id}"},
+        properties={"message_id": message_id} if broker == "rabbitmq" else None,
+        payload=payload,
+        attempts=0,
+        created_at=datetime.now(UTC),
+    )
+
+
+class MemoryPublisherKit(PublisherKit):
+    name = "memory"
+    broker = "kafka"
+    ordering = "queue"
+    keeps_key = True
+    limit = 1000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory = InMemoryBroker()
+        self.topic = "contract-out"
+
+    def _refuse(self, record: OutboxRecord) -> str | None:
+        return "record too large" if len(record.payload) > self.limit else None
+
+    def _publisher(self) -> Publisher:
+        return MemoryPublisher(self.memory, reject=self._refuse)
+
+    def _unreachable(self) -> Publisher:
+        publisher = MemoryPublisher(self.memory)
+        publisher.available = False
+        return publisher
+
+    def record(self, message_id: str, payload: bytes, key: bytes | None) -> OutboxRecord:
+        return outbox_record(self.next_id(), "kafka", self.topic, None, message_id, payload, key)
+
+    def refused_record(self, message_id: str) -> OutboxRecord:
+        return self.record(message_id, b"x" * (self.limit + 1), None)
+
+    def on_broker(self) -> int:
+        return self.memory.pending(self.topic)
+
+    def read(self, expected: int) -> list[Received]:
+        transport = self.memory.transport(self.topic)
+        messages = [d.message for d in transport.fetch(max(expected, 1) * 2, 0.0)]
+        return [
+            Received(
+                m.header("message-id"), m.key, {k: text(v) for k, v in m.headers.items()}, m.body
+            )
+            for m in messages
+        ]
+
+
+class KafkaPublisherKit(PublisherKit):
+    name = "kafka"
+    broker = "kafka"
+    ordering = "key"
+    keeps_key = True
+    #: The destination topic's ``max.message.bytes``: larger records are refused.
+    limit = 4096
+
+    def __init__(self, helper: KafkaHelper) -> None:
+        super().__init__()
+        self.helper = helper
+        self.topic = helper.create_topic(
+            partitions=2, kind="contract-out", config={"max.message.bytes": str(self.limit)}
+        )
+
+    def _publisher(self) -> Publisher:
+        from mqdedup.kafka import KafkaPublisher
+
+        return KafkaPublisher(self.helper.bootstrap, flush_timeout=15.0)
+
+    def _unreachable(self) -> Publisher:
+        from mqdedup.kafka import KafkaPublisher
+
+        return KafkaPublisher(
+            f"127.0.0.1:{free_port()}", flush_timeout=2.0, metadata_timeout=1.0, connect_timeout=1.0
+        )
+
+    def record(self, message_id: str, payload: bytes, key: bytes | None) -> OutboxRecord:
+        return outbox_record(self.next_id(), "kafka", self.topic, None, message_id, payload, key)
+
+    def refused_record(self, message_id: str) -> OutboxRecord:
+        return self.record(message_id, b"x" * (self.limit * 4), None)
+
+    def on_broker(self) -> int:
+        return sum(self.helper.end_offsets(self.topic).values())
+
+    def read(self, expected: int) -> list[Received]:
+        return [
+            Received(
+                text(dict(r.headers).get("message-id", b"")) or None,
+                r.key,
+                {name: text(value) for name, value in r.headers},
+                r.value,
+            )
+            for r in self.helper.read_all(self.topic, expected, timeout=30)
+        ]
+
+
+class RabbitMQPublisherKit(PublisherKit):
+    name = "rabbitmq"
+    broker = "rabbitmq"
+    ordering = "queue"
+    keeps_key = False
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+        self.admin = RabbitAdmin(url)
+        self.queue = self.admin.queue("contract-out")
+
+    def _publisher(self) -> Publisher:
+        from mqdedup.rabbitmq import RabbitMQPublisher
+
+        return RabbitMQPublisher(self.url, confirm_timeout=15.0)
+
+    def _unreachable(self) -> Publisher:
+        from mqdedup.rabbitmq import RabbitMQPublisher
+
+        return RabbitMQPublisher(
+            f"amqp://guest:guest@127.0.0.1:{free_port()}/%2F",
+            confirm_timeout=2.0,
+            connect_timeout=1.0,
+        )
+
+    def record(self, message_id: str, payload: bytes, key: bytes | None) -> OutboxRecord:
+        return outbox_record(self.next_id(), "rabbitmq", "", self.queue, message_id, payload, key)
+
+    def refused_record(self, message_id: str) -> OutboxRecord:
+        """Unroutable: the default exchange has no queue of that name (``mandatory``)."""
+        return outbox_record(
+            self.next_id(), "rabbitmq", "", f"{self.queue}-nowhere", message_id, b"{}", None
+        )
+
+    def on_broker(self) -> int:
+        return self.admin.depth(self.queue)
+
+    def read(self, expected: int) -> list[Received]:
+        return [
+            Received(
+                properties.message_id,
+                None,
+                {k: text(v) for k, v in (properties.headers or {}).items()},
+                body,
+            )
+            for properties, body in self.admin.drain(self.queue, expected, timeout=30)
+        ]
+
+    def close(self) -> None:
+        super().close()
+        self.admin.close()
+
+
+@pytest.fixture(
+    params=[
+        "memory",
+        pytest.param("kafka", marks=pytest.mark.integration),
+        pytest.param("rabbitmq", marks=pytest.mark.integration),
+    ]
+)
+def publisher_kit(request: pytest.FixtureRequest) -> Iterator[PublisherKit]:
+    """Each publisher in turn: in-memory, Kafka, RabbitMQ (fresh destination per test)."""
+    kit: PublisherKit
+    if request.param == "memory":
+        kit = MemoryPublisherKit()
+    elif request.param == "kafka":
+        kit = KafkaPublisherKit(request.getfixturevalue("kafka_helper"))
+    else:
+        kit = RabbitMQPublisherKit(request.getfixturevalue("rabbitmq_url"))
+    try:
+        yield kit
+    finally:
+        kit.close()
