@@ -43,7 +43,7 @@ from tests.services import (
 
 #: Fast failure detection for the Kafka kit (the broker's minimum session timeout is 6 s)
 #: and a short poll deadline, so that the keepalive test holds a batch past it in seconds.
-KAFKA_POLL_DEADLINE = 3.0
+KAFKA_POLL_DEADLINE = 1.5
 KAFKA_CONFIG = {
     "session_timeout_ms": 6000,
     "heartbeat_interval_ms": 1000,
