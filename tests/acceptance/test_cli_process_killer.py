@@ -26,8 +26,6 @@ from sqlalchemy import Engine
 
 from mqdedup.cli import exitcodes
 from mqdedup.consumers.processor import WORKER_DIED
-from mqdedup.db import create_engine, init_schema
-from mqdedup.db.schema import schema
 from tests.acceptance.killer_consumers import MAX_ATTEMPTS
 from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import row_counts
@@ -38,6 +36,8 @@ from tests.services import (
     Outgoing,
     RabbitAdmin,
     free_port,
+    prefixed_database,
+    table_prefix,
     wait_for,
 )
 
@@ -49,10 +49,8 @@ KILLER = "m-10"
 
 @pytest.fixture
 def database(pg_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    prefix = f"kil_{uuid.uuid4().hex[:8]}_"
-    engine = create_engine(pg_url)
-    init_schema(engine, prefix)
-    orders_table(prefix).create(engine)
+    prefix = table_prefix()
+    orders = orders_table(prefix)
     runs = tmp_path / "killer-runs"
     env = {
         **os.environ,
@@ -63,10 +61,8 @@ def database(pg_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
         "MQDEDUP_TABLE_PREFIX": prefix,
         "PYTHONPATH": str(REPO),
     }
-    yield {"prefix": prefix, "engine": engine, "env": env, "runs": runs}
-    orders_table(prefix).drop(engine, checkfirst=True)
-    schema(prefix).metadata.drop_all(engine)
-    engine.dispose()
+    with prefixed_database(pg_url, "PostgreSQL", orders.metadata, prefix=prefix) as db:
+        yield {"prefix": prefix, "engine": db.engine, "env": env, "runs": runs}
 
 
 def healthz(port: int) -> dict[str, Any]:

@@ -26,8 +26,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, Table
 
-from mqdedup import Message, create_engine, init_schema
-from mqdedup.db.schema import schema
+from mqdedup import Message, create_engine
 from mqdedup.stopping import StopToken
 from tests.integration.rabbitmq.support import (
     REPO,
@@ -37,7 +36,7 @@ from tests.integration.rabbitmq.support import (
     orders_table,
     wait_for,
 )
-from tests.services import RabbitAdmin, require_service
+from tests.services import RabbitAdmin, prefixed_database, table_prefix
 
 pytestmark = pytest.mark.integration
 
@@ -82,24 +81,10 @@ def worker_main() -> None:
 
 @pytest.fixture
 def tables(pg_url: str) -> Iterator[tuple[Engine, str, Table]]:
-    from mqdedup.db import check_connection
-    from mqdedup.errors import DatabaseUnavailableError
-
-    engine = create_engine(pg_url)
-    try:
-        check_connection(engine)
-    except DatabaseUnavailableError as exc:
-        require_service("PostgreSQL", str(exc))
-    prefix = f"tpm_{uuid.uuid4().hex[:8]}_"
-    init_schema(engine, prefix)
+    prefix = table_prefix()
     orders = orders_table(prefix)
-    orders.metadata.create_all(engine)
-    try:
-        yield engine, prefix, orders
-    finally:
-        orders.metadata.drop_all(engine)
-        schema(prefix).metadata.drop_all(engine)
-        engine.dispose()
+    with prefixed_database(pg_url, "PostgreSQL", orders.metadata, prefix=prefix) as db:
+        yield db.engine, prefix, orders
 
 
 # -- the test ------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from mqdedup.outbox.writer import outgoing_message_id
 from mqdedup.rabbitmq import RabbitMQConsumer, RabbitMQPublisher
 from mqdedup.rabbitmq.topology import declare_topology
 from mqdedup.stopping import StopToken
+from tests import services
 from tests.integration.outbox.chain_worker import build
 from tests.integration.outbox.helpers import (
     OutboxDb,
@@ -34,7 +35,7 @@ from tests.integration.outbox.helpers import (
     poll_until,
     relay_thread,
 )
-from tests.services import KafkaHelper, PrivateService, RabbitAdmin, free_port
+from tests.services import KafkaHelper, PrivateService, RabbitAdmin
 
 pytestmark = pytest.mark.integration
 
@@ -145,13 +146,8 @@ def test_relay_killed_mid_batch_five_times_publishes_all_and_the_consumer_applie
 @pytest.fixture
 def private_rabbitmq(tmp_path: Path) -> Iterator[tuple[PrivateService, str]]:
     """A RabbitMQ of this test alone (own state dir and port), stopped at the end."""
-    port = free_port()
-    service = PrivateService("rabbitmq", tmp_path / "services", "RABBITMQ_PORT", port)
-    service.start()
-    try:
-        yield service, f"amqp://guest:guest@127.0.0.1:{port}/%2F"
-    finally:
-        service.stop()
+    with services.private_rabbitmq(tmp_path) as node:
+        yield node.service, node.url
 
 
 def test_broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(

@@ -38,7 +38,6 @@ from mqdedup.outbox.relay import RelayConfig
 from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import relay_thread
 from tests.integration.rabbitmq.conftest import Database
-from tests.integration.rabbitmq.private_node import PrivateNode, private_node
 from tests.integration.rabbitmq.support import (
     REPO,
     ThreadedWorker,
@@ -46,15 +45,15 @@ from tests.integration.rabbitmq.support import (
     order_counts,
     wait_for,
 )
-from tests.services import RabbitAdmin
+from tests.services import PrivateRabbitMQ, RabbitAdmin, private_rabbitmq
 
 pytestmark = [pytest.mark.integration]
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff=0.05, max_backoff=0.1)
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[PrivateNode]:
-    with private_node(tmp_path) as started:
+def node(tmp_path: Path) -> Iterator[PrivateRabbitMQ]:
+    with private_rabbitmq(tmp_path) as started:
         yield started
 
 
@@ -84,7 +83,7 @@ class Readiness:
 
 @pytest.mark.slow
 def test_consumer_timeout_closes_the_channel_mid_batch_worker_reattaches_effects_once(
-    db: Database, node: PrivateNode
+    db: Database, node: PrivateRabbitMQ
 ) -> None:
     node.set_env("consumer_timeout", 2000)
     node.set_env("channel_tick_interval", 500)
@@ -129,7 +128,7 @@ def _poison(message: Message) -> None:
 
 @pytest.mark.slow
 def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks(
-    db: Database, node: PrivateNode
+    db: Database, node: PrivateRabbitMQ
 ) -> None:
     queue = f"alarm-{uuid.uuid4().hex[:8]}"
     consumer = make_consumer(

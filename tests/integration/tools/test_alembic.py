@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, inspect
 
-from mqdedup.db.engine import check_connection, check_schema, create_engine
+from mqdedup.db.engine import check_schema, create_engine
 from mqdedup.db.migrations import schema_drift
 from mqdedup.db.schema import schema
-from mqdedup.errors import DatabaseUnavailableError
-from tests.services import require_service
+from tests.services import checked_engine
 
 alembic_command = pytest.importorskip("alembic.command")
 alembic_config = pytest.importorskip("alembic.config")
@@ -55,11 +54,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
     else:
         fixture = "pg_url" if request.param == "postgresql" else "mariadb_url"
         url = request.getfixturevalue(fixture)
-    engine = create_engine(url)
-    try:
-        check_connection(engine)
-    except DatabaseUnavailableError as exc:
-        require_service(request.param, str(exc))
+    engine = checked_engine(url, request.param)
     yield engine
     engine.dispose()
 

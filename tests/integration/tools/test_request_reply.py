@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from mqdedup.rabbitmq.replies import (
 from mqdedup.rabbitmq.topology import declare_topology
 from mqdedup.stopping import StopToken
 from tests.integration.tools.conftest import Database
-from tests.services import wait_for
+from tests.services import RabbitAdmin, unique_name, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -93,14 +92,10 @@ def client(rabbitmq_url: str) -> Iterator[Client]:
 
 
 @pytest.fixture
-def queue(rabbitmq_url: str) -> Iterator[str]:
-    name = f"rpc-{uuid.uuid4().hex[:8]}"
+def queue(rabbit: RabbitAdmin) -> Iterator[str]:
+    name = unique_name("rpc")
     yield name
-    connection = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
-    channel = connection.channel()
-    for doomed in (name, f"{name}.dlq"):
-        channel.queue_delete(doomed)
-    connection.close()
+    rabbit.delete(name, f"{name}.dlq")
 
 
 def quote_consumer(db: Database, queue: str, url: str) -> type[RequestReplyConsumer]:
