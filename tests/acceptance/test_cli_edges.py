@@ -32,8 +32,8 @@ from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
 from mqdedup.dedup.store import utcnow
 from mqdedup.outbox.writer import OutboxWriter
-from tests.integration.kafka.consumers import orders_table
 from tests.services import REPO, KafkaHelper, Outgoing, free_port
+from tests.support import orders_table
 
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 EDGES = "tests.acceptance.edge_consumers"

@@ -21,9 +21,9 @@ from sqlalchemy import Engine
 from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
 from tests.acceptance.test_cli_operations import MQDEDUP, healthz
-from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import row_counts
 from tests.services import REPO, KafkaHelper, Outgoing, free_port, wait_for
+from tests.support import orders_table
 
 pytestmark = [pytest.mark.integration]
 

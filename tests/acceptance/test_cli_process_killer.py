@@ -27,7 +27,6 @@ from sqlalchemy import Engine
 from mqdedup.cli import exitcodes
 from mqdedup.consumers.processor import WORKER_DIED
 from tests.acceptance.killer_consumers import MAX_ATTEMPTS
-from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import row_counts
 from tests.integration.rabbitmq.support import make_consumer
 from tests.services import (
@@ -40,6 +39,7 @@ from tests.services import (
     table_prefix,
     wait_for,
 )
+from tests.support import orders_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from mqdedup.cli import exitcodes
-from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import row_counts
 from tests.services import REPO, RabbitAdmin, prefixed_database, table_prefix
+from tests.support import orders_table
 
 pytestmark = pytest.mark.integration
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import pytest
-from sqlalchemy import Column, Integer, MetaData, String, Table, insert
+from sqlalchemy import Table, insert
 
 from mqdedup import Consumer, Context, Message
 from mqdedup.consumers.memory import InMemoryBroker
@@ -40,6 +40,7 @@ from tests.services import (
     unique_name,
     wait_for,
 )
+from tests.support import orders_table
 
 #: Fast failure detection for the Kafka kit (the broker's minimum session timeout is 6 s)
 #: and a short poll deadline, so that the keepalive test holds a batch past it in seconds.
@@ -119,16 +120,6 @@ class ContractOrders(Consumer):
             raise ValueError(f"cannot handle {message.id}")
         ctx.session.execute(insert(type(self).orders).values(message_id=message.id))
         return None
-
-
-def orders_table(prefix: str) -> Table:
-    """``<prefix>orders``: no unique constraint on purpose (only mqdedup may dedup)."""
-    return Table(
-        f"{prefix}orders",
-        MetaData(),
-        Column("row_id", Integer, primary_key=True, autoincrement=True),
-        Column("message_id", String(255), nullable=False),
-    )
 
 
 class TransportKit(abc.ABC):

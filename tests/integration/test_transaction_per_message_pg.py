@@ -28,15 +28,9 @@ from sqlalchemy import Engine, Table
 
 from mqdedup import Message, create_engine
 from mqdedup.stopping import StopToken
-from tests.integration.rabbitmq.support import (
-    REPO,
-    claims,
-    make_consumer,
-    order_counts,
-    orders_table,
-    wait_for,
-)
-from tests.services import RabbitAdmin, prefixed_database, table_prefix
+from tests.integration.rabbitmq.support import claims, make_consumer, order_counts
+from tests.services import REPO, RabbitAdmin, prefixed_database, table_prefix, wait_for
+from tests.support import orders_table
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.kafka.consumers import orders_table
 from tests.services import TestDatabase, prefixed_database, table_prefix
+from tests.support import orders_table
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
-from tests.integration.kafka.consumers import orders_table
 from tests.services import REPO
+from tests.support import orders_table
 
 
 def row_counts(engine: Engine, prefix: str) -> dict[str, int]:

@@ -22,8 +22,6 @@ from mqdedup.outbox import OutboxStatus, OutboxStore, OutboxWriter, Relay, Relay
 from mqdedup.stopping import StopToken
 from tests.services import REPO, TestDatabase, wait_for
 
-__all__ = ["REPO", "wait_for"]
-
 
 def events_table(prefix: str) -> Table:
     """``<prefix>events``: one row per handled message; no unique constraint on purpose."""

@@ -41,7 +41,6 @@ from mqdedup.outbox.store import ShardFilter
 from mqdedup.rabbitmq import RabbitMQPublisher
 from mqdedup.rabbitmq.topology import declare_topology
 from tests.integration.outbox.helpers import (
-    REPO,
     OutboxDb,
     RelayProcess,
     events_table,
@@ -52,6 +51,7 @@ from tests.integration.outbox.helpers import (
 )
 from tests.integration.outbox.test_outbox_faults import consume_all, receiver, write_rows
 from tests.services import (
+    REPO,
     KafkaHelper,
     RabbitAdmin,
     kafka_headers,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 from sqlalchemy import Table
 
-from tests.integration.rabbitmq.support import orders_table, rabbitmqctl_command
+from tests.integration.rabbitmq.support import rabbitmqctl_command
 from tests.services import (
     RabbitAdmin,
     TestDatabase,
@@ -20,6 +20,7 @@ from tests.services import (
     table_prefix,
     unique_name,
 )
+from tests.support import orders_table
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, insert, select
+from sqlalchemy import Engine, Table, func, insert, select
 
 from mqdedup import Message
 from mqdedup.consumers.base import Context
@@ -25,22 +25,9 @@ from mqdedup.db.schema import schema
 from mqdedup.rabbitmq.consumer import RabbitMQConsumer, RabbitMQTransport
 from mqdedup.stopping import StopToken
 from tests.services import REPO, wait_for
-
-__all__ = ["REPO", "wait_for"]
-
+from tests.support import orders_table
 
 # -- business table ------------------------------------------------------------------------
-
-
-def orders_table(prefix: str) -> Table:
-    """``<prefix>orders``: one row per handled message; no unique constraint on purpose."""
-    return Table(
-        f"{prefix}orders",
-        MetaData(),
-        Column("row_id", Integer, primary_key=True, autoincrement=True),
-        Column("message_id", String(255), nullable=False),
-        Column("body", String(2000), nullable=True),
-    )
 
 
 def order_counts(engine: Engine, table: Table) -> dict[str, int]:

@@ -38,14 +38,8 @@ from mqdedup.outbox.relay import RelayConfig
 from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import relay_thread
 from tests.integration.rabbitmq.conftest import Database
-from tests.integration.rabbitmq.support import (
-    REPO,
-    ThreadedWorker,
-    make_consumer,
-    order_counts,
-    wait_for,
-)
-from tests.services import PrivateRabbitMQ, RabbitAdmin, private_rabbitmq
+from tests.integration.rabbitmq.support import ThreadedWorker, make_consumer, order_counts
+from tests.services import REPO, PrivateRabbitMQ, RabbitAdmin, private_rabbitmq, wait_for
 
 pytestmark = [pytest.mark.integration]
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff=0.05, max_backoff=0.1)

@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.rabbitmq.conftest import Database
-from tests.integration.rabbitmq.support import (
-    REPO,
-    make_consumer,
-    order_counts,
-    wait_for,
-    with_duplicates,
-)
-from tests.services import RabbitAdmin
+from tests.integration.rabbitmq.support import make_consumer, order_counts, with_duplicates
+from tests.services import REPO, RabbitAdmin, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -18,9 +18,8 @@ from tests.integration.rabbitmq.support import (
     claims,
     make_consumer,
     order_counts,
-    wait_for,
 )
-from tests.services import RabbitAdmin
+from tests.services import RabbitAdmin, wait_for
 
 pytestmark = pytest.mark.integration
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.05, max_backoff=0.1)

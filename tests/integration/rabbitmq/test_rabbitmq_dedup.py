@@ -14,10 +14,9 @@ from tests.integration.rabbitmq.support import (
     claims,
     make_consumer,
     order_counts,
-    wait_for,
     with_duplicates,
 )
-from tests.services import RabbitAdmin
+from tests.services import RabbitAdmin, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -21,10 +21,9 @@ from tests.integration.rabbitmq.support import (
     connection_pids,
     make_consumer,
     order_counts,
-    wait_for,
     with_duplicates,
 )
-from tests.services import RabbitAdmin
+from tests.services import RabbitAdmin, wait_for
 
 pytestmark = pytest.mark.integration
 

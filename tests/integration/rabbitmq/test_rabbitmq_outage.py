@@ -15,10 +15,9 @@ from tests.integration.rabbitmq.support import (
     make_consumer,
     order_counts,
     poll,
-    wait_for,
     with_duplicates,
 )
-from tests.services import PrivateRabbitMQ, RabbitAdmin, private_rabbitmq
+from tests.services import PrivateRabbitMQ, RabbitAdmin, private_rabbitmq, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 OUTAGE_SECONDS = 20.0
