@@ -78,8 +78,10 @@ def test_a_refused_record_fails_alone_and_the_records_after_it_are_published(
     assert outcomes["refused"].outcome is Outcome.REJECTED
     assert outcomes["refused"].error, "a refusal names the broker's reason"
     assert all(r.outcome is Outcome.PUBLISHED for mid, r in outcomes.items() if mid != "refused")
-    received = [str(item.message_id) for item in publisher_kit.read(expected=6)]
-    assert sorted(received) == sorted(f"r{n:03d}" for n in range(6))
+    received = {str(item.message_id) for item in publisher_kit.read(expected=6)}
+    # At least once: a record aborted with the refused one may be on the log twice
+    # (same message id, absorbed by the consumers' dedup); the refused one never is.
+    assert received == {f"r{n:03d}" for n in range(6)}
 
 
 def test_a_broker_that_is_down_is_an_outage_for_every_record_not_a_refusal(
