@@ -95,16 +95,6 @@ def test_settled_deliveries_are_gone_for_good_and_the_rest_come_again(
     assert sorted(ids_of(consumer, again)) == sorted(ids_of(consumer, unsettled))
 
 
-def test_settle_after_everything_leaves_nothing(transport_kit: TransportKit) -> None:
-    published = raws(6)
-    transport_kit.publish(published)
-    transport = transport_kit.transport()
-    transport.settle(fetch(transport, len(published)))
-    transport.close()
-
-    assert transport_kit.remaining() == 0
-
-
 def test_dead_letter_keeps_the_original_and_the_reason_before_it_returns(
     transport_kit: TransportKit,
 ) -> None:
