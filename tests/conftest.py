@@ -1,34 +1,24 @@
-"""Fixtures: SQLite for unit tests, the real PostgreSQL for integration tests."""
+"""The service fixtures of every suite (the building blocks live in ``tests/services.py``).
+
+SQLite for unit tests; the shared PostgreSQL, MariaDB, Redis, Kafka and RabbitMQ for the
+contract, integration and acceptance tests. A missing service skips locally and fails
+in CI. Each test gets fresh topics, queues and table prefixes.
+"""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine
 
-from mqdedup.db import create_engine, init_schema
-from mqdedup.db.schema import schema
-from tests.support import business
+from mqdedup.db import create_engine
+from tests import services
+from tests.services import KafkaHelper, RabbitAdmin, checked_engine
+from tests.support import reset_database
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def require_service(name: str, reason: str) -> None:
-    """Skip locally, fail in CI: a missing service must never pass silently there."""
-    if IN_CI:
-        pytest.fail(f"{name} is required in CI but unavailable: {reason}")
-    pytest.skip(f"{name} unavailable: {reason}")
-
-
-def reset_database(engine: Engine) -> None:
-    """Drop and recreate the framework's and the tests' tables."""
-    business.drop_all(engine)
-    schema().metadata.drop_all(engine)
-    init_schema(engine)
-    business.create_all(engine)
+# -- databases -------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -41,23 +31,57 @@ def sqlite_engine(tmp_path: Path) -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def pg_url() -> str:
-    url = os.environ.get("MQDEDUP_TEST_DATABASE_URL")
-    if not url:
-        require_service("PostgreSQL", "MQDEDUP_TEST_DATABASE_URL is not set")
-    assert url is not None
-    return url
+    """The shared PostgreSQL (``MQDEDUP_TEST_DATABASE_URL``)."""
+    return services.service_env(services.PG_URL_ENV, "PostgreSQL")
 
 
 @pytest.fixture
 def pg_engine(pg_url: str) -> Iterator[Engine]:
-    from mqdedup.db import check_connection
-    from mqdedup.errors import DatabaseUnavailableError
-
-    engine = create_engine(pg_url)
-    try:
-        check_connection(engine)
-    except DatabaseUnavailableError as exc:
-        require_service("PostgreSQL", str(exc))
+    """The shared PostgreSQL with the unprefixed tables recreated (``tests.support``)."""
+    engine = checked_engine(pg_url, "PostgreSQL")
     reset_database(engine)
     yield engine
     engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def mariadb_url() -> str:
+    """The shared MariaDB (``MQDEDUP_TEST_MARIADB_URL``)."""
+    return services.service_env(services.MARIADB_URL_ENV, "MariaDB")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The shared Redis (``MQDEDUP_REDIS_URL``)."""
+    return services.service_env(services.REDIS_URL_ENV, "Redis")
+
+
+# -- brokers ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> str:
+    """The shared Kafka (``MQDEDUP_KAFKA_BOOTSTRAP``), checked to answer."""
+    return services.kafka_bootstrap()
+
+
+@pytest.fixture
+def kafka_helper(kafka_bootstrap: str) -> Iterator[KafkaHelper]:
+    """Topics on the shared Kafka; those this helper created are deleted at the end."""
+    helper = KafkaHelper(kafka_bootstrap)
+    yield helper
+    helper.close()
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_url() -> str:
+    """The shared RabbitMQ (``MQDEDUP_RABBITMQ_URL``), checked to answer."""
+    return services.rabbitmq_url()
+
+
+@pytest.fixture
+def rabbit(rabbitmq_url: str) -> Iterator[RabbitAdmin]:
+    """An admin connection to the shared RabbitMQ; queues it made are deleted at the end."""
+    admin = RabbitAdmin(rabbitmq_url)
+    yield admin
+    admin.close()

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from functools import cache
 from typing import Any
 
 from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, insert, select
 
 from mqdedup import Consumer, Context, Message
 from mqdedup.consumers.base import BatchContext
+from mqdedup.db import init_schema
+from mqdedup.db.schema import schema
 
 business = MetaData()
 # Deliberately no unique constraint on message_id: only mqdedup's dedup may prevent doubles.
@@ -21,6 +24,23 @@ orders = Table(
     Column("order_id", String(64), nullable=True),
     Column("amount", Integer, nullable=True),
 )
+
+
+@cache
+def orders_table(prefix: str) -> Table:
+    """``<prefix>orders``: one row per handled message of a test with its own prefix.
+
+    Deliberately no unique constraint on message_id: only mqdedup's dedup may prevent
+    doubles. ``worker`` names the worker that wrote the row (tests with several).
+    """
+    return Table(
+        f"{prefix}orders",
+        MetaData(),
+        Column("row_id", Integer, primary_key=True, autoincrement=True),
+        Column("message_id", String(255), nullable=False),
+        Column("body", String(2000), nullable=True),
+        Column("worker", String(64), nullable=True),
+    )
 
 
 class OrderConsumer(Consumer):
@@ -85,3 +105,11 @@ class Gate:
         self.entered.set()
         if not self.release.wait(timeout):
             raise TimeoutError("gate was never released")
+
+
+def reset_database(engine: Engine) -> None:
+    """Drop and recreate the framework's and the tests' tables (unprefixed)."""
+    business.drop_all(engine)
+    schema().metadata.drop_all(engine)
+    init_schema(engine)
+    business.create_all(engine)

@@ -13,7 +13,8 @@ from sqlalchemy import insert
 
 from mqdedup import Context, Message
 from mqdedup.rabbitmq import RabbitMQConsumer
-from tests.integration.kafka.consumers import FAST_GROUP, BulkTestOrders, orders_table
+from tests.integration.kafka.consumers import FAST_GROUP, BulkTestOrders
+from tests.support import orders_table
 
 _PREFIX = os.environ.get("ACCEPT_PREFIX", "accept_")
 

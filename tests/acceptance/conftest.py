@@ -1,26 +1,13 @@
-"""Fixtures shared by the acceptance tests."""
+"""Fixtures of the acceptance tests (the shared services' fixtures: ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 
-from tests.conftest import require_service
-from tests.integration.kafka.helpers import KafkaHelper
+from tests.services import KafkaHelper
 
 
 @pytest.fixture
-def kafka() -> Iterator[KafkaHelper]:
+def kafka(kafka_helper: KafkaHelper) -> KafkaHelper:
     """The shared Kafka; topics this helper created are deleted at the end."""
-    bootstrap = os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
-    if not bootstrap:
-        require_service("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
-    assert bootstrap is not None
-    try:
-        helper = KafkaHelper(bootstrap)
-    except Exception as exc:  # any connection failure means "no Kafka"
-        require_service("Kafka", str(exc))
-    yield helper
-    helper.close()
+    return kafka_helper

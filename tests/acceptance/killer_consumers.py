@@ -14,7 +14,8 @@ from sqlalchemy import insert
 
 from mqdedup import Context, Message, RetryPolicy
 from mqdedup.rabbitmq import RabbitMQConsumer
-from tests.integration.kafka.consumers import FAST_GROUP, TestOrders, orders_table
+from tests.integration.kafka.consumers import FAST_GROUP, TestOrders
+from tests.support import orders_table
 
 _PREFIX = os.environ.get("KILLER_PREFIX", "killer_")
 _KILL_ID = os.environ.get("KILLER_ID", "m-10")

@@ -13,7 +13,7 @@ from sqlalchemy import insert
 
 from mqdedup import Context, Message
 from mqdedup.rabbitmq import RabbitMQConsumer
-from tests.integration.kafka.consumers import orders_table
+from tests.support import orders_table
 
 _PREFIX = os.environ.get("ACCEPT_PREFIX", "accept_")
 

@@ -32,10 +32,8 @@ from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
 from mqdedup.dedup.store import utcnow
 from mqdedup.outbox.writer import OutboxWriter
-from tests.conftest import require_service
-from tests.integration.kafka.consumers import orders_table
-from tests.integration.kafka.helpers import KafkaHelper, Outgoing
-from tests.services import REPO, free_port
+from tests.services import REPO, KafkaHelper, Outgoing, free_port
+from tests.support import orders_table
 
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 EDGES = "tests.acceptance.edge_consumers"
@@ -450,17 +448,10 @@ def _report_count(output: str, label: str) -> int:
 
 @pytest.mark.integration
 def test_a_kafka_replay_counts_id_less_messages_as_dead_lettered_on_every_run(
-    tmp_path: Path,
+    tmp_path: Path, kafka: KafkaHelper
 ) -> None:
     """Real Kafka: two id-less messages among three good ones, replayed twice."""
-    bootstrap = os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
-    if not bootstrap:
-        require_service("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
-    assert bootstrap is not None
-    try:
-        kafka = KafkaHelper(bootstrap)
-    except Exception as exc:  # any connection failure means "no Kafka"
-        require_service("Kafka", str(exc))
+    bootstrap = kafka.bootstrap
     prefix = "edge_replay_"
     url = f"sqlite:///{tmp_path / 'replay.db'}"
     engine = create_engine(url)
@@ -495,7 +486,6 @@ def test_a_kafka_replay_counts_id_less_messages_as_dead_lettered_on_every_run(
             assert rows.scalar_one() == 3
     finally:
         engine.dispose()
-        kafka.close()
 
 
 def test_replay_report_counts_id_less_messages_as_dead_lettered() -> None:

@@ -12,8 +12,7 @@ from pathlib import Path
 
 from mqdedup.cli import exitcodes
 from tests.acceptance.test_cli_edges import MQDEDUP, cli
-from tests.conftest import require_service
-from tests.services import REPO, free_port, wait_for
+from tests.services import REPO, free_port, require_service, wait_for
 
 
 def _sqlite(tmp_path: Path) -> str:

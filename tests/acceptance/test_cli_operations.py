@@ -19,9 +19,9 @@ from sqlalchemy import Engine, delete, func, select
 from mqdedup.cli import exitcodes
 from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
-from tests.integration.kafka.consumers import orders_table
-from tests.integration.kafka.helpers import KafkaHelper, Outgoing, row_counts
-from tests.services import REPO, free_port, wait_for
+from tests.integration.kafka.helpers import row_counts
+from tests.services import REPO, KafkaHelper, Outgoing, free_port, wait_for
+from tests.support import orders_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")

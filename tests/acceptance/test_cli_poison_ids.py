@@ -21,9 +21,9 @@ from sqlalchemy import Engine
 from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
 from tests.acceptance.test_cli_operations import MQDEDUP, healthz
-from tests.integration.kafka.consumers import orders_table
-from tests.integration.kafka.helpers import KafkaHelper, Outgoing, row_counts
-from tests.services import REPO, free_port, wait_for
+from tests.integration.kafka.helpers import row_counts
+from tests.services import REPO, KafkaHelper, Outgoing, free_port, wait_for
+from tests.support import orders_table
 
 pytestmark = [pytest.mark.integration]
 
@@ -120,9 +120,7 @@ def test_rabbitmq_worker_dead_letters_a_nul_id_and_keeps_going(
         port = free_port()
         worker = _run_worker("tests.acceptance.poison_consumers:QueueOrders", env, port)
         try:
-            wait_for(
-                lambda: row_counts(engine, prefix) == dict.fromkeys(GOOD, 1), 90, "good rows"
-            )
+            wait_for(lambda: row_counts(engine, prefix) == dict.fromkeys(GOOD, 1), 90, "good rows")
 
             def dead_letters() -> list[Any]:
                 method, properties, _body = channel.basic_get(f"{queue}.dlq", auto_ack=True)
@@ -132,8 +130,7 @@ def test_rabbitmq_worker_dead_letters_a_nul_id_and_keeps_going(
             wait_for(lambda: bool(found.extend(dead_letters()) or found), 30, "the dead letter")
             assert "NUL" in found[0].headers["x-mqdedup-reason"], found[0].headers
             wait_for(
-                lambda: channel.queue_declare(queue=queue, passive=True).method.message_count
-                == 0,
+                lambda: channel.queue_declare(queue=queue, passive=True).method.message_count == 0,
                 30,
                 "an empty queue",
             )

@@ -26,16 +26,20 @@ from sqlalchemy import Engine
 
 from mqdedup.cli import exitcodes
 from mqdedup.consumers.processor import WORKER_DIED
-from mqdedup.db import create_engine, init_schema
-from mqdedup.db.schema import schema
-from mqdedup.errors import MqdedupError
-from mqdedup.rabbitmq.topology import check_broker
 from tests.acceptance.killer_consumers import MAX_ATTEMPTS
-from tests.conftest import require_service
-from tests.integration.kafka.consumers import orders_table
-from tests.integration.kafka.helpers import KafkaHelper, Outgoing, row_counts
-from tests.integration.rabbitmq.support import BrokerAdmin, make_consumer
-from tests.services import REPO, free_port, wait_for
+from tests.integration.kafka.helpers import row_counts
+from tests.integration.rabbitmq.support import make_consumer
+from tests.services import (
+    REPO,
+    KafkaHelper,
+    Outgoing,
+    RabbitAdmin,
+    free_port,
+    prefixed_database,
+    table_prefix,
+    wait_for,
+)
+from tests.support import orders_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
@@ -45,10 +49,8 @@ KILLER = "m-10"
 
 @pytest.fixture
 def database(pg_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    prefix = f"kil_{uuid.uuid4().hex[:8]}_"
-    engine = create_engine(pg_url)
-    init_schema(engine, prefix)
-    orders_table(prefix).create(engine)
+    prefix = table_prefix()
+    orders = orders_table(prefix)
     runs = tmp_path / "killer-runs"
     env = {
         **os.environ,
@@ -59,23 +61,8 @@ def database(pg_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
         "MQDEDUP_TABLE_PREFIX": prefix,
         "PYTHONPATH": str(REPO),
     }
-    yield {"prefix": prefix, "engine": engine, "env": env, "runs": runs}
-    orders_table(prefix).drop(engine, checkfirst=True)
-    schema(prefix).metadata.drop_all(engine)
-    engine.dispose()
-
-
-@pytest.fixture
-def rabbit_url() -> str:
-    url = os.environ.get("MQDEDUP_RABBITMQ_URL")
-    if not url:
-        require_service("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
-    assert url is not None
-    try:
-        check_broker(url)
-    except MqdedupError as exc:
-        require_service("RabbitMQ", str(exc))
-    return url
+    with prefixed_database(pg_url, "PostgreSQL", orders.metadata, prefix=prefix) as db:
+        yield {"prefix": prefix, "engine": db.engine, "env": env, "runs": runs}
 
 
 def healthz(port: int) -> dict[str, Any]:
@@ -181,18 +168,18 @@ def test_kafka_process_killer_is_dead_lettered_alone(
 
 @pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_rabbitmq_process_killer_is_dead_lettered_alone(
-    rabbit_url: str, database: dict[str, Any], queue_type: str
+    rabbitmq_url: str, database: dict[str, Any], queue_type: str
 ) -> None:
     engine: Engine = database["engine"]
     queue = f"killer-{uuid.uuid4().hex[:8]}"
     dead_letter_queue = f"{queue}.dlq"
-    admin = BrokerAdmin(rabbit_url)
-    admin.declare(make_consumer(queue, database["prefix"], rabbit_url, queue_type=queue_type)())
+    admin = RabbitAdmin(rabbitmq_url)
+    admin.declare(make_consumer(queue, database["prefix"], rabbitmq_url, queue_type=queue_type)())
     env = {
         **database["env"],
         "KILLER_QUEUE": queue,
         "KILLER_QUEUE_TYPE": queue_type,
-        "MQDEDUP_RABBITMQ_URL": rabbit_url,
+        "MQDEDUP_RABBITMQ_URL": rabbitmq_url,
     }
     worker: Supervised | None = None
     try:

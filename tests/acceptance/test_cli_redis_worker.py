@@ -17,10 +17,15 @@ import redis
 from mqdedup.cli import exitcodes
 from tests.acceptance.redis_consumers import SendSms
 from tests.acceptance.test_cli_operations import MQDEDUP, cli, healthz, metrics_text
-from tests.conftest import require_service
-from tests.integration.kafka.helpers import KafkaHelper, Outgoing
-from tests.integration.rabbitmq.support import BrokerAdmin
-from tests.services import REPO, free_port, wait_for
+from tests.services import (
+    REPO,
+    KafkaHelper,
+    Outgoing,
+    RabbitAdmin,
+    free_port,
+    require_service,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CONSUMER = "tests.acceptance.redis_consumers:SendSms"
@@ -38,7 +43,7 @@ def setup() -> Iterator[dict[str, Any]]:
         client.ping()
     except redis.RedisError as exc:
         require_service("Redis", str(exc))
-    admin = BrokerAdmin(rabbitmq_url)
+    admin = RabbitAdmin(rabbitmq_url)
     tag = uuid.uuid4().hex[:8]
     queue = f"accept-sms-{tag}"
     namespace = f"accept:{tag}:"
@@ -80,7 +85,7 @@ def test_worker_runs_a_redis_consumer_through_a_kill_and_drains_on_sigterm(
     at most the one effect that was done but not yet recorded (the documented window of
     the Redis store). Then SIGTERM drains both processes, exit 0, queue empty.
     """
-    admin: BrokerAdmin = setup["admin"]
+    admin: RabbitAdmin = setup["admin"]
     ids = [f"sms-{n}" for n in range(2000)]
     admin.publish(setup["queue"], ids + ids[:600])
     port = free_port()

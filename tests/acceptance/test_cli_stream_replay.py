@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -14,12 +13,9 @@ from typing import Any
 import pytest
 
 from mqdedup.cli import exitcodes
-from mqdedup.db import create_engine, init_schema
-from mqdedup.db.schema import schema
-from tests.conftest import require_service
-from tests.integration.kafka.consumers import orders_table
 from tests.integration.kafka.helpers import row_counts
-from tests.services import REPO
+from tests.services import REPO, RabbitAdmin, prefixed_database, table_prefix
+from tests.support import orders_table
 
 pytestmark = pytest.mark.integration
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
@@ -27,25 +23,15 @@ CONSUMER = "tests.acceptance.cli_consumers:StreamOrders"
 
 
 @pytest.fixture
-def stream(pg_url: str) -> Iterator[dict[str, Any]]:
+def stream(pg_url: str, rabbit: RabbitAdmin) -> Iterator[dict[str, Any]]:
     import pika
 
-    url = os.environ.get("MQDEDUP_RABBITMQ_URL")
-    if not url:
-        require_service("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
-    assert url is not None
-    try:
-        connection = pika.BlockingConnection(pika.URLParameters(url))
-    except pika.exceptions.AMQPError as exc:
-        require_service("RabbitMQ", repr(exc))
-    name = f"stream-{uuid.uuid4().hex[:8]}"
-    channel = connection.channel()
-    channel.queue_declare(name, durable=True, arguments={"x-queue-type": "stream"})
+    name = rabbit.queue("stream", **{"x-queue-type": "stream"})
+    rabbit.created.append(f"{name}.dlq")
+    channel = rabbit.channel()
     channel.confirm_delivery()
-    prefix = f"acs_{uuid.uuid4().hex[:8]}_"
-    engine = create_engine(pg_url)
-    init_schema(engine, prefix)
-    orders_table(prefix).create(engine)
+    prefix = table_prefix()
+    orders = orders_table(prefix)
     env = {
         **os.environ,
         "ACCEPT_PREFIX": prefix,
@@ -64,13 +50,8 @@ def stream(pg_url: str) -> Iterator[dict[str, Any]]:
                 pika.BasicProperties(message_id=message_id, delivery_mode=2),
             )
 
-    yield {"engine": engine, "prefix": prefix, "env": env, "publish": publish}
-    channel.queue_delete(name)
-    channel.queue_delete(f"{name}.dlq")
-    connection.close()
-    orders_table(prefix).drop(engine, checkfirst=True)
-    schema(prefix).metadata.drop_all(engine)
-    engine.dispose()
+    with prefixed_database(pg_url, "PostgreSQL", orders.metadata, prefix=prefix) as db:
+        yield {"engine": db.engine, "prefix": prefix, "env": env, "publish": publish}
 
 
 def replay(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -23,8 +23,7 @@ from sqlalchemy import Engine, func, inspect, select
 from mqdedup.cli import exitcodes
 from mqdedup.db import create_engine
 from mqdedup.db.schema import schema
-from tests.integration.kafka.helpers import KafkaHelper, Outgoing
-from tests.services import REPO, wait_for
+from tests.services import REPO, KafkaHelper, Outgoing, wait_for
 
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 CONSUMER = "tests.acceptance.prefix_consumers:PrefixOrders"

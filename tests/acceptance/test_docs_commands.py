@@ -39,8 +39,7 @@ from sqlalchemy import make_url, text
 
 from mqdedup.db import create_engine
 from tests.acceptance.docs_blocks import Block, doc_files, parse
-from tests.conftest import require_service
-from tests.services import REPO
+from tests.services import REPO, require_service
 
 pytestmark = [pytest.mark.integration]
 

@@ -25,7 +25,6 @@ from sqlalchemy import Engine, MetaData, func, select, text
 from examples.payments.produce import expected
 from mqdedup.db import create_engine
 from mqdedup.db.schema import schema
-from tests.conftest import require_service
 from tests.services import REPO, free_port, wait_for
 
 pytestmark = [pytest.mark.integration]
@@ -36,13 +35,7 @@ PAYMENTS = 120
 
 
 @pytest.fixture
-def example_env(pg_url: str) -> Iterator[dict[str, str]]:
-    bootstrap = os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
-    rabbitmq = os.environ.get("MQDEDUP_RABBITMQ_URL")
-    if not bootstrap:
-        require_service("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
-    if not rabbitmq:
-        require_service("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
+def example_env(pg_url: str, kafka_bootstrap: str, rabbitmq_url: str) -> Iterator[dict[str, str]]:
     tag = uuid.uuid4().hex[:8]
     env = {
         **os.environ,

@@ -16,9 +16,8 @@ from mqdedup import InMemoryBroker, Message, RetryPolicy, create_engine, run_unt
 from mqdedup.consumers.worker import Worker
 from mqdedup.errors import SimulatedCrash
 from mqdedup.stopping import StopToken
-from tests.conftest import require_service, reset_database
-from tests.services import REPO, PrivateService, free_port, wait_for
-from tests.support import BulkOrderConsumer, OrderConsumer, order_counts
+from tests.services import REPO, PrivateService, free_port, require_service, wait_for
+from tests.support import BulkOrderConsumer, OrderConsumer, order_counts, reset_database
 
 pytestmark = pytest.mark.integration
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.05)

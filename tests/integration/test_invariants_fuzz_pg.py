@@ -12,17 +12,14 @@ longer.
 from __future__ import annotations
 
 import itertools
-import uuid
 from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from sqlalchemy import Engine
 
-from mqdedup.db import check_connection, create_engine
-from mqdedup.errors import DatabaseUnavailableError
 from tests import fuzz_scenarios as fuzz
-from tests.conftest import require_service
+from tests.services import checked_engine, table_prefix
 
 pytestmark = pytest.mark.integration
 EXAMPLES = 100
@@ -31,12 +28,8 @@ _names = itertools.count()
 
 @pytest.fixture(scope="module")
 def pg_fuzz(pg_url: str) -> Iterator[tuple[Engine, str]]:
-    engine = create_engine(pg_url)
-    try:
-        check_connection(engine)
-    except DatabaseUnavailableError as exc:
-        require_service("PostgreSQL", str(exc))
-    prefix = f"fz_{uuid.uuid4().hex[:8]}_"
+    engine = checked_engine(pg_url, "PostgreSQL")
+    prefix = table_prefix()
     fuzz.create_tables(engine, prefix)
     try:
         yield engine, prefix

@@ -23,7 +23,6 @@ from examples.testing_sample.notify import (
 )
 from mqdedup.testing import EffectivelyOnceError, assert_effectively_once, downstream_effects
 from mqdedup.testing.brokers import BrokerHarness, KafkaHarness, RabbitMQHarness
-from tests.conftest import require_service
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -58,12 +57,9 @@ def tables() -> Iterator[Callable[[BrokerHarness], None]]:
 def kafka_kit(
     mqdedup_kafka_harness: Callable[..., KafkaHarness],
     pg_url: str,
+    kafka_bootstrap: str,
     tables: Callable[[BrokerHarness], None],
 ) -> Callable[[type[OrderNotifier]], tuple[KafkaHarness, str]]:
-    import os
-
-    if not os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP"):
-        require_service("Kafka", "MQDEDUP_KAFKA_BOOTSTRAP is not set")
 
     def make(consumer: type[OrderNotifier]) -> tuple[KafkaHarness, str]:
         harness = mqdedup_kafka_harness(consumer, database_url=pg_url)
@@ -82,12 +78,9 @@ def kafka_kit(
 def rabbitmq_kit(
     mqdedup_rabbitmq_harness: Callable[..., RabbitMQHarness],
     pg_url: str,
+    rabbitmq_url: str,
     tables: Callable[[BrokerHarness], None],
 ) -> Callable[[type[RabbitOrderNotifier]], tuple[RabbitMQHarness, str]]:
-    import os
-
-    if not os.environ.get("MQDEDUP_RABBITMQ_URL"):
-        require_service("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
 
     def make(consumer: type[RabbitOrderNotifier]) -> tuple[RabbitMQHarness, str]:
         harness = mqdedup_rabbitmq_harness(consumer, database_url=pg_url)

@@ -26,20 +26,11 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, Table
 
-from mqdedup import Message, create_engine, init_schema
-from mqdedup.db.schema import schema
-from mqdedup.errors import MqdedupError
+from mqdedup import Message, create_engine
 from mqdedup.stopping import StopToken
-from tests.conftest import require_service
-from tests.integration.rabbitmq.support import (
-    REPO,
-    BrokerAdmin,
-    claims,
-    make_consumer,
-    order_counts,
-    orders_table,
-    wait_for,
-)
+from tests.integration.rabbitmq.support import claims, make_consumer, order_counts
+from tests.services import REPO, RabbitAdmin, prefixed_database, table_prefix, wait_for
+from tests.support import orders_table
 
 pytestmark = pytest.mark.integration
 
@@ -83,47 +74,18 @@ def worker_main() -> None:
 
 
 @pytest.fixture
-def rabbit_url() -> str:
-    url = os.environ.get("MQDEDUP_RABBITMQ_URL")
-    if not url:
-        require_service("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
-    assert url is not None
-    from mqdedup.rabbitmq.topology import check_broker
-
-    try:
-        check_broker(url)
-    except MqdedupError as exc:
-        require_service("RabbitMQ", str(exc))
-    return url
-
-
-@pytest.fixture
 def tables(pg_url: str) -> Iterator[tuple[Engine, str, Table]]:
-    from mqdedup.db import check_connection
-    from mqdedup.errors import DatabaseUnavailableError
-
-    engine = create_engine(pg_url)
-    try:
-        check_connection(engine)
-    except DatabaseUnavailableError as exc:
-        require_service("PostgreSQL", str(exc))
-    prefix = f"tpm_{uuid.uuid4().hex[:8]}_"
-    init_schema(engine, prefix)
+    prefix = table_prefix()
     orders = orders_table(prefix)
-    orders.metadata.create_all(engine)
-    try:
-        yield engine, prefix, orders
-    finally:
-        orders.metadata.drop_all(engine)
-        schema(prefix).metadata.drop_all(engine)
-        engine.dispose()
+    with prefixed_database(pg_url, "PostgreSQL", orders.metadata, prefix=prefix) as db:
+        yield db.engine, prefix, orders
 
 
 # -- the test ------------------------------------------------------------------------------
 
 
 def test_kill_9_mid_batch_then_redelivery_leaves_each_effect_once(
-    rabbit_url: str, pg_url: str, tables: tuple[Engine, str, Table], tmp_path: Path
+    rabbitmq_url: str, pg_url: str, tables: tuple[Engine, str, Table], tmp_path: Path
 ) -> None:
     engine, prefix, orders = tables
     queue = f"mqdedup-tpm-{uuid.uuid4().hex[:8]}"
@@ -131,12 +93,12 @@ def test_kill_9_mid_batch_then_redelivery_leaves_each_effect_once(
     config = {
         "queue": queue,
         "prefix": prefix,
-        "url": rabbit_url,
+        "url": rabbitmq_url,
         "database_url": pg_url,
         "hold_id": HOLD_ID,
         "marker": str(marker),
     }
-    admin = BrokerAdmin(rabbit_url)
+    admin = RabbitAdmin(rabbitmq_url)
     admin.declare(consumer_class(config)())
     # 600 unique ids, then 200 copies of earlier ones (published after the kill point,
     # so every delivery before the kill is a first copy).

@@ -95,28 +95,6 @@ def publisher_with(*plans: dict[bytes, Any]) -> tuple[KafkaPublisher, list[FakeP
     return publisher, made
 
 
-def test_every_record_is_sent_in_order_with_its_headers_as_bytes() -> None:
-    publisher, made = publisher_with({})
-    results = publisher.publish_batch([record(1), record(2)])
-    assert [r.outcome for r in results] == [Outcome.PUBLISHED, Outcome.PUBLISHED]
-    assert [headers for _, _, headers in made[0].sent] == [
-        [("message-id", b"m1"), ("n", b"1")],
-        [("message-id", b"m2"), ("n", b"2")],
-    ]
-
-
-def test_too_large_record_is_refused_and_the_rest_published() -> None:
-    too_large = kafka_errors.MessageSizeTooLargeError("1048577 bytes")
-    publisher, _ = publisher_with({b"big": too_large})
-    results = publisher.publish_batch([record(1), record(2, payload=b"big"), record(3)])
-    assert [r.outcome for r in results] == [
-        Outcome.PUBLISHED,
-        Outcome.REJECTED,
-        Outcome.PUBLISHED,
-    ]
-    assert results[1].error is not None and "MessageSizeTooLarge" in results[1].error
-
-
 def test_retriable_broker_errors_and_missing_acks_are_unavailable_not_refused() -> None:
     publisher, _ = publisher_with(
         {
@@ -181,17 +159,6 @@ def test_without_the_abort_marker_suspects_are_sent_one_by_one() -> None:
     publisher, _ = publisher_with(everything_fails, alone)
     results = publisher.publish_batch([record(1, payload=b"a"), record(2, payload=b"big")])
     assert [r.outcome for r in results] == [Outcome.PUBLISHED, Outcome.REJECTED]
-
-
-def test_unreachable_cluster_makes_every_record_unavailable() -> None:
-    publisher = KafkaPublisher("127.0.0.1:1", connect_timeout=0.2)
-
-    def refuse(**_config: Any) -> Any:
-        raise kafka_errors.NoBrokersAvailable()
-
-    publisher._producer.factory = refuse
-    results = publisher.publish_batch([record(1), record(2)])
-    assert {r.outcome for r in results} == {Outcome.UNAVAILABLE}
 
 
 def test_empty_bootstrap_is_a_configuration_error() -> None:

@@ -133,27 +133,6 @@ def test_multiple_ack_never_covers_an_unsettled_tag() -> None:
     assert transport._channel.frames == [("ack", 2, True), ("ack", 4, False), ("ack", 5, False)]
 
 
-def test_dead_letter_publishes_a_confirmed_copy_to_the_dlq() -> None:
-    transport = connected_transport()
-    deliver(transport, 1)
-    [delivery] = transport.fetch(1, timeout=0)
-    delivery = type(delivery)(delivery.message.with_id("m1"), delivery.token)
-    publish_channel = FakeChannel()  # the dead-letter connection's channel (not the consumer's)
-    transport._dead_letters._open_channel = lambda: publish_channel  # type: ignore[method-assign]
-    transport.dead_letter(delivery, DeadLetter("bad", "orders", 3, "builtins.ValueError", "x"))
-    [(kind, publish)] = publish_channel.frames
-    assert kind == "publish"
-    assert publish["exchange"] == "mqdedup.dead-letter"
-    assert publish["routing_key"] == "orders.dlq"
-    assert publish["mandatory"] is True
-    assert publish["body"] == b"{}"
-    headers = publish["properties"].headers
-    assert headers["x-mqdedup-source-queue"] == "orders"
-    assert headers["x-mqdedup-attempts"] == "3"
-    assert headers["x-mqdedup-message-id"] == "m1"
-    assert transport._channel.frames == [], "the original is acked by settle, afterwards"
-
-
 def test_fetch_returns_at_once_when_the_prefetch_window_is_full() -> None:
     transport = connected_transport(prefetch=2)
     transport._linger = 10.0  # would wait for more if the window were not full

@@ -10,31 +10,18 @@ import json
 import os
 import time
 from collections.abc import Mapping, Sequence
-from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
 
-from sqlalchemy import Column, Integer, MetaData, String, Table, insert
+from sqlalchemy import insert
 
 from mqdedup import Context, Message, RetryPolicy
 from mqdedup.consumers.base import BatchContext
 from mqdedup.kafka import KafkaConsumer
+from tests.support import orders_table
 
 #: Fast failure detection for tests (the broker's minimum session timeout is 6 s).
 FAST_GROUP = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
-
-
-@cache
-def orders_table(prefix: str) -> Table:
-    """The business table of one test (no unique constraint: only mqdedup may dedup)."""
-    return Table(
-        f"{prefix}orders",
-        MetaData(),
-        Column("row_id", Integer, primary_key=True, autoincrement=True),
-        Column("message_id", String(255), nullable=False),
-        Column("body", String(255), nullable=True),
-        Column("worker", String(64), nullable=True),
-    )
 
 
 class TestOrders(KafkaConsumer):

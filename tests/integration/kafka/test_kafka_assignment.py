@@ -18,17 +18,10 @@ import pytest
 from sqlalchemy import func, select
 
 from mqdedup import Metrics, StopToken
-from tests.integration.kafka.conftest import TestDatabase
-from tests.integration.kafka.consumers import make_consumer, orders_table
-from tests.integration.kafka.helpers import (
-    KafkaHelper,
-    Outgoing,
-    WorkerProcess,
-    row_counts,
-    total_rows,
-    unique_name,
-    wait_for,
-)
+from tests.integration.kafka.consumers import make_consumer
+from tests.integration.kafka.helpers import WorkerProcess, row_counts, total_rows
+from tests.services import KafkaHelper, Outgoing, TestDatabase, unique_name, wait_for
+from tests.support import orders_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

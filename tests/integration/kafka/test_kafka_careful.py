@@ -9,9 +9,9 @@ from sqlalchemy import select
 
 from mqdedup.consumers.processor import WORKER_DIED
 from mqdedup.db.schema import schema
-from tests.integration.kafka.conftest import TestDatabase
-from tests.integration.kafka.helpers import KafkaHelper, Outgoing, row_counts, wait_for
+from tests.integration.kafka.helpers import row_counts
 from tests.integration.kafka.test_kafka_consumer import consumer_for, running
+from tests.services import KafkaHelper, Outgoing, TestDatabase, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -15,16 +15,10 @@ from sqlalchemy import delete, select
 
 from mqdedup import Metrics, StopToken
 from mqdedup.dedup.store import DedupStore
-from tests.integration.kafka.conftest import TestDatabase
-from tests.integration.kafka.consumers import TestOrders, make_consumer, orders_table
-from tests.integration.kafka.helpers import (
-    KafkaHelper,
-    Outgoing,
-    row_counts,
-    total_rows,
-    unique_name,
-    wait_for,
-)
+from tests.integration.kafka.consumers import TestOrders, make_consumer
+from tests.integration.kafka.helpers import row_counts, total_rows
+from tests.services import KafkaHelper, Outgoing, TestDatabase, unique_name, wait_for
+from tests.support import orders_table
 
 pytestmark = pytest.mark.integration
 

@@ -14,16 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.kafka.conftest import TestDatabase
-from tests.integration.kafka.helpers import (
-    KafkaHelper,
-    Outgoing,
-    WorkerProcess,
-    row_counts,
-    total_rows,
-    unique_name,
-    wait_for,
-)
+from tests.integration.kafka.helpers import WorkerProcess, row_counts, total_rows
+from tests.services import KafkaHelper, Outgoing, TestDatabase, unique_name, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

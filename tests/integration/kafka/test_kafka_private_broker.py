@@ -11,7 +11,6 @@ One broker for the module (``KAFKA_AUTO_CREATE_TOPICS=false`` of scripts/service
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,18 +23,18 @@ from mqdedup import RetryPolicy
 from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import OutboxStore, OutboxWriter, Relay, RelayConfig
-from tests.integration.kafka.conftest import TestDatabase
 from tests.integration.kafka.consumers import make_consumer
-from tests.integration.kafka.helpers import (
+from tests.integration.kafka.helpers import row_counts, total_rows
+from tests.integration.kafka.test_kafka_refusals import running
+from tests.services import (
     KafkaHelper,
     Outgoing,
-    row_counts,
-    total_rows,
+    PrivateService,
+    TestDatabase,
+    private_kafka,
     unique_name,
     wait_for,
 )
-from tests.integration.kafka.test_kafka_refusals import running
-from tests.services import PrivateService, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -56,22 +55,9 @@ def strict_kafka(
     kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[StrictBroker]:
     """A private broker without topic auto-creation."""
-    port = free_port()
-    while port >= 65000:  # its controller listens on port + 1
-        port = free_port()
-    broker = PrivateService(
-        "kafka", tmp_path_factory.mktemp("strict") / "services", "KAFKA_PORT", port
-    )
-    broker.env["KAFKA_AUTO_CREATE_TOPICS"] = "false"
-    try:
-        broker.start()
-        yield StrictBroker(broker, f"127.0.0.1:{port}")
-    finally:
-        try:
-            broker.stop()
-        except Exception:
-            with contextlib.suppress(Exception):
-                broker.kill()
+    state = tmp_path_factory.mktemp("strict") / "services"
+    with private_kafka(state, KAFKA_AUTO_CREATE_TOPICS="false") as broker:
+        yield StrictBroker(broker, broker.bootstrap)
 
 
 def test_a_missing_dead_letter_topic_that_cannot_be_created_keeps_the_message(

@@ -19,16 +19,9 @@ from sqlalchemy.orm import Session
 from mqdedup import Message, Metrics, RetryPolicy, StopToken
 from mqdedup.consumers.base import Context
 from mqdedup.dedup.dead_letters import DeadLetterTable
-from tests.integration.kafka.conftest import TestDatabase
 from tests.integration.kafka.consumers import TestOrders, make_consumer
-from tests.integration.kafka.helpers import (
-    KafkaHelper,
-    Outgoing,
-    row_counts,
-    total_rows,
-    unique_name,
-    wait_for,
-)
+from tests.integration.kafka.helpers import row_counts, total_rows
+from tests.services import KafkaHelper, Outgoing, TestDatabase, unique_name, wait_for
 
 pytestmark = pytest.mark.integration
 

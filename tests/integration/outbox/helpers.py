@@ -10,24 +10,17 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import kafka
-import pika
-from kafka.structs import TopicPartition
-from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, select
+from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
 from sqlalchemy.orm import Session
 
 from mqdedup.outbox import OutboxStatus, OutboxStore, OutboxWriter, Relay, RelayMetrics
 from mqdedup.stopping import StopToken
-from tests.services import REPO, wait_for
-
-__all__ = ["REPO", "wait_for"]
+from tests.services import REPO, TestDatabase, wait_for
 
 
 def events_table(prefix: str) -> Table:
@@ -42,13 +35,10 @@ def events_table(prefix: str) -> Table:
     )
 
 
-@dataclass
-class OutboxDb:
-    """The shared PostgreSQL with this test's table prefix and business table."""
+@dataclass(frozen=True)
+class OutboxDb(TestDatabase):
+    """A shared database with this test's table prefix and business table."""
 
-    url: str
-    engine: Engine
-    prefix: str
     events: Table
 
     def status(self) -> OutboxStatus:
@@ -69,101 +59,6 @@ class OutboxDb:
         table = OutboxStore(self.prefix).table
         with self.engine.connect() as connection:
             return set(connection.execute(select(table.c.message_id)).scalars())
-
-
-def unique_name(kind: str) -> str:
-    return f"t-outbox-{kind}-{uuid.uuid4().hex[:10]}"
-
-
-# -- brokers -------------------------------------------------------------------------------
-
-
-class KafkaTool:
-    """Topics created for one test (deleted at the end) and a reader."""
-
-    def __init__(self, bootstrap: str) -> None:
-        self.bootstrap = bootstrap
-        self.admin = kafka.KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=15000)
-        self.created: list[str] = []
-
-    def create_topic(self, partitions: int = 4, kind: str = "events") -> str:
-        name = unique_name(kind)
-        self.admin.create_topics({name: {"num_partitions": partitions}}, wait_for_metadata=True)
-        self.created.append(name)
-        return name
-
-    def read_all(self, topic: str, expected: int, timeout: float = 60.0) -> list[Any]:
-        """Every record of ``topic`` in partition order (waits for ``expected`` of them)."""
-        consumer = kafka.KafkaConsumer(
-            bootstrap_servers=self.bootstrap, enable_auto_commit=False, group_id=None
-        )
-        try:
-            wait_for(lambda: bool(consumer.partitions_for_topic(topic)), 30, f"topic {topic}")
-            partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-            consumer.assign(partitions)
-            consumer.seek_to_beginning(*partitions)
-            records: list[Any] = []
-            deadline = time.monotonic() + timeout
-            while len(records) < expected and time.monotonic() < deadline:
-                for batch in consumer.poll(timeout_ms=200).values():
-                    records.extend(batch)
-            for batch in consumer.poll(timeout_ms=500).values():  # anything beyond expected
-                records.extend(batch)
-            return records
-        finally:
-            consumer.close()
-
-    def close(self) -> None:
-        existing = set(self.admin.list_topics())
-        doomed = [t for t in self.created if t in existing]
-        doomed += [f"{t}.DLT" for t in self.created if f"{t}.DLT" in existing]
-        if doomed:
-            with contextlib.suppress(Exception):  # cleanup only
-                self.admin.delete_topics(doomed)
-        self.admin.close()
-
-
-def kafka_headers(record: Any) -> dict[str, str]:
-    return {name: value.decode() for name, value in record.headers}
-
-
-class RabbitTool:
-    """Queues declared for one test (deleted at the end), inspected with a plain channel."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.connection = pika.BlockingConnection(pika.URLParameters(url))
-        self.channel = self.connection.channel()
-        self.created: list[str] = []
-
-    def queue(self, kind: str = "events") -> str:
-        name = unique_name(kind)
-        self.channel.queue_declare(name, durable=True)
-        self.created.append(name)
-        return name
-
-    def depth(self, queue: str) -> int:
-        return int(self.channel.queue_declare(queue, passive=True).method.message_count)
-
-    def drain(self, queue: str, expected: int, timeout: float = 60.0) -> list[tuple[Any, bytes]]:
-        """Take (and ack) every message of ``queue``; waits for ``expected`` of them."""
-        messages: list[tuple[Any, bytes]] = []
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            method, properties, body = self.channel.basic_get(queue, auto_ack=True)
-            if method is None:
-                if len(messages) >= expected:
-                    break
-                time.sleep(0.05)
-                continue
-            messages.append((properties, body))
-        return messages
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):  # cleanup only
-            for name in self.created:
-                self.channel.queue_delete(name)
-            self.connection.close()
 
 
 # -- writing outbox rows -------------------------------------------------------------------

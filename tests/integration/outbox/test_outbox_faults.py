@@ -26,17 +26,16 @@ from mqdedup.outbox.writer import outgoing_message_id
 from mqdedup.rabbitmq import RabbitMQConsumer, RabbitMQPublisher
 from mqdedup.rabbitmq.topology import declare_topology
 from mqdedup.stopping import StopToken
+from tests import services
 from tests.integration.outbox.chain_worker import build
 from tests.integration.outbox.helpers import (
-    KafkaTool,
     OutboxDb,
-    RabbitTool,
     RelayProcess,
     WorkerProcess,
     poll_until,
     relay_thread,
 )
-from tests.services import PrivateService, free_port
+from tests.services import KafkaHelper, PrivateService, RabbitAdmin
 
 pytestmark = pytest.mark.integration
 
@@ -94,11 +93,11 @@ def consume_all(
 
 
 def test_relay_killed_mid_batch_five_times_publishes_all_and_the_consumer_applies_each_once(
-    db: OutboxDb, rabbit: RabbitTool, rabbitmq_url: str
+    db: OutboxDb, rabbit: RabbitAdmin, rabbitmq_url: str
 ) -> None:
     queue = rabbit.queue()
     consumer = receiver(db, queue, rabbitmq_url)
-    declare_topology(rabbit.channel, consumer.topology())
+    declare_topology(rabbit.channel(), consumer.topology())
     rabbit.created.append(f"{queue}.dlq")
     ids = write_rows(db, queue, 5_000)
     config = {
@@ -147,13 +146,8 @@ def test_relay_killed_mid_batch_five_times_publishes_all_and_the_consumer_applie
 @pytest.fixture
 def private_rabbitmq(tmp_path: Path) -> Iterator[tuple[PrivateService, str]]:
     """A RabbitMQ of this test alone (own state dir and port), stopped at the end."""
-    port = free_port()
-    service = PrivateService("rabbitmq", tmp_path / "services", "RABBITMQ_PORT", port)
-    service.start()
-    try:
-        yield service, f"amqp://guest:guest@127.0.0.1:{port}/%2F"
-    finally:
-        service.stop()
+    with services.private_rabbitmq(tmp_path) as node:
+        yield node.service, node.url
 
 
 def test_broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
@@ -193,7 +187,7 @@ def test_broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
     status = db.status()
     assert (status.pending, status.failed, status.published) == (0, 0, 2_000)
     assert metrics.broker_outages >= 1 and metrics.failed == 0
-    admin = RabbitTool(url)
+    admin = RabbitAdmin(url)
     try:
         delivered = {properties.message_id for properties, _ in admin.drain(queue, 2_000)}
     finally:
@@ -202,9 +196,13 @@ def test_broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
 
 
 def test_chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_duplicates_and_crashes(
-    db: OutboxDb, kafka_tool: KafkaTool, rabbit: RabbitTool, kafka_bootstrap: str, rabbitmq_url: str
+    db: OutboxDb,
+    kafka_helper: KafkaHelper,
+    rabbit: RabbitAdmin,
+    kafka_bootstrap: str,
+    rabbitmq_url: str,
 ) -> None:
-    topic = kafka_tool.create_topic(partitions=3, kind="chain-in")
+    topic = kafka_helper.create_topic(partitions=3, kind="chain-in")
     queue = rabbit.queue("chain-b")
     group = f"chain-a-{uuid.uuid4().hex[:8]}"
     unique = [f"in-{number:05d}" for number in range(4_000)]

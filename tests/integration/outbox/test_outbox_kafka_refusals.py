@@ -21,14 +21,8 @@ from sqlalchemy.orm import Session
 from mqdedup.cli import exitcodes
 from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import OutboxStore, OutboxWriter, Relay, RelayConfig
-from tests.integration.outbox.helpers import (
-    KafkaTool,
-    OutboxDb,
-    kafka_headers,
-    poll_until,
-    unique_name,
-)
-from tests.services import free_port
+from tests.integration.outbox.helpers import OutboxDb, poll_until
+from tests.services import KafkaHelper, free_port, kafka_headers, unique_name
 
 pytestmark = pytest.mark.integration
 
@@ -39,14 +33,14 @@ TOPIC_LIMIT = 50_000
 
 
 def test_one_oversized_row_among_2000_fails_alone_and_the_other_1999_are_published(
-    db: OutboxDb, kafka_tool: KafkaTool, kafka_bootstrap: str
+    db: OutboxDb, kafka_helper: KafkaHelper, kafka_bootstrap: str
 ) -> None:
     topic = unique_name("limited")
-    kafka_tool.admin.create_topics(
+    kafka_helper.admin.create_topics(
         {topic: {"num_partitions": 4, "configs": {"max.message.bytes": str(TOPIC_LIMIT)}}},
         wait_for_metadata=True,
     )
-    kafka_tool.created.append(topic)
+    kafka_helper.created.append(topic)
     with Session(db.engine) as session, session.begin():
         writer = OutboxWriter(session, prefix=db.prefix)
         ids = [
@@ -87,7 +81,7 @@ def test_one_oversized_row_among_2000_fails_alone_and_the_other_1999_are_publish
     assert [(row.message_id, row.attempts) for row in failed] == [(oversized, 3)]
     assert "MessageSizeTooLargeError" in failed[0].last_error  # the broker's reason
 
-    records = kafka_tool.read_all(topic, expected=1_999, timeout=60)
+    records = kafka_helper.read_all(topic, expected=1_999, timeout=60)
     on_topic = {kafka_headers(record)["message-id"] for record in records}
     assert on_topic == set(ids) - {oversized}  # nothing marked failed is on the topic
     assert publisher.replacements >= 1  # the fatal producer was replaced, not kept
@@ -95,10 +89,10 @@ def test_one_oversized_row_among_2000_fails_alone_and_the_other_1999_are_publish
 
 
 def test_relay_cli_serves_kafka_rows_while_the_configured_rabbitmq_is_unreachable(
-    db: OutboxDb, kafka_tool: KafkaTool, kafka_bootstrap: str
+    db: OutboxDb, kafka_helper: KafkaHelper, kafka_bootstrap: str
 ) -> None:
     """Item 6: an unreachable RabbitMQ no longer makes ``mqdedup relay`` exit 6."""
-    topic = kafka_tool.create_topic(partitions=2)
+    topic = kafka_helper.create_topic(partitions=2)
     with Session(db.engine) as session, session.begin():
         writer = OutboxWriter(session, prefix=db.prefix)
         ids = [writer.publish({"n": n}, topic=topic, key=f"k{n % 5}") for n in range(50)]
@@ -126,5 +120,5 @@ def test_relay_cli_serves_kafka_rows_while_the_configured_rabbitmq_is_unreachabl
             relay.kill()
     assert relay.returncode == exitcodes.OK, err[-2000:]
     assert "cannot reach RabbitMQ" in err and "relaying to kafka" in err  # said at start
-    records = kafka_tool.read_all(topic, expected=50, timeout=30)
+    records = kafka_helper.read_all(topic, expected=50, timeout=30)
     assert {kafka_headers(r)["message-id"] for r in records} == set(ids)

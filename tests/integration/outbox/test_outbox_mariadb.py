@@ -18,13 +18,11 @@ outbox row, nothing to publish) is tested in
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -34,72 +32,60 @@ import pytest
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from mqdedup.db import check_connection, create_engine, init_schema
 from mqdedup.db.schema import schema
-from mqdedup.errors import ConfigurationError, DatabaseUnavailableError
+from mqdedup.errors import ConfigurationError
 from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import MemoryPublisher, OutboxStore, OutboxWriter, Relay, RelayConfig
 from mqdedup.outbox.mysql_coordination import MySQLCoordinator
 from mqdedup.outbox.store import ShardFilter
 from mqdedup.rabbitmq import RabbitMQPublisher
 from mqdedup.rabbitmq.topology import declare_topology
-from tests.conftest import require_service
 from tests.integration.outbox.helpers import (
-    REPO,
-    KafkaTool,
     OutboxDb,
-    RabbitTool,
     RelayProcess,
     events_table,
-    kafka_headers,
     order_problems,
     poll_until,
     relay_thread,
     write_keyed_rows,
 )
 from tests.integration.outbox.test_outbox_faults import consume_all, receiver, write_rows
+from tests.services import (
+    REPO,
+    KafkaHelper,
+    RabbitAdmin,
+    kafka_headers,
+    prefixed_database,
+    table_prefix,
+)
 
 pytestmark = pytest.mark.integration
 
-MARIADB_URL_ENV = "MQDEDUP_TEST_MARIADB_URL"
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 
 
 @pytest.fixture
-def mdb() -> Iterator[OutboxDb]:
+def mdb(mariadb_url: str) -> Iterator[OutboxDb]:
     """The shared MariaDB with this test's own framework tables and business table."""
-    url = os.environ.get(MARIADB_URL_ENV)
-    if not url:
-        require_service("MariaDB", f"{MARIADB_URL_ENV} is not set")
-    assert url is not None
-    engine = create_engine(url, pool_size=10, max_overflow=20)
-    try:
-        check_connection(engine)
-    except DatabaseUnavailableError as error:
-        require_service("MariaDB", str(error))
-    prefix = f"t_{uuid.uuid4().hex[:8]}_"
-    init_schema(engine, prefix)
+    prefix = table_prefix()
     events = events_table(prefix)
-    events.create(engine)
-    try:
-        yield OutboxDb(url=url, engine=engine, prefix=prefix, events=events)
-    finally:
-        events.drop(engine, checkfirst=True)
-        schema(prefix).metadata.drop_all(engine)
-        engine.dispose()
+    with prefixed_database(
+        mariadb_url, "MariaDB", events.metadata, prefix=prefix, pool_size=10, max_overflow=20
+    ) as shared:
+        yield OutboxDb(url=shared.url, engine=shared.engine, prefix=prefix, events=events)
 
 
 @pytest.mark.parametrize("target", ["kafka", "rabbitmq"])
 def test_10k_rows_from_concurrent_transactions_are_published_once_in_key_order_on_mariadb(
     mdb: OutboxDb,
-    kafka_tool: KafkaTool,
-    rabbit: RabbitTool,
+    kafka_helper: KafkaHelper,
+    rabbit: RabbitAdmin,
     kafka_bootstrap: str,
     rabbitmq_url: str,
     target: str,
 ) -> None:
     if target == "kafka":
-        topic = kafka_tool.create_topic(partitions=4)
+        topic = kafka_helper.create_topic(partitions=4)
         destination: dict[str, Any] = {"topic": topic}
         publisher: Any = KafkaPublisher(kafka_bootstrap)
     else:
@@ -118,7 +104,7 @@ def test_10k_rows_from_concurrent_transactions_are_published_once_in_key_order_o
     all_ids = [message_id for ids in written.values() for message_id in ids]
     assert len(all_ids) == len(set(all_ids)) == 10_000
     if target == "kafka":
-        records = kafka_tool.read_all(topic, expected=10_000)
+        records = kafka_helper.read_all(topic, expected=10_000)
         delivered = [kafka_headers(r)["message-id"] for r in records]
         payloads = [json.loads(r.value) for r in records]  # partition by partition
     else:
@@ -134,11 +120,11 @@ def test_10k_rows_from_concurrent_transactions_are_published_once_in_key_order_o
 
 
 def test_two_relays_at_once_on_mariadb_publish_each_row_once_in_key_order(
-    mdb: OutboxDb, kafka_tool: KafkaTool, kafka_bootstrap: str
+    mdb: OutboxDb, kafka_helper: KafkaHelper, kafka_bootstrap: str
 ) -> None:
     """Shards move between the relays (named locks) while rows are written: no row is
     published by both, each key's rows arrive in order, both relays share the work."""
-    topic = kafka_tool.create_topic(partitions=4)
+    topic = kafka_helper.create_topic(partitions=4)
     config = {
         "database_url": mdb.url,
         "prefix": mdb.prefix,
@@ -157,7 +143,7 @@ def test_two_relays_at_once_on_mariadb_publish_each_row_once_in_key_order(
     finally:
         metrics = [first.stop(), second.stop()]
 
-    records = kafka_tool.read_all(topic, expected=6_000)
+    records = kafka_helper.read_all(topic, expected=6_000)
     delivered = [kafka_headers(r)["message-id"] for r in records]
     assert len(delivered) == len(set(delivered)) == 6_000, "no row published twice"
     assert set(delivered) == {i for ids in written.values() for i in ids}
@@ -216,11 +202,11 @@ def test_a_claim_from_shards_whose_named_locks_are_gone_leases_nothing(mdb: Outb
 
 
 def test_relay_killed_mid_batch_on_mariadb_publishes_all_and_the_consumer_applies_each_once(
-    mdb: OutboxDb, rabbit: RabbitTool, rabbitmq_url: str
+    mdb: OutboxDb, rabbit: RabbitAdmin, rabbitmq_url: str
 ) -> None:
     queue = rabbit.queue()
     consumer = receiver(mdb, queue, rabbitmq_url)  # its dedup table is on MariaDB too
-    declare_topology(rabbit.channel, consumer.topology())
+    declare_topology(rabbit.channel(), consumer.topology())
     rabbit.created.append(f"{queue}.dlq")
     ids = write_rows(mdb, queue, 3_000)
     config = {
@@ -282,7 +268,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 
 def test_mqdedup_relay_and_outbox_commands_run_on_mariadb(
-    mdb: OutboxDb, rabbit: RabbitTool, rabbitmq_url: str
+    mdb: OutboxDb, rabbit: RabbitAdmin, rabbitmq_url: str
 ) -> None:
     queue = rabbit.queue()
     ids = write_rows(mdb, queue, 500)

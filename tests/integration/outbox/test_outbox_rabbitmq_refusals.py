@@ -27,15 +27,15 @@ from mqdedup.outbox import OutboxWriter, Relay
 from mqdedup.outbox.relay import RelayConfig
 from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import OutboxDb, poll_until, relay_thread
-from tests.integration.rabbitmq.private_node import PrivateNode, private_node
+from tests.services import PrivateRabbitMQ, private_rabbitmq
 
 pytestmark = [pytest.mark.integration]
 MAX_MESSAGE_SIZE = 4096
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[PrivateNode]:
-    with private_node(tmp_path) as started:
+def node(tmp_path: Path) -> Iterator[PrivateRabbitMQ]:
+    with private_rabbitmq(tmp_path) as started:
         yield started
 
 
@@ -80,7 +80,7 @@ def _rows_by_id(db: OutboxDb) -> dict[str, tuple[str, int, str | None]]:
 
 @pytest.mark.slow
 def test_refused_records_fail_alone_with_the_brokers_reason_good_rows_published_once(
-    db: OutboxDb, node: PrivateNode
+    db: OutboxDb, node: PrivateRabbitMQ
 ) -> None:
     node.set_env("max_message_size", MAX_MESSAGE_SIZE)
     suffix = uuid.uuid4().hex[:8]

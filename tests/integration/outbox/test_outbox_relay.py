@@ -18,16 +18,14 @@ from mqdedup.outbox import MemoryPublisher, OutboxWriter, Relay, RelayConfig
 from mqdedup.outbox.writer import outgoing_message_id
 from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import (
-    KafkaTool,
     OutboxDb,
-    RabbitTool,
     RelayProcess,
-    kafka_headers,
     order_problems,
     poll_until,
     relay_thread,
     write_keyed_rows,
 )
+from tests.services import KafkaHelper, RabbitAdmin, kafka_headers
 
 pytestmark = pytest.mark.integration
 
@@ -54,9 +52,9 @@ def forwarding_consumer(db: OutboxDb, topic: str, fail_ids: set[str]) -> Consume
 
 
 def test_failing_handler_leaves_no_business_row_no_outbox_row_and_publishes_nothing(
-    db: OutboxDb, kafka_tool: KafkaTool, kafka_bootstrap: str
+    db: OutboxDb, kafka_helper: KafkaHelper, kafka_bootstrap: str
 ) -> None:
-    topic = kafka_tool.create_topic(partitions=1)
+    topic = kafka_helper.create_topic(partitions=1)
     broker = InMemoryBroker()
     broker.publish("in", json.dumps({"n": 1}), message_id="good")
     broker.publish("in", json.dumps({"n": 2}), message_id="bad")
@@ -71,7 +69,7 @@ def test_failing_handler_leaves_no_business_row_no_outbox_row_and_publishes_noth
     assert db.event_counts("forwarder") == {"good": 1}  # no business row for "bad"
     good_out = outgoing_message_id("forwarder", "good", 0)
     assert db.outbox_ids() == {good_out}  # no outbox row for "bad"
-    records = kafka_tool.read_all(topic, expected=1, timeout=30)
+    records = kafka_helper.read_all(topic, expected=1, timeout=30)
     assert [kafka_headers(r)["message-id"] for r in records] == [good_out]  # nothing else
     assert kafka_headers(records[0])["causation-id"] == "good"
     assert json.loads(records[0].value) == {"n": 1}
@@ -81,14 +79,14 @@ def test_failing_handler_leaves_no_business_row_no_outbox_row_and_publishes_noth
 @pytest.mark.parametrize("target", ["kafka", "rabbitmq"])
 def test_10k_rows_from_concurrent_transactions_are_published_once_in_key_order(
     db: OutboxDb,
-    kafka_tool: KafkaTool,
-    rabbit: RabbitTool,
+    kafka_helper: KafkaHelper,
+    rabbit: RabbitAdmin,
     kafka_bootstrap: str,
     rabbitmq_url: str,
     target: str,
 ) -> None:
     if target == "kafka":
-        topic = kafka_tool.create_topic(partitions=4)
+        topic = kafka_helper.create_topic(partitions=4)
         destination: dict[str, Any] = {"topic": topic}
         publisher: Any = KafkaPublisher(kafka_bootstrap)
     else:
@@ -105,7 +103,7 @@ def test_10k_rows_from_concurrent_transactions_are_published_once_in_key_order(
     all_ids = [message_id for ids in written.values() for message_id in ids]
     assert len(all_ids) == len(set(all_ids)) == 10_000
     if target == "kafka":
-        records = kafka_tool.read_all(topic, expected=10_000)
+        records = kafka_helper.read_all(topic, expected=10_000)
         delivered = [kafka_headers(r)["message-id"] for r in records]
         payloads = [json.loads(r.value) for r in records]  # partition by partition
     else:
@@ -121,7 +119,7 @@ def test_10k_rows_from_concurrent_transactions_are_published_once_in_key_order(
 
 
 def test_notify_wakes_the_relay_long_before_its_poll_interval(
-    db: OutboxDb, rabbit: RabbitTool, rabbitmq_url: str
+    db: OutboxDb, rabbit: RabbitAdmin, rabbitmq_url: str
 ) -> None:
     queue = rabbit.queue()
     relay = Relay(
@@ -153,7 +151,7 @@ def test_notify_wakes_the_relay_long_before_its_poll_interval(
 
 
 def test_rolled_back_savepoint_and_transaction_publish_nothing(
-    db: OutboxDb, rabbit: RabbitTool, rabbitmq_url: str
+    db: OutboxDb, rabbit: RabbitAdmin, rabbitmq_url: str
 ) -> None:
     queue = rabbit.queue()
     with Session(db.engine) as session:
@@ -175,7 +173,7 @@ def test_rolled_back_savepoint_and_transaction_publish_nothing(
 
 
 def test_unroutable_and_missing_exchange_rows_fail_after_their_attempts_and_can_be_retried(
-    db: OutboxDb, rabbit: RabbitTool, rabbitmq_url: str
+    db: OutboxDb, rabbit: RabbitAdmin, rabbitmq_url: str
 ) -> None:
     queue = rabbit.queue()
     with Session(db.engine) as session, session.begin():
@@ -199,7 +197,7 @@ def test_unroutable_and_missing_exchange_rows_fail_after_their_attempts_and_can_
         assert (status.published, status.failed, status.pending) == (1, 2, 0)
         assert [p.message_id for p, _ in rabbit.drain(queue, 1, 5)] == [ok]
 
-        rabbit.channel.queue_declare(queue + "-missing", durable=True)  # the operator's fix
+        rabbit.channel().queue_declare(queue + "-missing", durable=True)  # the operator's fix
         rabbit.created.append(queue + "-missing")
         assert relay.retry_failed(destination="") == 1
         relay.drain(timeout=30)
@@ -212,9 +210,9 @@ def test_unroutable_and_missing_exchange_rows_fail_after_their_attempts_and_can_
 
 
 def test_two_relays_at_once_publish_each_row_once_in_key_order(
-    db: OutboxDb, kafka_tool: KafkaTool, kafka_bootstrap: str
+    db: OutboxDb, kafka_helper: KafkaHelper, kafka_bootstrap: str
 ) -> None:
-    topic = kafka_tool.create_topic(partitions=4)
+    topic = kafka_helper.create_topic(partitions=4)
     config = {
         "database_url": db.url,
         "prefix": db.prefix,
@@ -233,7 +231,7 @@ def test_two_relays_at_once_publish_each_row_once_in_key_order(
     finally:
         metrics = [first.stop(), second.stop()]
 
-    records = kafka_tool.read_all(topic, expected=6_000)
+    records = kafka_helper.read_all(topic, expected=6_000)
     delivered = [kafka_headers(r)["message-id"] for r in records]
     assert len(delivered) == len(set(delivered)) == 6_000, "no row published twice"
     assert set(delivered) == {i for ids in written.values() for i in ids}

@@ -12,20 +12,24 @@ from typing import Any
 
 import pytest
 
-from tests.integration.outbox.helpers import KafkaTool, OutboxDb, RabbitTool
-from tests.services import REPO
+from tests.integration.outbox.helpers import OutboxDb
+from tests.services import REPO, KafkaHelper, RabbitAdmin
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("opentelemetry.sdk.trace")
 
 
 def test_one_trace_from_the_producer_through_the_outbox_to_the_next_consumer(
-    db: OutboxDb, kafka_tool: KafkaTool, rabbit: RabbitTool, kafka_bootstrap: str, rabbitmq_url: str
+    db: OutboxDb,
+    kafka_helper: KafkaHelper,
+    rabbit: RabbitAdmin,
+    kafka_bootstrap: str,
+    rabbitmq_url: str,
 ) -> None:
     config = {
         "database_url": db.url,
         "prefix": db.prefix,
-        "topic": kafka_tool.create_topic(partitions=1, kind="traced"),
+        "topic": kafka_helper.create_topic(partitions=1, kind="traced"),
         "group": f"traced-{uuid.uuid4().hex[:8]}",
         "queue": rabbit.queue("traced"),
         "kafka": kafka_bootstrap,

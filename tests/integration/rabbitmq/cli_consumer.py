@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-from tests.integration.rabbitmq.support import OrdersConsumer, orders_table
+from tests.integration.rabbitmq.support import OrdersConsumer
+from tests.support import orders_table
 
 _PREFIX = os.environ.get("MQDEDUP_TEST_RABBIT_PREFIX", "mqdedup_")
 

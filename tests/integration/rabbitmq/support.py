@@ -11,39 +11,23 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import pika
-import pika.exceptions
-from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, insert, select
+from sqlalchemy import Engine, Table, func, insert, select
 
 from mqdedup import Message
 from mqdedup.consumers.base import Context
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.db.schema import schema
 from mqdedup.rabbitmq.consumer import RabbitMQConsumer, RabbitMQTransport
-from mqdedup.rabbitmq.topology import declare_topology
 from mqdedup.stopping import StopToken
 from tests.services import REPO, wait_for
-
-__all__ = ["REPO", "wait_for"]
-
+from tests.support import orders_table
 
 # -- business table ------------------------------------------------------------------------
-
-
-def orders_table(prefix: str) -> Table:
-    """``<prefix>orders``: one row per handled message; no unique constraint on purpose."""
-    return Table(
-        f"{prefix}orders",
-        MetaData(),
-        Column("row_id", Integer, primary_key=True, autoincrement=True),
-        Column("message_id", String(255), nullable=False),
-        Column("body", String(2000), nullable=True),
-    )
 
 
 def order_counts(engine: Engine, table: Table) -> dict[str, int]:
@@ -174,89 +158,6 @@ def with_duplicates(
         position = rng.randint(original + 1, len(ids))
         ids.insert(position, ids[original])
     return ids
-
-
-class BrokerAdmin:
-    """A plain pika connection for publishing and inspecting queues in tests."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._connection: Any = None
-        self._channel: Any = None
-
-    def channel(self) -> Any:
-        if self._connection is None or not self._connection.is_open:
-            self._connection = pika.BlockingConnection(pika.URLParameters(self.url))
-            self._channel = None
-        if self._channel is None or not self._channel.is_open:
-            self._channel = self._connection.channel()
-        return self._channel
-
-    def declare(self, consumer: RabbitMQConsumer) -> None:
-        """Declare the consumer's queue, DLQ and bindings (as the consumer will)."""
-        declare_topology(self.channel(), consumer.topology())
-
-    def publish(
-        self,
-        queue: str,
-        ids: Iterable[str | None],
-        *,
-        body: Callable[[str | None], bytes] | None = None,
-        properties: Callable[[str | None], dict[str, Any]] | None = None,
-        wait: bool = True,
-    ) -> int:
-        """Publish one persistent message per id (``message_id`` property); return the count."""
-        channel = self.channel()
-        before = self.depth(queue) if wait else 0
-        count = 0
-        for message_id in ids:
-            extra = properties(message_id) if properties else {}
-            channel.basic_publish(
-                exchange="",
-                routing_key=queue,
-                body=body(message_id) if body else json.dumps({"id": message_id}).encode(),
-                properties=pika.BasicProperties(message_id=message_id, delivery_mode=2, **extra),
-            )
-            count += 1
-        if wait:
-            wait_for(
-                lambda: self.depth(queue) >= before + count, 60, f"{count} messages in {queue}"
-            )
-        return count
-
-    def depth(self, queue: str) -> int:
-        """Ready messages in ``queue`` (unacked ones are not counted)."""
-        try:
-            frame = self.channel().queue_declare(queue=queue, passive=True)
-        except pika.exceptions.ChannelClosedByBroker as error:
-            if error.reply_code == 404:
-                return 0
-            raise
-        return int(frame.method.message_count)
-
-    def peek_all(self, queue: str) -> list[tuple[Any, bytes]]:
-        """Every ready message of ``queue`` (properties, body), left in the queue."""
-        channel = self.channel()
-        found: list[tuple[Any, bytes]] = []
-        while True:
-            method, properties, body = channel.basic_get(queue, auto_ack=False)
-            if method is None:
-                break
-            found.append((properties, body))
-        channel.close()  # returns everything taken to the queue, in order
-        self._channel = None
-        return found
-
-    def delete(self, *queues: str) -> None:
-        for queue in queues:
-            try:
-                self.channel().queue_delete(queue=queue)
-            except pika.exceptions.AMQPError:
-                self._channel = None
-
-    def close(self) -> None:
-        if self._connection is not None and self._connection.is_open:
-            self._connection.close()
 
 
 # -- rabbitmqctl -------------------------------------------------------------------------

@@ -38,23 +38,16 @@ from mqdedup.outbox.relay import RelayConfig
 from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import relay_thread
 from tests.integration.rabbitmq.conftest import Database
-from tests.integration.rabbitmq.private_node import PrivateNode, private_node
-from tests.integration.rabbitmq.support import (
-    REPO,
-    BrokerAdmin,
-    ThreadedWorker,
-    make_consumer,
-    order_counts,
-    wait_for,
-)
+from tests.integration.rabbitmq.support import ThreadedWorker, make_consumer, order_counts
+from tests.services import REPO, PrivateRabbitMQ, RabbitAdmin, private_rabbitmq, wait_for
 
 pytestmark = [pytest.mark.integration]
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff=0.05, max_backoff=0.1)
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[PrivateNode]:
-    with private_node(tmp_path) as started:
+def node(tmp_path: Path) -> Iterator[PrivateRabbitMQ]:
+    with private_rabbitmq(tmp_path) as started:
         yield started
 
 
@@ -84,7 +77,7 @@ class Readiness:
 
 @pytest.mark.slow
 def test_consumer_timeout_closes_the_channel_mid_batch_worker_reattaches_effects_once(
-    db: Database, node: PrivateNode
+    db: Database, node: PrivateRabbitMQ
 ) -> None:
     node.set_env("consumer_timeout", 2000)
     node.set_env("channel_tick_interval", 500)
@@ -98,7 +91,7 @@ def test_consumer_timeout_closes_the_channel_mid_batch_worker_reattaches_effects
             time.sleep(5)  # longer than consumer_timeout: the broker closes the channel
 
     consumer = make_consumer(queue, db.prefix, node.url, batch_size=20, before_write=slow_once)()
-    admin = BrokerAdmin(node.url)
+    admin = RabbitAdmin(node.url)
     admin.declare(consumer)
     ids = [f"m-{n:04d}" for n in range(200)]
     admin.publish(queue, ids)
@@ -129,7 +122,7 @@ def _poison(message: Message) -> None:
 
 @pytest.mark.slow
 def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks(
-    db: Database, node: PrivateNode
+    db: Database, node: PrivateRabbitMQ
 ) -> None:
     queue = f"alarm-{uuid.uuid4().hex[:8]}"
     consumer = make_consumer(
@@ -141,7 +134,7 @@ def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks
         before_write=_poison,
         connection_name=f"worker-{queue}",
     )()
-    admin = BrokerAdmin(node.url)
+    admin = RabbitAdmin(node.url)
     admin.declare(consumer)
     ids = [f"poison-{n}" if n % 50 == 7 else f"m-{n:04d}" for n in range(1_000)]
     admin.publish(queue, ids)
@@ -225,12 +218,12 @@ def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks
 
 
 def test_dead_letter_queue_that_refuses_raises_dead_letter_refused_promptly(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
     consumer = make_consumer(
         queue,
         db.prefix,
-        rabbit_url,
+        rabbitmq_url,
         batch_size=20,
         dead_letter_queue_arguments={"x-max-length": 5, "x-overflow": "reject-publish"},
     )()
@@ -259,7 +252,7 @@ def test_dead_letter_queue_that_refuses_raises_dead_letter_refused_promptly(
 
 
 def test_dlq_refusing_by_policy_handler_runs_at_most_max_attempts_good_messages_flow(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
     runs: dict[str, int] = {}
 
@@ -272,7 +265,7 @@ def test_dlq_refusing_by_policy_handler_runs_at_most_max_attempts_good_messages_
     consumer = make_consumer(
         queue,
         db.prefix,
-        rabbit_url,
+        rabbitmq_url,
         batch_size=100,
         retry_policy=RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02),
         before_write=poison,
@@ -297,9 +290,9 @@ def test_dlq_refusing_by_policy_handler_runs_at_most_max_attempts_good_messages_
 
 
 def test_topology_mismatch_after_a_reconnect_is_one_clear_error_and_exit_code_3(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str, rabbitmqctl: list[str]
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str, rabbitmqctl: list[str]
 ) -> None:
-    consumer = make_consumer(queue, db.prefix, rabbit_url, batch_size=50)()
+    consumer = make_consumer(queue, db.prefix, rabbitmq_url, batch_size=50)()
     broker.declare(consumer)
     broker.publish(queue, [f"a-{n}" for n in range(20)])
     env = {
@@ -317,7 +310,7 @@ def test_topology_mismatch_after_a_reconnect_is_one_clear_error_and_exit_code_3(
         "--table-prefix",
         db.prefix,
         "--rabbitmq-url",
-        rabbit_url,
+        rabbitmq_url,
     ]
     worker = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

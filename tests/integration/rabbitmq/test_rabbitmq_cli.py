@@ -11,24 +11,18 @@ from pathlib import Path
 import pytest
 
 from tests.integration.rabbitmq.conftest import Database
-from tests.integration.rabbitmq.support import (
-    REPO,
-    BrokerAdmin,
-    make_consumer,
-    order_counts,
-    wait_for,
-    with_duplicates,
-)
+from tests.integration.rabbitmq.support import make_consumer, order_counts, with_duplicates
+from tests.services import REPO, RabbitAdmin, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 def test_mqdedup_worker_cli_two_processes_on_one_queue_write_each_order_once(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
     ids = with_duplicates(3_000, 0.3, seed=9)
     unique = sorted(set(ids))
-    broker.declare(make_consumer(queue, db.prefix, rabbit_url, batch_size=50)())
+    broker.declare(make_consumer(queue, db.prefix, rabbitmq_url, batch_size=50)())
     broker.publish(queue, ids)
     env = {
         **os.environ,
@@ -45,7 +39,7 @@ def test_mqdedup_worker_cli_two_processes_on_one_queue_write_each_order_once(
         "--table-prefix",
         db.prefix,
         "--rabbitmq-url",
-        rabbit_url,
+        rabbitmq_url,
         "--processes",
         "2",
     ]

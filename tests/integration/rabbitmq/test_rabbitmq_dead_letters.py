@@ -13,14 +13,13 @@ from mqdedup import Message, RetryPolicy
 from mqdedup.rabbitmq.consumer import requeue_dead_letters
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import (
-    BrokerAdmin,
     ThreadedWorker,
     attempts,
     claims,
     make_consumer,
     order_counts,
-    wait_for,
 )
+from tests.services import RabbitAdmin, wait_for
 
 pytestmark = pytest.mark.integration
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.05, max_backoff=0.1)
@@ -39,14 +38,14 @@ def fails_on_poison(message: Message) -> None:
 
 @pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_poison_message_is_dead_lettered_with_reasons_then_requeued_and_processed_once(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str, queue_type: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str, queue_type: str
 ) -> None:
     Switch.broken = True
     ids = [f"p{number:02d}" for number in range(19)] + ["poison"]
     consumer_class = make_consumer(
         queue,
         db.prefix,
-        rabbit_url,
+        rabbitmq_url,
         batch_size=10,
         queue_type=queue_type,
         retry_policy=FAST_RETRY,
@@ -123,13 +122,13 @@ def test_poison_message_is_dead_lettered_with_reasons_then_requeued_and_processe
 
 
 def test_attempts_are_counted_across_redeliveries_and_workers(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
     """Attempt 1 in one worker, attempts 2 and 3 in the next: dead-lettered after 3 in all."""
     Switch.broken = True
     slow_retry = RetryPolicy(max_attempts=3, initial_backoff=30.0, max_backoff=30.0)
     first = make_consumer(
-        queue, db.prefix, rabbit_url, retry_policy=slow_retry, before_write=fails_on_poison
+        queue, db.prefix, rabbitmq_url, retry_policy=slow_retry, before_write=fails_on_poison
     )()
     broker.declare(first)
     broker.publish(queue, ["a", "poison", "b"])
@@ -145,7 +144,7 @@ def test_attempts_are_counted_across_redeliveries_and_workers(
     wait_for(lambda: broker.depth(queue) == 1, 30, "poison back in the queue")
 
     second = make_consumer(
-        queue, db.prefix, rabbit_url, retry_policy=FAST_RETRY, before_write=fails_on_poison
+        queue, db.prefix, rabbitmq_url, retry_policy=FAST_RETRY, before_write=fails_on_poison
     )()
     with ThreadedWorker(second, db.engine) as worker:
         wait_for(lambda: broker.depth(f"{queue}.dlq") == 1, 60, "the dead letter")
@@ -157,9 +156,9 @@ def test_attempts_are_counted_across_redeliveries_and_workers(
 
 
 def test_requeue_helper_moves_all_or_n_and_loses_none(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
-    consumer = make_consumer(queue, db.prefix, rabbit_url)()
+    consumer = make_consumer(queue, db.prefix, rabbitmq_url)()
     broker.declare(consumer)
     dlq = f"{queue}.dlq"
     channel = broker.channel()
@@ -175,12 +174,12 @@ def test_requeue_helper_moves_all_or_n_and_loses_none(
         )
     wait_for(lambda: broker.depth(dlq) == 30, 30, "30 dead letters")
 
-    some = requeue_dead_letters(rabbit_url, dead_letter_queue=dlq, limit=10)
+    some = requeue_dead_letters(rabbitmq_url, dead_letter_queue=dlq, limit=10)
     assert (some.moved, some.skipped) == (10, 0)
     wait_for(lambda: broker.depth(queue) == 10, 30, "10 moved")
     assert broker.depth(dlq) == 20
 
-    rest = requeue_dead_letters(rabbit_url, dead_letter_queue=dlq)
+    rest = requeue_dead_letters(rabbitmq_url, dead_letter_queue=dlq)
     assert (rest.moved, rest.skipped, rest.remaining) == (19, 1, 1)
     wait_for(lambda: broker.depth(queue) == 29, 30, "29 moved")
     [(orphan, _)] = broker.peek_all(dlq)
@@ -197,7 +196,7 @@ def test_requeue_helper_moves_all_or_n_and_loses_none(
 
 
 def test_requeue_to_a_missing_queue_keeps_the_message(
-    broker: BrokerAdmin, queue: str, rabbit_url: str
+    broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
     dlq = f"{queue}.dlq"
     broker.channel().queue_declare(dlq, durable=True)
@@ -213,17 +212,17 @@ def test_requeue_to_a_missing_queue_keeps_the_message(
     from mqdedup.errors import ConfigurationError
 
     with pytest.raises(ConfigurationError, match="no such queue"):
-        requeue_dead_letters(rabbit_url, dead_letter_queue=dlq)
+        requeue_dead_letters(rabbitmq_url, dead_letter_queue=dlq)
     wait_for(lambda: broker.depth(dlq) == 1, 30, "the dead letter back in place")
 
 
 def test_concurrent_requeue_and_consume_never_loses_a_message(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
     """Requeue while the worker runs: every dead letter ends processed exactly once."""
     Switch.broken = True
     consumer_class = make_consumer(
-        queue, db.prefix, rabbit_url, batch_size=20, retry_policy=FAST_RETRY
+        queue, db.prefix, rabbitmq_url, batch_size=20, retry_policy=FAST_RETRY
     )
     consumer = consumer_class()
     broker.declare(consumer)
@@ -236,7 +235,7 @@ def test_concurrent_requeue_and_consume_never_loses_a_message(
     )
     with ThreadedWorker(consumer, db.engine) as worker:
         mover = threading.Thread(
-            target=lambda: requeue_dead_letters(rabbit_url, dead_letter_queue=dlq)
+            target=lambda: requeue_dead_letters(rabbitmq_url, dead_letter_queue=dlq)
         )
         mover.start()
         mover.join(60)

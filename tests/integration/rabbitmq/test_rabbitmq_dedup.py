@@ -10,25 +10,24 @@ from mqdedup import Message
 from mqdedup.errors import SimulatedCrash
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import (
-    BrokerAdmin,
     ThreadedWorker,
     claims,
     make_consumer,
     order_counts,
-    wait_for,
     with_duplicates,
 )
+from tests.services import RabbitAdmin, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 def test_20k_messages_with_30pct_duplicates_write_each_order_once(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
     ids = with_duplicates(20_000, 0.3)
     unique = set(ids)
     assert (len(ids), len(unique)) == (20_000, 14_000)
-    consumer = make_consumer(queue, db.prefix, rabbit_url, batch_size=500)()
+    consumer = make_consumer(queue, db.prefix, rabbitmq_url, batch_size=500)()
     broker.declare(consumer)
     broker.publish(queue, ids)
 
@@ -53,12 +52,12 @@ def test_20k_messages_with_30pct_duplicates_write_each_order_once(
 
 @pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_batch_committed_but_not_acked_is_redelivered_and_skipped(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str, queue_type: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str, queue_type: str
 ) -> None:
     """The worker dies after the commit, before the ack: the next one skips the batch."""
     ids = [f"r{number:04d}" for number in range(300)]
     consumer_class = make_consumer(
-        queue, db.prefix, rabbit_url, batch_size=50, queue_type=queue_type
+        queue, db.prefix, rabbitmq_url, batch_size=50, queue_type=queue_type
     )
 
     class CrashesAfterCommit(consumer_class):  # type: ignore[misc,valid-type]

@@ -14,7 +14,6 @@ import pytest
 from mqdedup import Message
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import (
-    BrokerAdmin,
     ThreadedWorker,
     WorkerProcess,
     close_connections,
@@ -22,15 +21,15 @@ from tests.integration.rabbitmq.support import (
     connection_pids,
     make_consumer,
     order_counts,
-    wait_for,
     with_duplicates,
 )
+from tests.services import RabbitAdmin, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 def test_broker_closing_the_connection_mid_batch_5_times_loses_nothing_doubles_nothing(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str, rabbitmqctl: list[str]
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str, rabbitmqctl: list[str]
 ) -> None:
     ids = with_duplicates(5_000, 0.1, seed=3)
     unique = sorted(set(ids))
@@ -48,7 +47,7 @@ def test_broker_closing_the_connection_mid_batch_5_times_loses_nothing_doubles_n
     consumer = make_consumer(
         queue,
         db.prefix,
-        rabbit_url,
+        rabbitmq_url,
         batch_size=100,
         reconnect_backoff_max=1.0,
         before_write=hold_mid_batch,
@@ -92,17 +91,17 @@ def test_broker_closing_the_connection_mid_batch_5_times_loses_nothing_doubles_n
 
 
 def test_kill_9_after_commit_before_ack_redelivers_as_a_duplicate(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
     ids = [f"k{number:04d}" for number in range(400)]
     config = {
         "queue": queue,
         "prefix": db.prefix,
-        "url": rabbit_url,
+        "url": rabbitmq_url,
         "database_url": db.url,
         "batch_size": 25,
     }
-    consumer = make_consumer(queue, db.prefix, rabbit_url, batch_size=25)()
+    consumer = make_consumer(queue, db.prefix, rabbitmq_url, batch_size=25)()
     broker.declare(consumer)
     broker.publish(queue, ids)
 
@@ -137,13 +136,13 @@ def test_kill_9_after_commit_before_ack_redelivers_as_a_duplicate(
 
 
 def test_handler_longer_than_twice_the_heartbeat_keeps_the_connection(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str, rabbitmqctl: list[str]
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str, rabbitmqctl: list[str]
 ) -> None:
     """A 12 s handler at a 2 s heartbeat: a pika connection left alone that long is dropped
     by the broker (the control connection below proves it on this broker); ours is not."""
     heartbeat, handler_seconds = 2, 12.0
-    separator = "&" if "?" in rabbit_url else "?"
-    url = f"{rabbit_url}{separator}heartbeat={heartbeat}"
+    separator = "&" if "?" in rabbitmq_url else "?"
+    url = f"{rabbitmq_url}{separator}heartbeat={heartbeat}"
 
     def slow(message: Message) -> None:
         if message.id == "slow":
@@ -176,17 +175,17 @@ def test_handler_longer_than_twice_the_heartbeat_keeps_the_connection(
 
 
 def test_sigterm_finishes_and_acks_the_batch_in_flight_then_a_second_signal_stops_at_once(
-    db: Database, broker: BrokerAdmin, queue: str, rabbit_url: str, tmp_path: Path
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str, tmp_path: Path
 ) -> None:
     ids = [f"g{number:04d}" for number in range(200)]
     base = {
         "queue": queue,
         "prefix": db.prefix,
-        "url": rabbit_url,
+        "url": rabbitmq_url,
         "database_url": db.url,
         "batch_size": 20,
     }
-    consumer = make_consumer(queue, db.prefix, rabbit_url, batch_size=20)()
+    consumer = make_consumer(queue, db.prefix, rabbitmq_url, batch_size=20)()
     broker.declare(consumer)
     broker.publish(queue, ids)
 
@@ -227,7 +226,7 @@ def test_sigterm_finishes_and_acks_the_batch_in_flight_then_a_second_signal_stop
     assert slow_id not in order_counts(db.engine, db.orders), "its batch rolled back"
 
     # 3. A fresh worker: everything exactly once; the acked batch of step 1 never came back.
-    fresh = make_consumer(queue, db.prefix, rabbit_url, batch_size=20)()
+    fresh = make_consumer(queue, db.prefix, rabbitmq_url, batch_size=20)()
     with ThreadedWorker(fresh, db.engine) as worker:
         wait_for(
             lambda: (

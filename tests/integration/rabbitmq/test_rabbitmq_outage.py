@@ -2,77 +2,39 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from random import Random
 
 import pytest
 
 from mqdedup import Message
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import (
-    BrokerAdmin,
     ThreadedWorker,
     make_consumer,
     order_counts,
     poll,
-    wait_for,
     with_duplicates,
 )
-from tests.services import PrivateService
+from tests.services import PrivateRabbitMQ, RabbitAdmin, private_rabbitmq, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 OUTAGE_SECONDS = 20.0
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_amqp_port() -> int:
-    """A free AMQP port whose Erlang distribution port (+20000) is free too."""
-    rng = Random()
-    for _ in range(200):
-        port = rng.randint(21000, 29999)
-        if _port_free(port) and _port_free(port + 20000):
-            return port
-    raise RuntimeError("no free port pair for a private RabbitMQ node")
-
-
-@dataclass
-class PrivateRabbit:
-    service: PrivateService
-    url: str
-
-
 @pytest.fixture
-def private_rabbit(tmp_path: Path) -> Iterator[PrivateRabbit]:
+def private_rabbit(tmp_path: Path) -> Iterator[PrivateRabbitMQ]:
     """A RabbitMQ node of this test only (own state dir and port), stopped afterwards."""
-    port = _free_amqp_port()
-    service = PrivateService("rabbitmq", tmp_path / "services", "RABBITMQ_PORT", port)
-    service.start()
-    try:
-        yield PrivateRabbit(service, f"amqp://guest:guest@127.0.0.1:{port}/%2F")
-    finally:
-        try:
-            service.stop()
-        except RuntimeError:
-            service.kill()
+    with private_rabbitmq(tmp_path) as node:
+        yield node
 
 
 def test_rabbitmq_stopped_for_20s_mid_run_the_worker_waits_reconnects_and_resumes(
-    db: Database, private_rabbit: PrivateRabbit
+    db: Database, private_rabbit: PrivateRabbitMQ
 ) -> None:
     url = private_rabbit.url
-    admin = BrokerAdmin(url)
+    admin = RabbitAdmin(url)
     ids = with_duplicates(3_000, 0.2, seed=5)
     unique = sorted(set(ids))
     in_handler, release = threading.Event(), threading.Event()
@@ -114,7 +76,7 @@ def test_rabbitmq_stopped_for_20s_mid_run_the_worker_waits_reconnects_and_resume
         assert hold_id in order_counts(db.engine, db.orders)
 
         private_rabbit.service.start()
-        admin = BrokerAdmin(url)
+        admin = RabbitAdmin(url)
         wait_for(
             lambda: (
                 len(order_counts(db.engine, db.orders)) == len(unique)

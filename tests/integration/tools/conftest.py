@@ -1,4 +1,4 @@
-"""Fixtures for the idempotency-tools tests: per-test table prefixes on PostgreSQL and
+"""Fixtures of the idempotency-tools tests: per-test table prefixes on PostgreSQL and
 MariaDB, per-test Redis namespaces, and business tables of their own.
 
 Every test gets its own ``t_<uuid8>_`` prefix for the framework's tables and its own
@@ -7,7 +7,6 @@ business tables, so these tests can run next to anyone else's on the shared serv
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,13 +15,8 @@ import pytest
 import redis
 from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, select, text
 
-from mqdedup.db import check_connection, create_engine, init_schema
-from mqdedup.db.schema import MYSQL_TABLE_OPTIONS, KeyString, schema
-from mqdedup.errors import DatabaseUnavailableError
-from tests.conftest import require_service
-
-MARIADB_URL_ENV = "MQDEDUP_TEST_MARIADB_URL"
-REDIS_URL_ENV = "MQDEDUP_REDIS_URL"
+from mqdedup.db.schema import MYSQL_TABLE_OPTIONS, KeyString
+from tests.services import prefixed_database, require_service, table_prefix
 
 
 @dataclass
@@ -77,36 +71,18 @@ def business_tables(prefix: str) -> Business:
 
 
 def _database(url: str, service: str) -> Iterator[Database]:
-    engine = create_engine(url, pool_size=10, max_overflow=60)
-    try:
-        check_connection(engine)
-    except DatabaseUnavailableError as exc:
-        require_service(service, str(exc))
-    prefix = f"t_{uuid.uuid4().hex[:8]}_"
+    prefix = table_prefix()
     business = business_tables(prefix)
-    init_schema(engine, prefix)
-    business.metadata.create_all(engine)
-    try:
-        yield Database(engine, prefix, business)
-    finally:
-        business.metadata.drop_all(engine)
-        schema(prefix).metadata.drop_all(engine)
-        engine.dispose()
+    with prefixed_database(
+        url, service, business.metadata, prefix=prefix, pool_size=10, max_overflow=60
+    ) as shared:
+        yield Database(shared.engine, prefix, business)
 
 
 @pytest.fixture
 def pg(pg_url: str) -> Iterator[Database]:
     """The shared PostgreSQL, with this test's own tables."""
     yield from _database(pg_url, "PostgreSQL")
-
-
-@pytest.fixture(scope="session")
-def mariadb_url() -> str:
-    url = os.environ.get(MARIADB_URL_ENV)
-    if not url:
-        require_service("MariaDB", f"{MARIADB_URL_ENV} is not set")
-    assert url is not None
-    return url
 
 
 @pytest.fixture
@@ -120,15 +96,6 @@ def database(request: pytest.FixtureRequest) -> Database:
     """Each real database in turn."""
     fixture = "pg" if request.param == "postgresql" else "mariadb"
     return request.getfixturevalue(fixture)  # type: ignore[no-any-return]
-
-
-@pytest.fixture(scope="session")
-def redis_url() -> str:
-    url = os.environ.get(REDIS_URL_ENV)
-    if not url:
-        require_service("Redis", f"{REDIS_URL_ENV} is not set")
-    assert url is not None
-    return url
 
 
 @pytest.fixture

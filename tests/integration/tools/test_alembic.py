@@ -10,16 +10,15 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, inspect
 
-from mqdedup.db.engine import check_connection, check_schema, create_engine
+from mqdedup.db.engine import check_schema, create_engine
 from mqdedup.db.migrations import schema_drift
 from mqdedup.db.schema import schema
-from mqdedup.errors import DatabaseUnavailableError
-from tests.conftest import require_service
+from tests.services import checked_engine
 
 alembic_command = pytest.importorskip("alembic.command")
 alembic_config = pytest.importorskip("alembic.config")
 
-ENV_PY = '''
+ENV_PY = """
 from alembic import context
 
 from mqdedup.db.alembic_support import include_object, render_item
@@ -45,7 +44,7 @@ with engine.connect() as connection:
     )
     with context.begin_transaction():
         context.run_migrations()
-'''
+"""
 
 
 @pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
@@ -55,11 +54,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
     else:
         fixture = "pg_url" if request.param == "postgresql" else "mariadb_url"
         url = request.getfixturevalue(fixture)
-    engine = create_engine(url)
-    try:
-        check_connection(engine)
-    except DatabaseUnavailableError as exc:
-        require_service(request.param, str(exc))
+    engine = checked_engine(url, request.param)
     yield engine
     engine.dispose()
 
@@ -69,8 +64,9 @@ def _config(tmp_path: Path, engine: Engine, prefix: str) -> object:
     (scripts / "versions").mkdir(parents=True)
     (scripts / "env.py").write_text(ENV_PY)
     (scripts / "script.py.mako").write_text(
-        (Path(alembic_command.__file__).parent / "templates" / "generic" / "script.py.mako")
-        .read_text()
+        (
+            Path(alembic_command.__file__).parent / "templates" / "generic" / "script.py.mako"
+        ).read_text()
     )
     config = alembic_config.Config()
     config.set_main_option("script_location", str(scripts))

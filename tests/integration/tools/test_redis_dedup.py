@@ -35,8 +35,7 @@ from mqdedup.dedup.redis_claims import RedisClaimStore
 from mqdedup.dedup.redis_client import RedisUnavailableError
 from mqdedup.errors import DeadLetterRefusedError, SimulatedCrash
 from mqdedup.stopping import StopToken
-from tests.conftest import require_service
-from tests.services import REPO, PrivateService, free_port, wait_for
+from tests.services import REPO, PrivateService, free_port, require_service, wait_for
 
 pytestmark = pytest.mark.integration
 FAST_RETRY = RetryPolicy(

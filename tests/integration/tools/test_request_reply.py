@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
-import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,32 +16,18 @@ from sqlalchemy import insert
 from mqdedup import Consumer, InMemoryBroker, Message, run_until_idle
 from mqdedup.consumers.base import Context
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.errors import ConfigurationError, MqdedupError, SimulatedCrash
+from mqdedup.errors import ConfigurationError, SimulatedCrash
 from mqdedup.rabbitmq.replies import (
     REQUEST_ID_HEADER,
     RequestReplyConsumer,
     reply_message_id,
 )
-from mqdedup.rabbitmq.topology import check_broker, declare_topology
+from mqdedup.rabbitmq.topology import declare_topology
 from mqdedup.stopping import StopToken
-from tests.conftest import require_service
 from tests.integration.tools.conftest import Database
-from tests.services import wait_for
+from tests.services import RabbitAdmin, unique_name, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def rabbit_url() -> str:
-    url = os.environ.get("MQDEDUP_RABBITMQ_URL")
-    if not url:
-        require_service("RabbitMQ", "MQDEDUP_RABBITMQ_URL is not set")
-    assert url is not None
-    try:
-        check_broker(url)
-    except MqdedupError as exc:
-        require_service("RabbitMQ", str(exc))
-    return url
 
 
 @dataclass
@@ -101,21 +85,17 @@ class Client:
 
 
 @pytest.fixture
-def client(rabbit_url: str) -> Iterator[Client]:
-    requester = Client(rabbit_url)
+def client(rabbitmq_url: str) -> Iterator[Client]:
+    requester = Client(rabbitmq_url)
     yield requester
     requester.close()
 
 
 @pytest.fixture
-def queue(rabbit_url: str) -> Iterator[str]:
-    name = f"rpc-{uuid.uuid4().hex[:8]}"
+def queue(rabbit: RabbitAdmin) -> Iterator[str]:
+    name = unique_name("rpc")
     yield name
-    connection = pika.BlockingConnection(pika.URLParameters(rabbit_url))
-    channel = connection.channel()
-    for doomed in (name, f"{name}.dlq"):
-        channel.queue_delete(doomed)
-    connection.close()
+    rabbit.delete(name, f"{name}.dlq")
 
 
 def quote_consumer(db: Database, queue: str, url: str) -> type[RequestReplyConsumer]:
@@ -176,9 +156,9 @@ class Running:
 
 
 def test_same_request_3_times_gets_3_identical_replies_and_one_handler_run(
-    pg: Database, rabbit_url: str, client: Client, queue: str
+    pg: Database, rabbitmq_url: str, client: Client, queue: str
 ) -> None:
-    consumer_class = quote_consumer(pg, queue, rabbit_url)
+    consumer_class = quote_consumer(pg, queue, rabbitmq_url)
     consumer = consumer_class()
     client.declare(consumer)
     # Two copies waiting before the consumer starts: they arrive in one batch (a repeat
@@ -214,11 +194,11 @@ def test_same_request_3_times_gets_3_identical_replies_and_one_handler_run(
 
 
 def test_crash_after_the_reply_before_the_ack_resends_the_stored_reply(
-    pg: Database, rabbit_url: str, client: Client, queue: str
+    pg: Database, rabbitmq_url: str, client: Client, queue: str
 ) -> None:
     """The worker dies after committing and replying, before acking: the redelivered
     requests are duplicates and each gets its stored reply again, byte-identical."""
-    consumer_class = quote_consumer(pg, queue, rabbit_url)
+    consumer_class = quote_consumer(pg, queue, rabbitmq_url)
 
     class CrashesBeforeAck(consumer_class):  # type: ignore[misc,valid-type]
         def after_commit(self, messages: Sequence[Message]) -> None:
