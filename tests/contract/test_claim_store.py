@@ -29,8 +29,7 @@ from mqdedup.db.schema import schema
 from mqdedup.dedup.claims import AttemptLog, ClaimStore
 from mqdedup.dedup.sql_claims import SqlClaimStore
 from mqdedup.errors import DatabaseUnavailableError
-from tests.conftest import require_service
-from tests.services import wait_for
+from tests.services import require_service, wait_for
 
 pytestmark = pytest.mark.integration
 

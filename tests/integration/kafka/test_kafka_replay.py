@@ -14,16 +14,9 @@ import pytest
 
 from mqdedup.consumers.transport import DeadLetter
 from mqdedup.kafka.range import KafkaRangeTransport
-from tests.integration.kafka.conftest import TestDatabase
 from tests.integration.kafka.consumers import make_consumer
-from tests.integration.kafka.helpers import (
-    KafkaHelper,
-    Outgoing,
-    row_counts,
-    unique_name,
-    wait_for,
-)
-from tests.services import REPO
+from tests.integration.kafka.helpers import row_counts
+from tests.services import REPO, KafkaHelper, Outgoing, TestDatabase, unique_name, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -8,19 +8,20 @@ import pytest
 from mqdedup import Message, RetryPolicy
 from mqdedup.rabbitmq.stream import StreamReplay
 from tests.integration.rabbitmq.conftest import Database
-from tests.integration.rabbitmq.support import BrokerAdmin, make_consumer, order_counts
+from tests.integration.rabbitmq.support import make_consumer, order_counts
+from tests.services import RabbitAdmin
 
 pytestmark = pytest.mark.integration
 
 
-def declare_stream(broker: BrokerAdmin, name: str) -> None:
+def declare_stream(broker: RabbitAdmin, name: str) -> None:
     channel = broker.channel()
     channel.queue_declare(name, durable=True, arguments={"x-queue-type": "stream"})
     channel.confirm_delivery()  # each publish below returns once the stream holds it
 
 
 def test_a_stream_replay_dead_letters_the_failing_message_and_processes_the_rest(
-    broker: BrokerAdmin, db: Database, queue: str, rabbit_url: str
+    broker: RabbitAdmin, db: Database, queue: str, rabbitmq_url: str
 ) -> None:
     declare_stream(broker, queue)
     ids = [f"s-{n}" for n in range(20)]
@@ -32,7 +33,7 @@ def test_a_stream_replay_dead_letters_the_failing_message_and_processes_the_rest
 
     policy = RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.05)
     consumer = make_consumer(
-        queue, db.prefix, rabbit_url, before_write=fail, retry_policy=policy, batch_size=6
+        queue, db.prefix, rabbitmq_url, before_write=fail, retry_policy=policy, batch_size=6
     )
     report = StreamReplay(consumer(), db.engine).run()
 
@@ -49,13 +50,13 @@ def test_a_stream_replay_dead_letters_the_failing_message_and_processes_the_rest
 
 
 def test_a_stream_replay_ends_at_the_stream_end_captured_when_it_started(
-    broker: BrokerAdmin, db: Database, queue: str, rabbit_url: str
+    broker: RabbitAdmin, db: Database, queue: str, rabbitmq_url: str
 ) -> None:
     """Each handled message appends one more to the stream: a replay that read until the
     stream went quiet would chase its own tail; this one stops after the first ten."""
     declare_stream(broker, queue)
     broker.publish(queue, [f"t-{n}" for n in range(10)], wait=False)
-    more = pika.BlockingConnection(pika.URLParameters(rabbit_url))
+    more = pika.BlockingConnection(pika.URLParameters(rabbitmq_url))
     channel = more.channel()
     channel.confirm_delivery()
 
@@ -64,7 +65,7 @@ def test_a_stream_replay_ends_at_the_stream_end_captured_when_it_started(
             "", queue, b"{}", pika.BasicProperties(message_id=f"more-{message.id}")
         )
 
-    consumer = make_consumer(queue, db.prefix, rabbit_url, before_write=append, batch_size=3)
+    consumer = make_consumer(queue, db.prefix, rabbitmq_url, before_write=append, batch_size=3)
     try:
         report = StreamReplay(consumer(), db.engine).run()
     finally:
