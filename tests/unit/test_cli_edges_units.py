@@ -11,7 +11,7 @@ import pytest
 
 from mqdedup.cli.commands.reachability import check_kafka_reachable, wait_for_consumer_broker
 from mqdedup.cli.config import check_keys, resolve_with_source
-from mqdedup.cli.main import parse_duration
+from mqdedup.cli.options import parse_duration
 from mqdedup.dedup import RedisDedup
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 

@@ -1,0 +1,240 @@
+"""The argument parser of the ``mqdedup`` command (each sub-command names its handler)."""
+
+from __future__ import annotations
+
+import argparse
+
+from mqdedup import __version__
+from mqdedup.cli.admin import (
+    cmd_db_check,
+    cmd_db_init,
+    cmd_dead_letters_delete,
+    cmd_dead_letters_list,
+    cmd_dead_letters_replay,
+    cmd_dedup_purge,
+    cmd_dedup_stats,
+    cmd_demo,
+    cmd_outbox_purge,
+    cmd_outbox_retry,
+    cmd_outbox_status,
+    cmd_status,
+)
+from mqdedup.cli.config import (
+    env_help,
+)
+from mqdedup.cli.daemons import cmd_relay, cmd_replay, cmd_worker
+from mqdedup.cli.options import (
+    PURGE_CONFIRM_TEXT,
+    Parser,
+    add_common_options_everywhere,
+    broker_options,
+    common_options,
+    daemon_options,
+    database_option,
+    json_option,
+    parse_duration,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every sub-command."""
+    parser = Parser(prog="mqdedup", description="Effectively-once Kafka and RabbitMQ consumers.")
+    parser.add_argument("--version", action="version", version=f"mqdedup {__version__}")
+    common_options(parser, top_level=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser("demo", help="run the effectively-once demo (SQLite + memory)")
+    demo.add_argument("--messages", type=int, default=5000, help="unique orders (default 5000)")
+    demo.add_argument(
+        "--duplicates", type=float, default=0.3, metavar="RATE", help="duplicate rate (0.3)"
+    )
+    demo.add_argument("--crash-rate", type=float, default=0.05, help="crashes per batch (0.05)")
+    demo.add_argument("--seed", type=int, default=7, help="random seed (7)")
+    demo.add_argument(
+        "--database",
+        metavar="URL",
+        default=None,
+        help="database URL (default: a temporary SQLite file). In that database the demo DROPS "
+        "and recreates the table demo_orders and deletes the claims of consumer 'demo-orders'",
+    )
+    demo.add_argument(
+        "--force",
+        action="store_true",
+        help="with --database: go on even if demo_orders already holds rows",
+    )
+    demo.set_defaults(run=cmd_demo)
+
+    db = commands.add_parser("db", help="create, migrate or check the framework's tables")
+    db_commands = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
+    for action, help_text, handler in (
+        ("init", "create the framework's tables (idempotent)", cmd_db_init),
+        (
+            "upgrade",
+            "bring the tables to this version (missing tables, indexes, key collations)",
+            cmd_db_init,
+        ),
+        ("check", "check the live schema against this version", cmd_db_check),
+    ):
+        sub = db_commands.add_parser(action, help=help_text)
+        database_option(sub)
+        sub.set_defaults(run=handler)
+
+    dedup = commands.add_parser("dedup", help="dedup table retention")
+    dedup_commands = dedup.add_subparsers(dest="dedup_command", required=True, metavar="ACTION")
+    purge = dedup_commands.add_parser("purge", help="delete old dedup records in chunks")
+    database_option(purge)
+    purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
+    purge.add_argument("--consumer", default=None, help="only this consumer name")
+    purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
+    purge.add_argument(
+        "--dry-run", action="store_true", help="print how many records would be deleted"
+    )
+    purge.add_argument(
+        "--yes",
+        action="store_true",
+        help=f"no confirmation for --older-than below {PURGE_CONFIRM_TEXT} (asked on a terminal, "
+        "refused otherwise)",
+    )
+    purge.set_defaults(run=cmd_dedup_purge)
+    stats = dedup_commands.add_parser("stats", help="dedup records per consumer, oldest, size")
+    database_option(stats)
+    json_option(stats)
+    stats.set_defaults(run=cmd_dedup_stats)
+
+    outbox = commands.add_parser("outbox", help="inspect and repair the outbox")
+    outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
+    outbox_status = outbox_commands.add_parser("status", help="pending / failed / published rows")
+    database_option(outbox_status)
+    json_option(outbox_status)
+    outbox_status.set_defaults(run=cmd_outbox_status)
+    retry = outbox_commands.add_parser("retry-failed", help="put failed rows back to pending")
+    database_option(retry)
+    retry.add_argument("--id", dest="ids", type=int, action="append", help="only this row id")
+    retry.add_argument("--destination", default=None, help="only this topic / exchange")
+    retry.set_defaults(run=cmd_outbox_retry)
+    outbox_purge = outbox_commands.add_parser("purge", help="delete old published rows in chunks")
+    database_option(outbox_purge)
+    outbox_purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
+    outbox_purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
+    outbox_purge.add_argument(
+        "--dry-run", action="store_true", help="print how many rows would be deleted"
+    )
+    outbox_purge.set_defaults(run=cmd_outbox_purge)
+
+    dead = commands.add_parser(
+        "dead-letters", help="dead letters the broker refused, kept in the database"
+    )
+    dead_commands = dead.add_subparsers(dest="dead_command", required=True, metavar="ACTION")
+    dead_list = dead_commands.add_parser("list", help="kept dead letters, oldest first")
+    database_option(dead_list)
+    dead_list.add_argument("--consumer", default=None, help="only this consumer name")
+    dead_list.add_argument("--limit", type=int, default=100, help="at most N rows (default 100)")
+    dead_list.set_defaults(run=cmd_dead_letters_list)
+    dead_replay = dead_commands.add_parser(
+        "replay", help="run the consumer over its kept dead letters again (after a fix)"
+    )
+    dead_replay.add_argument("consumer", help="module.path:ConsumerClass")
+    dead_replay.add_argument("--id", dest="ids", type=int, action="append", help="only this row")
+    database_option(dead_replay)
+    broker_options(dead_replay)
+    dead_replay.set_defaults(run=cmd_dead_letters_replay)
+    dead_delete = dead_commands.add_parser("delete", help="delete kept dead letters")
+    database_option(dead_delete)
+    dead_delete.add_argument("--consumer", required=True, help="the consumer name")
+    dead_delete.add_argument("--id", dest="ids", type=int, action="append", help="this row")
+    dead_delete.add_argument("--all", action="store_true", help="every row of the consumer")
+    dead_delete.set_defaults(run=cmd_dead_letters_delete)
+
+    relay = commands.add_parser("relay", help="publish committed outbox rows (a daemon)")
+    database_option(relay)
+    broker_options(relay)
+    relay.add_argument(
+        "--processes", type=int, default=None, help="relay processes" + env_help("relay_processes")
+    )
+    relay.add_argument(
+        "--poll-interval",
+        type=float,
+        default=None,
+        help="seconds between polls without NOTIFY" + env_help("poll_interval"),
+    )
+    relay.add_argument(
+        "--batch-size", type=int, default=None, help="rows per claim" + env_help("relay_batch_size")
+    )
+    daemon_options(relay)
+    relay.set_defaults(run=cmd_relay)
+
+    replay = commands.add_parser(
+        "replay",
+        help="run a consumer again over a past range (Kafka) or its dead letters (RabbitMQ)",
+        description="Already processed messages are skipped as duplicates; the live "
+        "consumer group's offsets are not touched.",
+    )
+    replay.add_argument("consumer", help="module.path:ConsumerClass")
+    replay.add_argument(
+        "--from",
+        dest="start",
+        default="beginning",
+        help="offset, ISO time (UTC unless a zone is given) or 'beginning' (default)",
+    )
+    replay.add_argument(
+        "--to", dest="end", default="end", help="offset, ISO time or 'end' (default; exclusive)"
+    )
+    replay.add_argument(
+        "--partition", dest="partitions", type=int, action="append", help="only this partition"
+    )
+    replay.add_argument(
+        "--dry-run", action="store_true", help="count new / duplicate / id-less, write nothing"
+    )
+    replay.add_argument(
+        "--allow-reprocess",
+        action="store_true",
+        help="replay even before the dedup retention horizon (purged ids are applied again)",
+    )
+    replay.add_argument(
+        "--from-dlq", action="store_true", help="RabbitMQ: move dead letters back to the queue"
+    )
+    replay.add_argument("--limit", type=int, default=None, help="with --from-dlq: at most N")
+    replay.add_argument(
+        "--stream",
+        default=None,
+        help="RabbitMQ: the stream queue to replay (default: the consumer's queue)",
+    )
+    database_option(replay)
+    broker_options(replay)
+    replay.set_defaults(run=cmd_replay)
+
+    status = commands.add_parser(
+        "status", help="one screen: consumers' lag, dedup table, outbox backlog"
+    )
+    status.add_argument(
+        "consumers", nargs="*", metavar="CONSUMER", help="module.path:ConsumerClass to show lag for"
+    )
+    database_option(status)
+    broker_options(status)
+    json_option(status)
+    status.set_defaults(run=cmd_status)
+
+    worker = commands.add_parser(
+        "worker", help="run consumers in supervised worker processes until SIGTERM/SIGINT"
+    )
+    worker.add_argument(
+        "consumers",
+        nargs="+",
+        metavar="CONSUMER",
+        help="module.path:ConsumerClass (a Consumer subclass)",
+    )
+    database_option(worker)
+    broker_options(worker)
+    worker.add_argument(
+        "--redis-url",
+        metavar="URL",
+        default=None,
+        help="Redis for consumers with dedup = RedisDedup(...)" + env_help("redis_url"),
+    )
+    worker.add_argument(
+        "--processes", type=int, default=None, help="processes per consumer" + env_help("processes")
+    )
+    daemon_options(worker)
+    worker.set_defaults(run=cmd_worker)
+    add_common_options_everywhere(parser)
+    return parser
