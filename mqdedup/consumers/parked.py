@@ -42,7 +42,7 @@ class ParkedTransport:
         self.settled = 0
         self.dead_lettered_again = 0
 
-    def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery[int]]:
         """The next ``max_messages`` kept dead letters (none left: an empty list)."""
         with self.sessions() as session:
             rows = self.table.list(
@@ -56,17 +56,22 @@ class ParkedTransport:
             self._after_id = rows[-1].id
         return [Delivery(row.message, row.id) for row in rows]
 
-    def settle(self, deliveries: Sequence[Delivery]) -> None:
+    def settle(self, deliveries: Sequence[Delivery[int]]) -> None:
         """Delete the rows of messages that are done (not those dead-lettered again)."""
-        done = [int(d.token) for d in deliveries if int(d.token) not in self._kept_again]
+        done = [d.token for d in deliveries if d.token not in self._kept_again]
         if not done:
             return
         with self.sessions() as session, session.begin():
             self.settled += self.table.delete(session, done)
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def give_back(self, deliveries: Sequence[Delivery[int]]) -> None:
+        """Their rows stay; fetch them again (from the lowest given-back row on)."""
+        if deliveries:
+            self._after_id = min(self._after_id, min(d.token for d in deliveries) - 1)
+
+    def dead_letter(self, delivery: Delivery[int], record: DeadLetter) -> None:
         """The message failed again: its row stays (the reason is logged by the worker)."""
-        self._kept_again.add(int(delivery.token))
+        self._kept_again.add(delivery.token)
         self.dead_lettered_again += 1
 
     def keepalive(self) -> None:

@@ -59,16 +59,16 @@ class SQLiteSelfDeadlockError(RuntimeError):
 class BatchReport:
     """Where each delivery of a batch ended."""
 
-    processed: list[Delivery] = field(default_factory=list)
-    duplicates: list[Delivery] = field(default_factory=list)
-    dead_lettered: list[tuple[Delivery, DeadLetter]] = field(default_factory=list)
-    unsettled: list[Delivery] = field(default_factory=list)
+    processed: list[Delivery[Any]] = field(default_factory=list)
+    duplicates: list[Delivery[Any]] = field(default_factory=list)
+    dead_lettered: list[tuple[Delivery[Any], DeadLetter]] = field(default_factory=list)
+    unsettled: list[Delivery[Any]] = field(default_factory=list)
     #: Handler results by message id: stored by this batch, or (when ``on_duplicate``
     #: is overridden) read back for its duplicates. Repeats inside the batch get them.
     results: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def settled(self) -> list[Delivery]:
+    def settled(self) -> list[Delivery[Any]]:
         """Deliveries handed to ``Transport.settle``."""
         return self.processed + self.duplicates + [d for d, _ in self.dead_lettered]
 
@@ -77,9 +77,9 @@ class BatchReport:
 class _Pass:
     """What one transaction did."""
 
-    processed: list[Delivery] = field(default_factory=list)
-    duplicates: list[Delivery] = field(default_factory=list)
-    failures: list[tuple[Delivery, Exception]] = field(default_factory=list)
+    processed: list[Delivery[Any]] = field(default_factory=list)
+    duplicates: list[Delivery[Any]] = field(default_factory=list)
+    failures: list[tuple[Delivery[Any], Exception]] = field(default_factory=list)
     stored_results: dict[str, Any] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)
 
@@ -128,7 +128,7 @@ class _SessionLease:
 
 
 class _RerunWithoutError(Exception):
-    def __init__(self, delivery: Delivery | None, error: Exception) -> None:
+    def __init__(self, delivery: Delivery[Any] | None, error: Exception) -> None:
         super().__init__(str(error))
         self.delivery = delivery  # None: the batch handler failed, rerun per message
         self.error = error
@@ -152,7 +152,7 @@ class Processor:
         self,
         consumer: Consumer,
         sessions: sessionmaker[Session],
-        transport: Transport,
+        transport: Transport[Any],
         *,
         metrics: Metrics | None = None,
         stop: StopToken | None = None,
@@ -178,7 +178,7 @@ class Processor:
 
     # -- public ------------------------------------------------------------------------
 
-    def process(self, deliveries: Sequence[Delivery]) -> BatchReport:
+    def process(self, deliveries: Sequence[Delivery[Any]]) -> BatchReport:
         """Process and settle one batch; returns where each delivery ended."""
         started = time.monotonic()
         self.metrics.delivered += len(deliveries)
@@ -216,11 +216,11 @@ class Processor:
     # -- steps -------------------------------------------------------------------------
 
     def _identify(
-        self, deliveries: Sequence[Delivery], report: BatchReport
-    ) -> tuple[list[Delivery], list[tuple[Delivery, str]]]:
+        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
+    ) -> tuple[list[Delivery[Any]], list[tuple[Delivery[Any], str]]]:
         """Attach message ids; split off messages without one and in-batch repeats."""
-        unique: list[Delivery] = []
-        repeats: list[tuple[Delivery, str]] = []
+        unique: list[Delivery[Any]] = []
+        repeats: list[tuple[Delivery[Any], str]] = []
         seen: set[str] = set()
         for delivery in deliveries:
             try:
@@ -235,7 +235,7 @@ class Processor:
             unique.append(Delivery(delivery.message.with_id(message_id), delivery.token))
         return unique, repeats
 
-    def _message_id(self, delivery: Delivery) -> str:
+    def _message_id(self, delivery: Delivery[Any]) -> str:
         """The delivery's message id, valid for every database, or a MessageError.
 
         Whatever the strategy raises belongs to this message (a user function failing
@@ -252,14 +252,14 @@ class Processor:
         return check_message_id(message_id, "the consumer's message id")
 
     def _run_each(
-        self, deliveries: Sequence[Delivery], report: BatchReport
-    ) -> list[tuple[Delivery, Exception]]:
+        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
+    ) -> list[tuple[Delivery[Any], Exception]]:
         """Transaction mode: one transaction per message, each committed on its own.
 
         Returns the failed deliveries (each rolled back alone) for :meth:`_retry`. On a
         stop request the rest of the batch is left unsettled for the next owner.
         """
-        failures: list[tuple[Delivery, Exception]] = []
+        failures: list[tuple[Delivery[Any], Exception]] = []
         lease = _SessionLease(self.sessions)
         try:
             for index, delivery in enumerate(deliveries):
@@ -275,7 +275,9 @@ class Processor:
             lease.close()
         return failures
 
-    def _own_transaction(self, delivery: Delivery, lease: _SessionLease | None = None) -> _Pass:
+    def _own_transaction(
+        self, delivery: Delivery[Any], lease: _SessionLease | None = None
+    ) -> _Pass:
         """One message in its own transaction; a handler failure rolls back only it."""
         if lease is None:
             with self.sessions() as session:
@@ -286,7 +288,7 @@ class Processor:
             lease.close()  # e.g. a dead connection: the retry starts on a fresh one
             raise
 
-    def _own_transaction_in(self, session: Session, delivery: Delivery) -> _Pass:
+    def _own_transaction_in(self, session: Session, delivery: Delivery[Any]) -> _Pass:
         try:
             return self._transaction_in(session, [delivery], False, False)
         except _RerunWithoutError as failed:  # rolled back: its claim is gone too
@@ -301,7 +303,7 @@ class Processor:
         finally:
             session.expunge_all()  # the next message starts with an empty session
 
-    def _run_pass(self, deliveries: Sequence[Delivery]) -> _Pass:
+    def _run_pass(self, deliveries: Sequence[Delivery[Any]]) -> _Pass:
         """One transaction over ``deliveries``: claim, handle the new ones, commit.
 
         Without savepoints a handler failure rolls the transaction back; it is then run
@@ -309,7 +311,7 @@ class Processor:
         failure does not cost another rerun).
         """
         pending = list(deliveries)
-        excluded: list[tuple[Delivery, Exception]] = []
+        excluded: list[tuple[Delivery[Any], Exception]] = []
         use_batch_handler = self.consumer.has_batch_handler
         savepoints = self.consumer.failure_isolation == "savepoint"
         while pending:
@@ -334,8 +336,8 @@ class Processor:
 
     def _find_data_error(
         self,
-        pending: list[Delivery],
-        excluded: list[tuple[Delivery, Exception]],
+        pending: list[Delivery[Any]],
+        excluded: list[tuple[Delivery[Any], Exception]],
         error: Exception,
     ) -> _Pass:
         """A data error outside any handler's boundary: find the message it belongs to.
@@ -358,7 +360,7 @@ class Processor:
         return outcome
 
     def _transaction(
-        self, deliveries: Sequence[Delivery], use_batch_handler: bool, savepoints: bool
+        self, deliveries: Sequence[Delivery[Any]], use_batch_handler: bool, savepoints: bool
     ) -> _Pass:
         with self.sessions() as session:
             return self._transaction_in(session, deliveries, use_batch_handler, savepoints)
@@ -366,7 +368,7 @@ class Processor:
     def _transaction_in(
         self,
         session: Session,
-        deliveries: Sequence[Delivery],
+        deliveries: Sequence[Delivery[Any]],
         use_batch_handler: bool,
         savepoints: bool,
     ) -> _Pass:
@@ -409,7 +411,7 @@ class Processor:
     def _handle(
         self,
         session: Session,
-        new: list[Delivery],
+        new: list[Delivery[Any]],
         outcome: _Pass,
         use_batch_handler: bool,
         savepoints: bool,
@@ -442,7 +444,7 @@ class Processor:
         self,
         session: Session,
         savepoints: bool,
-        delivery: Delivery | None,
+        delivery: Delivery[Any] | None,
         call: Callable[[], T],
     ) -> T | Exception:
         """Run ``call`` so that its failure undoes only its own work.
@@ -469,7 +471,7 @@ class Processor:
             savepoint.commit()
         return value
 
-    def _call_handler(self, session: Session, delivery: Delivery) -> Any:
+    def _call_handler(self, session: Session, delivery: Delivery[Any]) -> Any:
         if not self.consumer.has_single_handler:
             return self._call_batch_handler(session, [delivery]).get(str(delivery.message.id))
         context = Context(session, self.consumer, delivery.message)
@@ -480,7 +482,7 @@ class Processor:
         _ensure_json(result)
         return result
 
-    def _call_batch_handler(self, session: Session, new: list[Delivery]) -> dict[str, Any]:
+    def _call_batch_handler(self, session: Session, new: list[Delivery[Any]]) -> dict[str, Any]:
         messages = [d.message for d in new]
         started = time.monotonic()
         with tracing.batch_span(self.name, messages):
@@ -527,7 +529,7 @@ class Processor:
                     delivery.message, outcome.stored_results.get(str(delivery.message.id))
                 )
 
-    def _retry(self, delivery: Delivery, error: Exception, report: BatchReport) -> None:
+    def _retry(self, delivery: Delivery[Any], error: Exception, report: BatchReport) -> None:
         """Rerun one failed message in its own transactions until done or out of attempts."""
         attempts = 1
         while True:
@@ -554,7 +556,9 @@ class Processor:
 
     # -- careful mode: deliveries that came back -------------------------------------------
 
-    def _run_carefully(self, deliveries: Sequence[Delivery], report: BatchReport) -> list[Delivery]:
+    def _run_carefully(
+        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
+    ) -> list[Delivery[Any]]:
         """Process the redelivered deliveries one at a time; return the others.
 
         A redelivered message may be the one whose handler killed the previous worker
@@ -581,7 +585,9 @@ class Processor:
             lease.close()
         return others
 
-    def _skip_processed(self, deliveries: list[Delivery], report: BatchReport) -> list[Delivery]:
+    def _skip_processed(
+        self, deliveries: list[Delivery[Any]], report: BatchReport
+    ) -> list[Delivery[Any]]:
         """Settle the deliveries whose claims are committed; return the rest (one read)."""
         if not self.consumer.deduplicate or not deliveries:
             return deliveries
@@ -598,7 +604,9 @@ class Processor:
         with self.sessions() as session, session.begin():
             return self.store.processed(session, self.name, ids)
 
-    def _careful_one(self, delivery: Delivery, lease: _SessionLease, report: BatchReport) -> None:
+    def _careful_one(
+        self, delivery: Delivery[Any], lease: _SessionLease, report: BatchReport
+    ) -> None:
         """Count the attempt first, then run the message alone; retry up to the policy."""
         message_id = str(delivery.message.id)
         while True:
@@ -673,16 +681,18 @@ class Processor:
             error_message=last_error,
         )
 
-    def _run_one(self, delivery: Delivery) -> _Pass:
+    def _run_one(self, delivery: Delivery[Any]) -> _Pass:
         return self._run_pass([delivery])
 
-    def _record_failure(self, delivery: Delivery, error: Exception) -> int:
+    def _record_failure(self, delivery: Delivery[Any], error: Exception) -> int:
         with self.sessions() as session, session.begin():
             # The error text may carry NUL or a lone surrogate, which PostgreSQL refuses.
             text = clean_text(f"{type(error).__name__}: {error}")
             return self.store.record_failure(session, self.name, str(delivery.message.id), text)
 
-    def _resolve_repeats(self, repeats: list[tuple[Delivery, str]], report: BatchReport) -> None:
+    def _resolve_repeats(
+        self, repeats: list[tuple[Delivery[Any], str]], report: BatchReport
+    ) -> None:
         """A repeat inside the batch shares the fate of its first copy."""
         if not repeats:
             return
@@ -718,7 +728,7 @@ class Processor:
         kept in the database's dead-letter table instead, then settled like the others:
         one record the broker will never take must not hold up what comes after it.
         """
-        kept: list[tuple[Delivery, DeadLetter]] = []
+        kept: list[tuple[Delivery[Any], DeadLetter]] = []
         for delivery, record in report.dead_lettered:
             extra = {
                 "consumer": self.name,
@@ -750,7 +760,7 @@ class Processor:
             kept.append((delivery, record))
         report.dead_lettered = kept
 
-    def _park(self, delivery: Delivery, record: DeadLetter, refusal: Exception) -> bool:
+    def _park(self, delivery: Delivery[Any], record: DeadLetter, refusal: Exception) -> bool:
         """Keep a refused dead letter in the database; False if that failed too."""
         cause = DeadLetterCause(
             reason=record.reason,
@@ -852,7 +862,7 @@ class Processor:
             error_message=clean_text(str(error)),
         )
 
-    def _log_failure(self, delivery: Delivery | None, error: Exception) -> None:
+    def _log_failure(self, delivery: Delivery[Any] | None, error: Exception) -> None:
         log.info(
             "handler failed",
             extra={

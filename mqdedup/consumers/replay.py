@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -68,7 +69,7 @@ class ReplayTally:
             else:
                 report.dead_lettered += 1
 
-    def dry(self, deliveries: Sequence[Delivery]) -> None:
+    def dry(self, deliveries: Sequence[Delivery[Any]]) -> None:
         """Count what processing ``deliveries`` would do, writing nothing."""
         ids: list[str] = []
         for delivery in deliveries:

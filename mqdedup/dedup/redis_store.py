@@ -399,7 +399,7 @@ class RedisConsumer:
 
     def create_transport(
         self, *, stop: StopToken | None = None, metrics: Metrics | None = None
-    ) -> Transport:
+    ) -> Transport[Any]:
         """The transport to read from: :attr:`source`'s, unless overridden.
 
         ``stop`` and ``metrics`` reach transports that take them (RabbitMQ's stops
@@ -413,7 +413,7 @@ class RedisConsumer:
                 "to RedisWorker"
             )
         if _is_rabbitmq(source):
-            return source.create_transport(stop=stop, metrics=metrics)  # type: ignore[call-arg]
+            return source.create_transport(stop=stop, metrics=metrics)
         return source.create_transport()
 
     def source_consumer(self) -> Consumer | None:
@@ -500,10 +500,10 @@ class RedisConsumer:
 
 @dataclass
 class _Round:
-    processed: list[Delivery] = field(default_factory=list)
-    duplicates: list[tuple[Delivery, Any]] = field(default_factory=list)
-    failures: list[tuple[Delivery, Exception]] = field(default_factory=list)
-    busy: list[tuple[Delivery, float]] = field(default_factory=list)
+    processed: list[Delivery[Any]] = field(default_factory=list)
+    duplicates: list[tuple[Delivery[Any], Any]] = field(default_factory=list)
+    failures: list[tuple[Delivery[Any], Exception]] = field(default_factory=list)
+    busy: list[tuple[Delivery[Any], float]] = field(default_factory=list)
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -520,7 +520,7 @@ class RedisProcessor:
         self,
         consumer: RedisConsumer,
         store: RedisDedupStore,
-        transport: Transport,
+        transport: Transport[Any],
         *,
         metrics: Metrics | None = None,
         stop: StopToken | None = None,
@@ -537,7 +537,7 @@ class RedisProcessor:
         #: Identifies this worker's claims; unique per processor.
         self.worker_id = worker_id or uuid.uuid4().hex
 
-    def process(self, deliveries: Sequence[Delivery]) -> BatchReport:
+    def process(self, deliveries: Sequence[Delivery[Any]]) -> BatchReport:
         """Process and settle one batch; returns where each delivery ended."""
         started = time.monotonic()
         report = BatchReport()
@@ -567,10 +567,10 @@ class RedisProcessor:
     # -- steps ---------------------------------------------------------------------------
 
     def _identify(
-        self, deliveries: Sequence[Delivery], report: BatchReport
-    ) -> tuple[list[Delivery], list[tuple[Delivery, str]]]:
-        unique: list[Delivery] = []
-        repeats: list[tuple[Delivery, str]] = []
+        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
+    ) -> tuple[list[Delivery[Any]], list[tuple[Delivery[Any], str]]]:
+        unique: list[Delivery[Any]] = []
+        repeats: list[tuple[Delivery[Any], str]] = []
         seen: set[str] = set()
         for delivery in deliveries:
             try:
@@ -585,13 +585,13 @@ class RedisProcessor:
             unique.append(Delivery(delivery.message.with_id(message_id), delivery.token))
         return unique, repeats
 
-    def _round(self, deliveries: Sequence[Delivery]) -> _Round:
+    def _round(self, deliveries: Sequence[Delivery[Any]]) -> _Round:
         """Claim ``deliveries`` (one round trip) and run the handler for the new ones."""
         outcome = _Round()
         ids = [str(d.message.id) for d in deliveries]
         claims = self._with_redis_retry(lambda: self.store.claim(self.name, ids, self.worker_id))
         claimed_at = time.monotonic()
-        new: list[Delivery] = []
+        new: list[Delivery[Any]] = []
         for delivery in deliveries:
             claim = claims[str(delivery.message.id)]
             if claim.state is ClaimState.NEW:
@@ -610,7 +610,7 @@ class RedisProcessor:
             self._handle_one(delivery, outcome)
         return outcome
 
-    def _handle_one(self, delivery: Delivery, outcome: _Round) -> None:
+    def _handle_one(self, delivery: Delivery[Any], outcome: _Round) -> None:
         message_id = str(delivery.message.id)
         try:
             result = self.consumer.handle(
@@ -651,8 +651,12 @@ class RedisProcessor:
             self.consumer.on_duplicate(delivery.message, stored)
 
     def _retry(
-        self, delivery: Delivery, error: Exception, report: BatchReport, results: dict[str, Any]
-    ) -> list[tuple[Delivery, float]]:
+        self,
+        delivery: Delivery[Any],
+        error: Exception,
+        report: BatchReport,
+        results: dict[str, Any],
+    ) -> list[tuple[Delivery[Any], float]]:
         """Rerun one failed message until done, dead-lettered or busy elsewhere."""
         message_id = str(delivery.message.id)
         while True:
@@ -674,7 +678,7 @@ class RedisProcessor:
             error = round_.failures[0][1]
 
     def _resolve_repeats(
-        self, repeats: list[tuple[Delivery, str]], report: BatchReport, results: dict[str, Any]
+        self, repeats: list[tuple[Delivery[Any], str]], report: BatchReport, results: dict[str, Any]
     ) -> None:
         """A repeat inside the batch shares its first copy's fate (and gets its result)."""
         if not repeats:
@@ -694,7 +698,7 @@ class RedisProcessor:
                 report.unsettled.append(repeat)
 
     def _dead_letter(self, report: BatchReport) -> None:
-        kept: list[tuple[Delivery, DeadLetter]] = []
+        kept: list[tuple[Delivery[Any], DeadLetter]] = []
         for delivery, record in report.dead_lettered:
             try:
                 self.transport.dead_letter(delivery, record)
@@ -771,7 +775,9 @@ class RedisProcessor:
             self.stop.wait(min(remaining, 0.2))
         return not self.stop.requested
 
-    def _count(self, deliveries: Sequence[Delivery], report: BatchReport, started: float) -> None:
+    def _count(
+        self, deliveries: Sequence[Delivery[Any]], report: BatchReport, started: float
+    ) -> None:
         metrics = self.metrics
         metrics.batches += 1
         metrics.delivered += len(deliveries)
@@ -787,7 +793,7 @@ class RedisWorker:
     def __init__(
         self,
         consumer: RedisConsumer,
-        transport: Transport,
+        transport: Transport[Any],
         store: RedisDedupStore | None = None,
         *,
         stop: StopToken | None = None,

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from mqdedup.kafka.client import KafkaClient
 from mqdedup.kafka.replay import KafkaReplay
-from mqdedup.kafka.transport import KafkaTransport
 
 
 def partitions_before_horizon(replay: KafkaReplay, horizon: datetime) -> dict[str, tuple[int, int]]:
     """``topic/partition -> (range start, first offset at/after the horizon)`` for every
     partition whose replay range starts with messages older than ``horizon``."""
-    transport = KafkaTransport(replay.settings, metrics=replay.metrics, group=False)
+    transport = KafkaClient(replay.settings, metrics=replay.metrics, group=False)
     try:
         transport.open()
         keys = replay.partitions_to_replay(transport)

@@ -25,8 +25,9 @@ from mqdedup.consumers.replay import ReplayReport, ReplayTally
 from mqdedup.consumers.transport import Delivery
 from mqdedup.db.engine import session_factory
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.kafka.client import KafkaClient
 from mqdedup.kafka.offsets import PartitionKey
-from mqdedup.kafka.transport import KafkaToken, KafkaTransport
+from mqdedup.kafka.records import KafkaToken
 from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class KafkaReplay:
 
     def run(self) -> ReplayReport:
         """Replay the range and return the counts."""
-        transport = KafkaTransport(self.settings, metrics=self.metrics, group=False)
+        transport = KafkaClient(self.settings, metrics=self.metrics, group=False)
         try:
             transport.open()
             keys = self.partitions_to_replay(transport)
@@ -110,7 +111,7 @@ class KafkaReplay:
 
     # -- range ---------------------------------------------------------------------------
 
-    def partitions_to_replay(self, transport: KafkaTransport) -> list[PartitionKey]:
+    def partitions_to_replay(self, transport: KafkaClient) -> list[PartitionKey]:
         """The (topic, partition) pairs this replay reads; unknown partitions are refused."""
         keys: list[PartitionKey] = []
         for topic in self.topics:
@@ -125,7 +126,7 @@ class KafkaReplay:
         return keys
 
     def offset_range(
-        self, transport: KafkaTransport, keys: list[PartitionKey]
+        self, transport: KafkaClient, keys: list[PartitionKey]
     ) -> tuple[dict[PartitionKey, int], dict[PartitionKey, int]]:
         """Per partition: the first offset to replay and the end (exclusive), clamped to
         what the log still holds."""
@@ -139,7 +140,7 @@ class KafkaReplay:
 
     @staticmethod
     def _resolve(
-        transport: KafkaTransport,
+        transport: KafkaClient,
         keys: list[PartitionKey],
         bound: int | datetime | None,
         *,
@@ -159,7 +160,7 @@ class KafkaReplay:
 
     # -- the loop ------------------------------------------------------------------------
 
-    def _consume(self, transport: KafkaTransport, active: dict[PartitionKey, int]) -> None:
+    def _consume(self, transport: KafkaClient, active: dict[PartitionKey, int]) -> None:
         processor = (
             None
             if self.dry_run
@@ -188,13 +189,13 @@ class KafkaReplay:
                 )
 
 
-def _key(delivery: Delivery) -> PartitionKey:
+def _key(delivery: Delivery[Any]) -> PartitionKey:
     token: Any = delivery.token
     assert isinstance(token, KafkaToken)
     return token.partition
 
 
-def _offset(delivery: Delivery) -> int:
+def _offset(delivery: Delivery[Any]) -> int:
     token: Any = delivery.token
     assert isinstance(token, KafkaToken)
     return token.offset

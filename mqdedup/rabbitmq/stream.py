@@ -51,14 +51,16 @@ class _StreamTransport:
         self.stream = stream
         self.dead_letter_queue = dead_letter_queue
 
-    def fetch(self, max_messages: int, timeout: float) -> Sequence[Delivery]:  # pragma: no cover
+    def fetch(
+        self, max_messages: int, timeout: float
+    ) -> Sequence[Delivery[Any]]:  # pragma: no cover
         raise NotImplementedError("StreamReplay feeds batches itself")
 
-    def settle(self, deliveries: Sequence[Delivery]) -> None:
+    def settle(self, deliveries: Sequence[Delivery[Any]]) -> None:
         if deliveries:
             self.channel.basic_ack(max(d.token.tag for d in deliveries), multiple=True)
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def dead_letter(self, delivery: Delivery[Any], record: DeadLetter) -> None:
         token: _Token = delivery.token
         properties = dead_letter_properties(
             token.properties, record, source_queue=self.stream, message_id=delivery.message.id
@@ -70,6 +72,9 @@ class _StreamTransport:
             properties=properties,
             mandatory=True,
         )
+
+    def give_back(self, deliveries: Sequence[Delivery[Any]]) -> None:
+        """Nothing to return: a replay moves on (acks only grant credit on streams)."""
 
     def keepalive(self) -> None:
         self.channel.connection.process_data_events(time_limit=0)
@@ -154,7 +159,7 @@ class StreamReplay:
         return self.start  # an int offset, or a datetime (sent as an AMQP timestamp)
 
     def _consume(self, channel: Any, processor: Processor | None) -> None:
-        batch: list[Delivery] = []
+        batch: list[Delivery[Any]] = []
         last_message = time.monotonic()
         for method, properties, body in channel.consume(
             self.stream,
@@ -193,7 +198,7 @@ class StreamReplay:
         first, last = self.report.ranges.get(self.stream, (offset, offset))
         self.report.ranges[self.stream] = (min(first, offset), max(last, offset + 1))
 
-    def _flush(self, batch: list[Delivery], processor: Processor | None) -> None:
+    def _flush(self, batch: list[Delivery[Any]], processor: Processor | None) -> None:
         if not batch:
             return
         if processor is None:
