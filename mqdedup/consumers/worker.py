@@ -2,9 +2,9 @@
 
 This is the only fetch -> process loop: every consumer, whatever its broker, runs
 through it (``Consumer.run``). What a batch left unsettled (a dead-letter publish that
-failed) is given back to the transport (``Transport.give_back``), after a back-off that
-grows while batches keep leaving deliveries unsettled, so a broken dead-letter target
-does not become a busy loop.
+failed) is given back to the transport (``Transport.give_back``) to be fetched again;
+while batches make no progress but give deliveries back, the worker backs off (longer
+each time), so a broken dead-letter target does not become a busy loop.
 """
 
 from __future__ import annotations
@@ -107,13 +107,17 @@ class Worker:
         """Return what the batch left unsettled to the transport: it is fetched again.
 
         Not when stopping: closing the transport returns it anyway (to the next owner).
+        A batch that settled nothing new (only duplicates and given-back deliveries,
+        e.g. a dead-letter target that keeps failing) backs off before the next fetch,
+        longer each time, so fetching the same deliveries again is not a busy loop.
         """
-        if not report.unsettled:
+        if not report.unsettled or self.stop.requested:
             self._unsettled_rounds = 0
             return
-        if self.stop.requested:
-            return
         self.transport.give_back(report.unsettled)
+        if report.processed or report.dead_lettered:
+            self._unsettled_rounds = 0
+            return
         self._unsettled_rounds += 1
         seconds = min(
             self.consumer.retry_policy.infrastructure_backoff_max,
