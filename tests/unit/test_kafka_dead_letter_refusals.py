@@ -1,4 +1,4 @@
-"""How the Kafka client (the transport's broker side) classifies a failed dead-letter publish (no broker).
+"""How the Kafka client classifies a failed dead-letter publish (no broker).
 
 A refusal of the record itself is ``DeadLetterRefusedError`` (the processor keeps the
 message in the database); everything else is ``BrokerUnavailableError`` (the offset
