@@ -206,6 +206,8 @@ class Consumer:
     table_prefix: ClassVar[str] = DEFAULT_PREFIX
     #: Skip the claim entirely (a baseline for benchmarks; never for real consumers).
     deduplicate: ClassVar[bool] = True
+    #: Seconds between the worker's periodic ``consumer metrics`` log lines.
+    metrics_interval: ClassVar[float] = 30.0
 
     @property
     def consumer_name(self) -> str:

@@ -43,7 +43,7 @@ class Worker:
         *,
         stop: StopToken | None = None,
         metrics: Metrics | None = None,
-        log_interval: float = 30.0,
+        log_interval: float | None = None,
     ) -> None:
         self.consumer = consumer
         self.transport = transport
@@ -53,7 +53,7 @@ class Worker:
         self.processor = Processor(
             consumer, sessions, transport, metrics=self.metrics, stop=self.stop
         )
-        self._log_interval = log_interval
+        self._log_interval = consumer.metrics_interval if log_interval is None else log_interval
         self._last_log = time.monotonic()
         self._unsettled_rounds = 0
 

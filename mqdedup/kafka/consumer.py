@@ -109,7 +109,6 @@ class KafkaSettings:
     commit_interval: float
     dead_letter_timeout: float
     max_buffered: int
-    metrics_interval: float
 
     def dead_letter_topic_for(self, topic: str) -> str:
         """The dead-letter topic of records read from ``topic``."""
@@ -159,8 +158,6 @@ class KafkaConsumer(Consumer):
     connect_timeout: ClassVar[float] = 30.0
     #: Batches fetched ahead of the one being processed.
     prefetch_batches: ClassVar[int] = 2
-    #: Seconds between the periodic metrics log lines.
-    metrics_interval: ClassVar[float] = 30.0
     #: Seconds between metadata refreshes (kafka-python's ``metadata_max_age_ms``): new
     #: partitions of a subscribed topic, and new topics of a ``topic_pattern``, are
     #: noticed within this bound (then a rebalance of a few seconds assigns them).
@@ -327,7 +324,6 @@ class KafkaConsumer(Consumer):
             commit_interval=cls.commit_interval,
             dead_letter_timeout=cls.dead_letter_timeout,
             max_buffered=cls.batch_size * (cls.prefetch_batches + 1),
-            metrics_interval=cls.metrics_interval,
         )
 
     # -- running -------------------------------------------------------------------------
