@@ -3,7 +3,8 @@
 This package is the only importer of kafka-python in mqdedup.
 """
 
-from mqdedup.kafka.consumer import KafkaConsumer, KafkaSettings
+from mqdedup.kafka.consumer import KafkaConsumer
 from mqdedup.kafka.publisher import KafkaPublisher
+from mqdedup.kafka.settings import KafkaSettings
 
 __all__ = ["KafkaConsumer", "KafkaPublisher", "KafkaSettings"]

@@ -60,7 +60,7 @@ from mqdedup.kafka.records import (
 if TYPE_CHECKING:
     from datetime import datetime
 
-    from mqdedup.kafka.consumer import KafkaSettings
+    from mqdedup.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 

@@ -28,24 +28,23 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import ConfigurationError
+from mqdedup.kafka.settings import TOPIC_PLACEHOLDER, KafkaSettings
+from mqdedup.kafka.transport import KafkaTransport
+from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session, sessionmaker
 
-    from mqdedup.consumers.metrics import Metrics
     from mqdedup.consumers.replay import ReplayReport
-    from mqdedup.kafka.transport import KafkaTransport
-    from mqdedup.stopping import StopToken
 
 BOOTSTRAP_ENV = "MQDEDUP_KAFKA_BOOTSTRAP"
-TOPIC_PLACEHOLDER = "{topic}"
 
 # kafka_config keys mqdedup sets itself, and why a user may not.
 _RESERVED_CONSUMER_KEYS = {
@@ -87,32 +86,8 @@ RECOVERY_DEFAULTS: dict[str, int] = {
     "request_timeout_ms": 10_000,
 }
 #: Longest wait (seconds) for the dead-letter topic's metadata before a publish is
-#: given up (missing topic or outage; see ``KafkaTransport.dead_letter``).
+#: given up (missing topic or outage; see ``KafkaClient.dead_letter``).
 DEAD_LETTER_METADATA_WAIT = 5.0
-
-
-@dataclass(frozen=True)
-class KafkaSettings:
-    """Everything the Kafka transport needs, resolved from a consumer class."""
-
-    consumer_name: str
-    group_id: str
-    topics: tuple[str, ...]
-    pattern: str | None
-    bootstrap_servers: tuple[str, ...]
-    consumer_config: Mapping[str, Any]
-    producer_config: Mapping[str, Any]
-    admin_config: Mapping[str, Any]
-    dead_letter_topic: str
-    create_dead_letter_topics: bool
-    commit_timeout: float
-    commit_interval: float
-    dead_letter_timeout: float
-    max_buffered: int
-
-    def dead_letter_topic_for(self, topic: str) -> str:
-        """The dead-letter topic of records read from ``topic``."""
-        return self.dead_letter_topic.replace(TOPIC_PLACEHOLDER, topic)
 
 
 class KafkaConsumer(Consumer):
@@ -337,8 +312,6 @@ class KafkaConsumer(Consumer):
         in flight is still settled and committed; closing it commits and leaves the
         group. Raises BrokerUnavailableError when no bootstrap server answers.
         """
-        from mqdedup.kafka.transport import KafkaTransport
-
         return KafkaTransport(self.kafka_settings(), stop=stop, metrics=metrics).start()
 
     def check_connection(self) -> None:

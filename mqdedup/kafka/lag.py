@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mqdedup.errors import BrokerUnavailableError
-from mqdedup.kafka.consumer import KafkaSettings
+from mqdedup.kafka.settings import KafkaSettings
 
 
 def group_lag(settings: KafkaSettings) -> dict[str, int]:

@@ -40,7 +40,7 @@ from mqdedup.kafka.records import KafkaToken
 from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
-    from mqdedup.kafka.consumer import KafkaSettings
+    from mqdedup.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 

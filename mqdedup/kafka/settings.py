@@ -1,0 +1,34 @@
+"""What the Kafka transport needs, resolved from a consumer class (no kafka-python here)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: Replaced by the source topic in ``dead_letter_topic``.
+TOPIC_PLACEHOLDER = "{topic}"
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    """Everything the Kafka transport needs, resolved from a consumer class."""
+
+    consumer_name: str
+    group_id: str
+    topics: tuple[str, ...]
+    pattern: str | None
+    bootstrap_servers: tuple[str, ...]
+    consumer_config: Mapping[str, Any]
+    producer_config: Mapping[str, Any]
+    admin_config: Mapping[str, Any]
+    dead_letter_topic: str
+    create_dead_letter_topics: bool
+    commit_timeout: float
+    commit_interval: float
+    dead_letter_timeout: float
+    max_buffered: int
+
+    def dead_letter_topic_for(self, topic: str) -> str:
+        """The dead-letter topic of records read from ``topic``."""
+        return self.dead_letter_topic.replace(TOPIC_PLACEHOLDER, topic)
