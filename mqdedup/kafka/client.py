@@ -1,4 +1,4 @@
-"""One kafka-python consumer and the dead-letter producer, used from one thread.
+"""One kafka-python consumer (plus the dead-letter producer), used from one thread.
 
 :class:`KafkaClient` does the broker work of the Kafka transport and keeps the ack
 contract of :mod:`mqdedup.consumers.transport`:
@@ -12,15 +12,8 @@ contract of :mod:`mqdedup.consumers.transport`:
   fails because of the rebalance is logged, never fatal;
 * ``give_back`` seeks a partition back to its first given-back offset (the partition
   gets a new epoch: deliveries of it handed out later are dropped and fetched again);
-* ``dead_letter`` publishes the original key, value and headers plus the ``x-mqdedup-*``
-  headers to the dead-letter topic and waits for the broker's acknowledgement
-  (``acks=all``, idempotent producer) before it returns. A dead letter the broker
-  refuses for good (too large for the topic, invalid or unauthorised topic, a missing
-  topic that cannot be created) raises :class:`~mqdedup.errors.DeadLetterRefusedError`
-  with the broker's reason (the processor keeps the message another way); an outage
-  raises :class:`~mqdedup.errors.BrokerUnavailableError` (the delivery stays unsettled
-  and is given back). The producer is replaced when it goes fatal
-  (:mod:`mqdedup.kafka.producer`), so one refused record never blocks later ones.
+* ``dead_letter`` publishes through :class:`~mqdedup.kafka.dead_letters.KafkaDeadLetters`
+  and waits for the broker's acknowledgement before it returns.
 
 Threads: kafka-python's consumer is not thread-safe. Every call on it (poll, pause,
 seek, commit, close) happens on the *owner* thread, the one that called :meth:`open`:
@@ -33,11 +26,10 @@ through the producer and an admin client, never through the consumer.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import kafka
@@ -46,16 +38,10 @@ from kafka.structs import MemberState, OffsetAndMetadata, TopicPartition
 
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery
-from mqdedup.errors import BrokerUnavailableError, ConfigurationError, DeadLetterRefusedError
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.kafka.dead_letters import KafkaDeadLetters
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
-from mqdedup.kafka.producer import Outcome, ProducerRecord, RecoveringProducer, Sent
-from mqdedup.kafka.records import (
-    KafkaToken,
-    dead_letter_headers,
-    describe_error,
-    partition_key,
-    to_message,
-)
+from mqdedup.kafka.records import KafkaToken, describe_error, partition_key, to_message
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -98,12 +84,7 @@ class KafkaClient:
         self.tracker = OffsetTracker(redelivery_window=settings.max_buffered if group else 0)
         self._client: Any = None
         self._owner: threading.Thread | None = None
-        self._producer = RecoveringProducer(
-            settings.producer_config, name=f"{settings.consumer_name} dead letters"
-        )
-        self._known_dead_letter_topics: set[str] = set()
-        #: Why a dead-letter topic found missing could not be created (by topic).
-        self._missing_dead_letter_topics: dict[str, str] = {}
+        self.dead_letters = KafkaDeadLetters(settings)
         self._commit_wanted = threading.Event()
         self._next_commit_attempt = 0.0
         self._revoking: set[PartitionKey] = set()
@@ -179,7 +160,7 @@ class KafkaClient:
                     "kafka consumer did not close cleanly",
                     extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
                 )
-        self._producer.close(timeout)
+        self.dead_letters.close(timeout)
 
     @property
     def closed(self) -> bool:
@@ -216,63 +197,12 @@ class KafkaClient:
     def dead_letter(self, delivery: Delivery[KafkaToken], record: DeadLetter) -> None:
         """Publish the original record with ``record``'s headers; wait for the broker's ack.
 
-        Raises :class:`DeadLetterRefusedError` when the broker refuses this record for
-        good (the reason names the topic and the broker's error), and
-        :class:`BrokerUnavailableError` when it cannot be reached or does not answer
-        within the dead-letter timeout (the delivery stays unsettled: the offset does
-        not move past it, and it is given back).
+        Never touches the consumer (safe from any thread); see
+        :meth:`KafkaDeadLetters.publish` for the errors it raises.
         """
-        token = delivery.token
         if self._closed:
             raise BrokerUnavailableError("the Kafka transport is closed")
-        topic = self.settings.dead_letter_topic_for(token.partition[0])
-        self._ensure_dead_letter_topic(topic, token.partition[0])
-        outgoing = ProducerRecord(
-            topic, token.record.key, token.record.value, dead_letter_headers(token, record)
-        )
-        sent = self._producer.send_all([outgoing], self.settings.dead_letter_timeout)[0]
-        if sent.outcome is Outcome.NO_METADATA:
-            sent = self._no_metadata(topic, sent)
-        source = f"{token.partition[0]}/{token.partition[1]}/{token.offset}"
-        if sent.outcome is Outcome.REFUSED:
-            log.warning(
-                "the broker refused the dead letter",
-                extra={
-                    "consumer": self.settings.consumer_name,
-                    "topic": topic,
-                    "source": source,
-                    "error": sent.error,
-                },
-            )
-            raise DeadLetterRefusedError(
-                f"the broker refused the dead letter for {topic!r}: {sent.error}"
-            )
-        if not sent.ok:
-            raise BrokerUnavailableError(f"dead-letter publish to {topic!r} failed: {sent.error}")
-        log.info(
-            "published to dead-letter topic",
-            extra={
-                "consumer": self.settings.consumer_name,
-                "topic": topic,
-                "source": source,
-                "reason": record.reason,
-            },
-        )
-
-    def _no_metadata(self, topic: str, sent: Sent) -> Sent:
-        """The dead-letter topic's metadata did not arrive: missing topic, or an outage?"""
-        exists = self._topic_exists(topic)
-        if exists is False:
-            why = self._missing_dead_letter_topics.get(topic) or (
-                "create_dead_letter_topics is off"
-                if not self.settings.create_dead_letter_topics
-                else "it could not be created"
-            )
-            return Sent(
-                Outcome.REFUSED,
-                f"the topic does not exist and the broker does not create it ({why})",
-            )
-        return Sent(Outcome.UNAVAILABLE, sent.error)
+        self.dead_letters.publish(delivery.token, record)
 
     def keepalive(self) -> None:
         """Stay in the group while the processor waits.
@@ -710,106 +640,6 @@ class KafkaClient:
                 "offset commit on revoke failed; redeliveries will be deduplicated",
                 extra={"consumer": self.settings.consumer_name, "error": describe_error(response)},
             )
-
-    def _ensure_dead_letter_topic(self, topic: str, source_topic: str) -> None:
-        """Check once that the dead-letter topic exists; create it if missing (when allowed).
-
-        Not fatal when it fails: the broker may auto-create the topic, or the publish
-        finds out (see :meth:`_no_metadata`).
-        """
-        if topic in self._known_dead_letter_topics:
-            return
-        try:
-            with self._admin() as admin:
-                if topic in set(admin.list_topics()):
-                    self._known_dead_letter_topics.add(topic)
-                    self._missing_dead_letter_topics.pop(topic, None)
-                    return
-                if not self.settings.create_dead_letter_topics:
-                    self._missing_dead_letter_topics[topic] = "create_dead_letter_topics is off"
-                    return
-                partitions = _partition_count(admin, source_topic)
-                answer = admin.create_topics(
-                    {topic: {"num_partitions": partitions}},
-                    timeout_ms=int(self.settings.dead_letter_timeout * 1000),
-                    raise_errors=False,
-                )
-                problem = _create_error(answer)
-                if problem is None:
-                    log.info(
-                        "created dead-letter topic",
-                        extra={"consumer": self.settings.consumer_name, "topic": topic},
-                    )
-                    self._known_dead_letter_topics.add(topic)
-                    self._missing_dead_letter_topics.pop(topic, None)
-                    return
-                self._missing_dead_letter_topics[topic] = f"creating it failed: {problem}"
-                log.warning(
-                    "could not create the dead-letter topic",
-                    extra={
-                        "consumer": self.settings.consumer_name,
-                        "topic": topic,
-                        "error": problem,
-                    },
-                )
-        except Exception as error:
-            log.warning(
-                "could not check/create the dead-letter topic",
-                extra={
-                    "consumer": self.settings.consumer_name,
-                    "topic": topic,
-                    "error": describe_error(error),
-                },
-            )
-
-    def _topic_exists(self, topic: str) -> bool | None:
-        """Whether ``topic`` exists (None: the cluster did not answer)."""
-        try:
-            with self._admin() as admin:
-                found = topic in set(admin.list_topics())
-        except Exception as error:
-            log.warning(
-                "could not list topics",
-                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
-            )
-            return None
-        if found:
-            self._known_dead_letter_topics.add(topic)
-        return found
-
-    @contextlib.contextmanager
-    def _admin(self) -> Iterator[Any]:
-        admin = kafka.KafkaAdminClient(**self.settings.admin_config)
-        try:
-            yield admin
-        finally:
-            try:
-                admin.close()
-            except Exception:
-                log.debug("admin client close failed", exc_info=True)
-
-
-def _partition_count(admin: Any, topic: str) -> int:
-    """How many partitions ``topic`` has (1 if unknown); asked through the admin client,
-    never the consumer (this runs on the worker thread)."""
-    described = admin.describe_topics([topic])
-    for entry in described or ():
-        if entry.get("name") == topic and entry.get("partitions"):
-            return len(entry["partitions"])
-    return 1
-
-
-def _create_error(answer: Any) -> str | None:
-    """The error of a ``create_topics`` answer for one topic (None: created or existing)."""
-    topics = answer.get("topics", []) if isinstance(answer, dict) else []
-    for entry in topics:
-        code = int(entry.get("error_code", 0) or 0)
-        if code in (0, kafka_errors.TopicAlreadyExistsError.errno):
-            continue
-        error_type = kafka_errors.for_code(code)
-        message = entry.get("error_message")
-        return f"{error_type.__name__}" + (f": {message}" if message else "")
-    return None
 
 
 class _RebalanceListener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]

@@ -37,9 +37,10 @@ def transport_with(
         made.append(FakeProducer(plans[min(len(made), len(plans) - 1)]))
         return made[-1]
 
-    transport._producer.factory = factory
-    transport._ensure_dead_letter_topic = lambda topic, source: None  # type: ignore[method-assign]
-    transport._topic_exists = lambda topic: exists  # type: ignore[method-assign]
+    dead_letters = transport.dead_letters
+    dead_letters._producer.factory = factory
+    dead_letters._ensure_dead_letter_topic = lambda topic, source: None  # type: ignore[method-assign]
+    dead_letters._topic_exists = lambda topic: exists  # type: ignore[method-assign]
     return transport, made
 
 
@@ -102,6 +103,6 @@ def test_an_unreachable_cluster_is_an_outage() -> None:
     def refuse(**_config: Any) -> Any:
         raise kafka_errors.NoBrokersAvailable()
 
-    transport._producer.factory = refuse
+    transport.dead_letters._producer.factory = refuse
     with pytest.raises(BrokerUnavailableError, match="NoBrokersAvailable"):
         transport.dead_letter(delivery(), REASON)
