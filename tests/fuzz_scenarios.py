@@ -205,10 +205,10 @@ class CheckingTransport:
         self.dead_tokens: set[Any] = set()
         self.violations: list[str] = []
 
-    def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery[int]]:
         return self.inner.fetch(max_messages, timeout)
 
-    def settle(self, deliveries: Sequence[Delivery]) -> None:
+    def settle(self, deliveries: Sequence[Delivery[int]]) -> None:
         expected = {
             d.message.id
             for d in deliveries
@@ -229,7 +229,10 @@ class CheckingTransport:
                 self.violations.append(f"settled before its claim committed: {missing!r}")
         self.inner.settle(deliveries)
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def give_back(self, deliveries: Sequence[Delivery[int]]) -> None:
+        self.inner.give_back(deliveries)
+
+    def dead_letter(self, delivery: Delivery[int], record: DeadLetter) -> None:
         if not record.reason:
             self.violations.append("a dead letter without a reason")
         self.dead_tokens.add(delivery.token)

@@ -19,7 +19,7 @@ def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> No
     consumer = create_consumer(spec.options["consumer"])
     consumer.validate()
     if not consumer.dedup.needs_database:  # claims in Redis: no database to connect to
-        consumer.run(None, stop=stop, metrics=metrics.source)  # type: ignore[arg-type]
+        consumer.run(None, stop=stop, metrics=metrics.source)
         return
     # The supervisor resolved the consumer's table prefix (flag / env / TOML / class).
     use_table_prefix(consumer, spec.options["table_prefix"])

@@ -11,21 +11,21 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from sqlalchemy.orm import Session
 
+from mqdedup.consumers.metrics import Metrics
 from mqdedup.db.schema import DEFAULT_PREFIX
 from mqdedup.dedup.choices import SqlDedup
 from mqdedup.dedup.claims import Dedup
 from mqdedup.dedup.ids import MAX_ID_LENGTH, MessageIdStrategy, from_header
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.message import Message
+from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import sessionmaker
 
-    from mqdedup.consumers.metrics import Metrics
     from mqdedup.consumers.transport import Transport
     from mqdedup.outbox.writer import OutboxWriter
-    from mqdedup.stopping import StopToken
 
 FailureIsolation = Literal["auto", "savepoint", "rerun", "transaction"]
 FAILURE_ISOLATIONS: tuple[str, ...] = ("auto", "savepoint", "rerun", "transaction")
@@ -238,6 +238,8 @@ class Consumer:
     #: database write (no ``ctx.session`` / ``ctx.outbox`` then). See
     #: :mod:`mqdedup.dedup.choices`.
     dedup: ClassVar[Dedup] = SqlDedup()
+    #: Seconds between the worker's periodic ``consumer metrics`` log lines.
+    metrics_interval: ClassVar[float] = 30.0
 
     @property
     def consumer_name(self) -> str:
@@ -278,8 +280,15 @@ class Consumer:
         """Called after the transaction committed (``RedisDedup``: after the completions
         were written) and before the broker is settled."""
 
-    def create_transport(self) -> Transport:
-        """The transport this consumer reads from; broker subclasses implement it."""
+    def create_transport(
+        self, *, stop: StopToken | None = None, metrics: Metrics | None = None
+    ) -> Transport[Any]:
+        """The started transport this consumer reads from; broker subclasses implement it.
+
+        ``stop``: when requested, the transport hands out nothing more (the batch in
+        flight is still settled until ``close``); ``metrics``: where it reports its
+        connection state and lag. Every subclass keeps this signature.
+        """
         raise ConfigurationError(
             f"{type(self).__name__} has no broker: subclass KafkaConsumer or "
             "RabbitMQConsumer, or pass a transport explicitly"
@@ -287,19 +296,30 @@ class Consumer:
 
     def run(
         self,
-        database: Engine | sessionmaker[Session],
+        database: Engine | sessionmaker[Session] | None,
         *,
         stop: StopToken | None = None,
         metrics: Metrics | None = None,
     ) -> Metrics:
         """Consume until ``stop`` is requested, counting into ``metrics``.
 
-        This is what ``mqdedup worker`` calls in each worker process; broker subclasses
-        may run their own loop but keep this signature.
+        What ``mqdedup worker`` calls in each worker process, for every broker: a
+        :class:`~mqdedup.consumers.worker.Worker` over :meth:`create_transport`. On a
+        stop request the batch in flight is finished and settled, then the transport is
+        closed (Kafka: settled offsets committed, the group left). Outages of the
+        broker or the database are waited out; messages are never dead-lettered for them.
         """
-        from mqdedup.consumers.worker import Worker
+        from mqdedup.consumers.worker import Worker  # the worker imports this module
 
-        return Worker(self, self.create_transport(), database, stop=stop, metrics=metrics).run()
+        stop = stop or StopToken()
+        metrics = metrics if metrics is not None else Metrics()
+        transport = self.create_transport(stop=stop, metrics=metrics)
+        try:
+            worker = Worker(self, transport, database, stop=stop, metrics=metrics)
+        except BaseException:
+            transport.close()
+            raise
+        return worker.run()
 
     def check_connection(self) -> None:
         """Raise BrokerUnavailableError if the broker cannot be reached (CLI start-up)."""

@@ -48,7 +48,7 @@ class RunsAlone(Protocol):
         """A unit of work for a run of single messages."""
         ...
 
-    def alone(self, delivery: Delivery, lease: Any) -> Outcome:
+    def alone(self, delivery: Delivery[Any], lease: Any) -> Outcome:
         """Run one message on its own (its own transaction, its own claim round)."""
         ...
 
@@ -64,7 +64,7 @@ class CarefulRuns:
         self.name = processor.name
         self.policy = processor.consumer.retry_policy
 
-    def run(self, deliveries: Sequence[Delivery], report: BatchReport) -> list[Delivery]:
+    def run(self, deliveries: Sequence[Delivery[Any]], report: BatchReport) -> list[Delivery[Any]]:
         """Process the redelivered deliveries one at a time; return the others."""
         careful = [d for d in deliveries if d.message.redelivered]
         others = [d for d in deliveries if not d.message.redelivered]
@@ -81,7 +81,9 @@ class CarefulRuns:
             lease.close()
         return others
 
-    def _skip_processed(self, deliveries: list[Delivery], report: BatchReport) -> list[Delivery]:
+    def _skip_processed(
+        self, deliveries: list[Delivery[Any]], report: BatchReport
+    ) -> list[Delivery[Any]]:
         """Settle the deliveries whose claims are committed; return the rest (one read)."""
         if not self.p.consumer.deduplicate or not deliveries:
             return deliveries
@@ -94,7 +96,7 @@ class CarefulRuns:
         self.p.committed(Outcome(duplicates=duplicates, stored_results=stored), report)
         return [d for d in deliveries if d.message.id not in done]
 
-    def _careful_one(self, delivery: Delivery, lease: Lease, report: BatchReport) -> None:
+    def _careful_one(self, delivery: Delivery[Any], lease: Lease, report: BatchReport) -> None:
         """Count the attempt first, then run the message alone; retry up to the policy."""
         message_id = str(delivery.message.id)
         outages = self.p.outages

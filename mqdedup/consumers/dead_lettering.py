@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -30,7 +31,7 @@ class DeadLettering:
     def __init__(
         self,
         consumer: Consumer,
-        transport: Transport,
+        transport: Transport[Any],
         metrics: Metrics,
         sessions: sessionmaker[Session] | None,
         database_outages: Outages,
@@ -60,7 +61,7 @@ class DeadLettering:
     def send(self, report: BatchReport) -> None:
         """Store dead letters durably; one that cannot be stored stays unsettled."""
         metrics = self.metrics
-        kept: list[tuple[Delivery, DeadLetter]] = []
+        kept: list[tuple[Delivery[Any], DeadLetter]] = []
         for delivery, record in report.dead_lettered:
             extra = {
                 "consumer": self.name,
@@ -92,7 +93,7 @@ class DeadLettering:
             kept.append((delivery, record))
         report.dead_lettered = kept
 
-    def _park(self, delivery: Delivery, record: DeadLetter, refusal: Exception) -> bool:
+    def _park(self, delivery: Delivery[Any], record: DeadLetter, refusal: Exception) -> bool:
         """Keep a refused dead letter in the database; False if that failed too."""
         sessions = self.sessions
         extra = {"consumer": self.name, "coordinates": delivery.message.coordinates}

@@ -29,7 +29,7 @@ class Handlers:
         self.metrics = metrics
         self.name = consumer.consumer_name
 
-    def call(self, session: Session | None, delivery: Delivery) -> Any:
+    def call(self, session: Session | None, delivery: Delivery[Any]) -> Any:
         """One message's handler; its (checked) result."""
         if not self.consumer.has_single_handler:
             return self.call_batch(session, [delivery]).get(str(delivery.message.id))
@@ -41,7 +41,7 @@ class Handlers:
         ensure_json(result)
         return result
 
-    def call_batch(self, session: Session | None, new: list[Delivery]) -> dict[str, Any]:
+    def call_batch(self, session: Session | None, new: list[Delivery[Any]]) -> dict[str, Any]:
         """The batch handler over ``new``; its checked results by message id."""
         messages = [d.message for d in new]
         started = time.monotonic()

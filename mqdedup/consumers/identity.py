@@ -15,17 +15,17 @@ from mqdedup.errors import MessageError
 
 def identify(
     consumer: Consumer,
-    deliveries: Sequence[Delivery],
+    deliveries: Sequence[Delivery[Any]],
     report: BatchReport,
     dead_letter: Callable[[Exception, int], DeadLetter],
-) -> tuple[list[Delivery], list[tuple[Delivery, str]]]:
+) -> tuple[list[Delivery[Any]], list[tuple[Delivery[Any], str]]]:
     """Attach message ids; split off messages without one and in-batch repeats.
 
     A message without a valid id is dead-lettered (``dead_letter`` builds the record);
     a repeat of an id seen earlier in the batch is returned with that id.
     """
-    unique: list[Delivery] = []
-    repeats: list[tuple[Delivery, str]] = []
+    unique: list[Delivery[Any]] = []
+    repeats: list[tuple[Delivery[Any], str]] = []
     seen: set[str] = set()
     for delivery in deliveries:
         try:
@@ -41,7 +41,7 @@ def identify(
     return unique, repeats
 
 
-def message_id_of(consumer: Consumer, delivery: Delivery) -> str:
+def message_id_of(consumer: Consumer, delivery: Delivery[Any]) -> str:
     """The delivery's message id, valid for every claim store, or a MessageError.
 
     Whatever the strategy raises belongs to this message (a user function failing
@@ -60,7 +60,7 @@ def message_id_of(consumer: Consumer, delivery: Delivery) -> str:
 
 def resolve_repeats(
     consumer: Consumer,
-    repeats: list[tuple[Delivery, str]],
+    repeats: list[tuple[Delivery[Any], str]],
     report: BatchReport,
     metrics: Metrics,
 ) -> None:

@@ -14,6 +14,7 @@ import functools
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from mqdedup.consumers.pipeline import Pipeline
 from mqdedup.consumers.report import BatchReport, Outcome
@@ -33,14 +34,14 @@ class LeasedRuns:
         self.worker_id = worker_id or uuid.uuid4().hex
 
     def first(
-        self, deliveries: Sequence[Delivery], report: BatchReport
-    ) -> list[tuple[Delivery, Exception]]:
+        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
+    ) -> list[tuple[Delivery[Any], Exception]]:
         """Run a batch until every message is claimed by us or done; return the failures."""
         outcome = self._until_claimed(deliveries)
         self.p.committed(outcome, report)
         return outcome.failures
 
-    def again(self, delivery: Delivery) -> Outcome:
+    def again(self, delivery: Delivery[Any]) -> Outcome:
         """Run one failed message again."""
         return self._until_claimed([delivery])
 
@@ -48,11 +49,11 @@ class LeasedRuns:
         """This worker's id, for careful mode's attempts."""
         return _WorkerLease(self.worker_id)
 
-    def alone(self, delivery: Delivery, lease: _WorkerLease) -> Outcome:
+    def alone(self, delivery: Delivery[Any], lease: _WorkerLease) -> Outcome:
         """One message on its own claim round."""
         return self._until_claimed([delivery])
 
-    def _until_claimed(self, deliveries: Sequence[Delivery]) -> Outcome:
+    def _until_claimed(self, deliveries: Sequence[Delivery[Any]]) -> Outcome:
         total = Outcome()
         waiting = list(deliveries)
         while waiting:
@@ -68,18 +69,18 @@ class LeasedRuns:
         return total
 
     def _round(
-        self, deliveries: Sequence[Delivery]
-    ) -> tuple[Outcome, list[tuple[Delivery, float]]]:
+        self, deliveries: Sequence[Delivery[Any]]
+    ) -> tuple[Outcome, list[tuple[Delivery[Any], float]]]:
         """Claim ``deliveries`` (one round trip) and run the handler for the new ones."""
         store, outages, name, worker = self.p.store, self.p.outages, self.name, self.worker_id
         outcome = Outcome()
-        busy: list[tuple[Delivery, float]] = []
+        busy: list[tuple[Delivery[Any], float]] = []
         ids = [str(d.message.id) for d in deliveries]
         started = time.monotonic()
         claims = outages.run(functools.partial(store.claim, worker, name, ids))
         claimed_at = time.monotonic()
         self.p.metrics.histograms.observe("claim_seconds", claimed_at - started)
-        new: list[Delivery] = []
+        new: list[Delivery[Any]] = []
         for delivery in deliveries:
             message_id = str(delivery.message.id)
             if message_id in claims.new:
@@ -100,7 +101,7 @@ class LeasedRuns:
             self._handle_one(delivery, outcome)
         return outcome, busy
 
-    def _handle_one(self, delivery: Delivery, outcome: Outcome) -> None:
+    def _handle_one(self, delivery: Delivery[Any], outcome: Outcome) -> None:
         store, outages, name, worker = self.p.store, self.p.outages, self.name, self.worker_id
         message_id = str(delivery.message.id)
         try:

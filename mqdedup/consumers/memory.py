@@ -7,8 +7,9 @@ It is also the public test harness for users' consumers::
     broker.inject_duplicates("orders", rate=0.3)
     run_until_idle(MyConsumer(), broker.transport("orders"), engine)
 
-Unsettled deliveries return to the queue (marked redelivered) when the transport is
-closed or ``crash()``-ed, exactly as a broker hands them to the next consumer.
+Unsettled deliveries return to the front of the queue (marked redelivered) when they are
+given back, or when the transport is closed or ``crash()``-ed, exactly as a broker hands
+them to the next consumer.
 
 A handler that kills its process (``os._exit``, an OOM kill, a segfault) is simulated
 by raising :class:`~mqdedup.errors.SimulatedCrash`; :func:`run_until_idle_restarting`
@@ -159,21 +160,30 @@ class MemoryTransport:
         self._in_flight: dict[int, Message] = {}
         self.closed = False
 
-    def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery[int]]:
         """Hand out up to ``max_messages``; they stay in flight until settled."""
-        deliveries = []
+        deliveries: list[Delivery[int]] = []
         for message in self.broker._take(self.queue, max_messages, timeout):
             tag = next(self._tags)
             self._in_flight[tag] = message
             deliveries.append(Delivery(message, tag))
         return deliveries
 
-    def settle(self, deliveries: Sequence[Delivery]) -> None:
+    def settle(self, deliveries: Sequence[Delivery[int]]) -> None:
         """Acknowledge: the deliveries leave the broker for good."""
         settled = sum(1 for d in deliveries if self._in_flight.pop(d.token, None) is not None)
         self.broker._settled(self.queue, settled)
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def give_back(self, deliveries: Sequence[Delivery[int]]) -> None:
+        """Put unsettled deliveries back at the front of the queue, marked redelivered.
+
+        They keep their order; deliveries not in flight here (settled, or given back
+        already) are ignored.
+        """
+        tags = sorted(d.token for d in deliveries if d.token in self._in_flight)
+        self.broker._return(self.queue, [self._in_flight.pop(tag) for tag in tags])
+
+    def dead_letter(self, delivery: Delivery[int], record: DeadLetter) -> None:
         """Keep the original message (no id attached) and the reason in the broker's list."""
         original = self._in_flight.get(delivery.token, delivery.message)
         self.broker._dead_letter(self.queue, original, record)

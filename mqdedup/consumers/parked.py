@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -40,11 +41,11 @@ class ParkedTransport:
         self.ids = list(ids) if ids is not None else None
         self._after_id = 0
         self._kept_again: set[int] = set()
-        self._again: list[Delivery] = []
+        self._again: list[Delivery[Any]] = []
         self.settled = 0
         self.dead_lettered_again = 0
 
-    def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery[Any]]:
         """The next ``max_messages`` kept dead letters (none left: an empty list)."""
         if self._again:
             batch, self._again = self._again[:max_messages], self._again[max_messages:]
@@ -61,7 +62,7 @@ class ParkedTransport:
             self._after_id = rows[-1].id
         return [Delivery(row.message, row.id) for row in rows]
 
-    def settle(self, deliveries: Sequence[Delivery]) -> None:
+    def settle(self, deliveries: Sequence[Delivery[Any]]) -> None:
         """Delete the rows of messages that are done (not those dead-lettered again)."""
         done = [int(d.token) for d in deliveries if int(d.token) not in self._kept_again]
         if not done:
@@ -69,14 +70,14 @@ class ParkedTransport:
         with self.sessions() as session, session.begin():
             self.settled += self.table.delete(session, done)
 
-    def give_back(self, deliveries: Sequence[Delivery]) -> None:
+    def give_back(self, deliveries: Sequence[Delivery[Any]]) -> None:
         """Hand these unsettled rows out again, first (their rows are still there)."""
         again = [
             Delivery(dataclasses.replace(d.message, redelivered=True), d.token) for d in deliveries
         ]
         self._again = again + self._again
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def dead_letter(self, delivery: Delivery[Any], record: DeadLetter) -> None:
         """The message failed again: its row stays (the reason is logged by the worker)."""
         self._kept_again.add(int(delivery.token))
         self.dead_lettered_again += 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.dead_lettering import DeadLettering
@@ -34,6 +34,6 @@ class Pipeline(Protocol):
         """Record a durable unit of work in ``report`` (hooks, duplicate callbacks)."""
         ...
 
-    def log_failure(self, delivery: Delivery | None, error: Exception) -> None:
+    def log_failure(self, delivery: Delivery[Any] | None, error: Exception) -> None:
         """One line per failed handler call."""
         ...

@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -53,10 +53,10 @@ class _Runs(RunsAlone, Protocol):
     """A claim store's unit of work, as the Processor drives it."""
 
     def first(
-        self, deliveries: Sequence[Delivery], report: BatchReport
-    ) -> list[tuple[Delivery, Exception]]: ...
+        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
+    ) -> list[tuple[Delivery[Any], Exception]]: ...
 
-    def again(self, delivery: Delivery) -> Outcome: ...
+    def again(self, delivery: Delivery[Any]) -> Outcome: ...
 
 
 class Processor:
@@ -83,7 +83,7 @@ class Processor:
         self,
         consumer: Consumer,
         sessions: sessionmaker[Session] | None,
-        transport: Transport,
+        transport: Transport[Any],
         *,
         metrics: Metrics | None = None,
         stop: StopToken | None = None,
@@ -136,7 +136,7 @@ class Processor:
 
     # -- public ------------------------------------------------------------------------
 
-    def process(self, deliveries: Sequence[Delivery]) -> BatchReport:
+    def process(self, deliveries: Sequence[Delivery[Any]]) -> BatchReport:
         """Process and settle one batch; returns where each delivery ended."""
         started = time.monotonic()
         self.metrics.delivered += len(deliveries)
@@ -185,7 +185,7 @@ class Processor:
                     delivery.message, outcome.stored_results.get(str(delivery.message.id))
                 )
 
-    def log_failure(self, delivery: Delivery | None, error: Exception) -> None:
+    def log_failure(self, delivery: Delivery[Any] | None, error: Exception) -> None:
         """One line per failed handler call."""
         log.info(
             "handler failed",
@@ -198,7 +198,7 @@ class Processor:
 
     # -- steps -------------------------------------------------------------------------
 
-    def _retry(self, delivery: Delivery, error: Exception, report: BatchReport) -> None:
+    def _retry(self, delivery: Delivery[Any], error: Exception, report: BatchReport) -> None:
         """Rerun one failed message on its own until done or out of attempts."""
         message_id = str(delivery.message.id)
         attempts = 1

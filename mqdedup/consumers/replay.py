@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -103,7 +103,7 @@ class RangeLedger:
         self.ranges[name] = (min(first, offset), max(last, offset + 1))
 
 
-class RangeTransport(Transport, Protocol):
+class RangeTransport(Transport[Any], Protocol):
     """A transport over a past range: its fetch blocks until it has deliveries or the
     range is read (then it returns ``[]``), and it keeps a :class:`RangeLedger`."""
 
@@ -112,7 +112,7 @@ class RangeTransport(Transport, Protocol):
         """The transport's counts."""
         ...
 
-    def give_back(self, deliveries: Sequence[Delivery]) -> None:
+    def give_back(self, deliveries: Sequence[Delivery[Any]]) -> None:
         """Hand these unsettled deliveries out again."""
         ...
 
@@ -187,7 +187,7 @@ class ReplayTally:
         self.report = report
         self._seen: set[str] = set()
 
-    def dry(self, deliveries: Sequence[Delivery]) -> None:
+    def dry(self, deliveries: Sequence[Delivery[Any]]) -> None:
         """Count what processing ``deliveries`` would do, writing nothing."""
         ids: list[str] = []
         for delivery in deliveries:

@@ -17,16 +17,16 @@ class BatchAbandonedError(Exception):
 class BatchReport:
     """Where each delivery of a batch ended."""
 
-    processed: list[Delivery] = field(default_factory=list)
-    duplicates: list[Delivery] = field(default_factory=list)
-    dead_lettered: list[tuple[Delivery, DeadLetter]] = field(default_factory=list)
-    unsettled: list[Delivery] = field(default_factory=list)
+    processed: list[Delivery[Any]] = field(default_factory=list)
+    duplicates: list[Delivery[Any]] = field(default_factory=list)
+    dead_lettered: list[tuple[Delivery[Any], DeadLetter]] = field(default_factory=list)
+    unsettled: list[Delivery[Any]] = field(default_factory=list)
     #: Handler results by message id: stored by this batch, or (when ``on_duplicate``
     #: is overridden) read back for its duplicates. Repeats inside the batch get them.
     results: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def settled(self) -> list[Delivery]:
+    def settled(self) -> list[Delivery[Any]]:
         """Deliveries handed to ``Transport.settle``."""
         return self.processed + self.duplicates + [d for d, _ in self.dead_lettered]
 
@@ -35,11 +35,11 @@ class BatchReport:
 class Outcome:
     """What one unit of work did (a committed transaction, a round of Redis claims)."""
 
-    processed: list[Delivery] = field(default_factory=list)
-    duplicates: list[Delivery] = field(default_factory=list)
-    failures: list[tuple[Delivery, Exception]] = field(default_factory=list)
+    processed: list[Delivery[Any]] = field(default_factory=list)
+    duplicates: list[Delivery[Any]] = field(default_factory=list)
+    failures: list[tuple[Delivery[Any], Exception]] = field(default_factory=list)
     #: Deliveries left for the next owner (a stop while waiting for a busy claim).
-    unsettled: list[Delivery] = field(default_factory=list)
+    unsettled: list[Delivery[Any]] = field(default_factory=list)
     stored_results: dict[str, Any] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)
 

@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 
 class _RerunWithoutError(Exception):
-    def __init__(self, delivery: Delivery | None, error: Exception) -> None:
+    def __init__(self, delivery: Delivery[Any] | None, error: Exception) -> None:
         super().__init__(str(error))
         self.delivery = delivery  # None: the batch handler failed, rerun per message
         self.error = error
@@ -54,8 +54,8 @@ class TransactionalRuns:
     # -- what the Processor calls --------------------------------------------------------
 
     def first(
-        self, deliveries: Sequence[Delivery], report: BatchReport
-    ) -> list[tuple[Delivery, Exception]]:
+        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
+    ) -> list[tuple[Delivery[Any], Exception]]:
         """Run a batch once (one transaction, or one per message); return the failures."""
         if self.per_message:
             return self._run_each(deliveries, report)
@@ -63,7 +63,7 @@ class TransactionalRuns:
         self.p.committed(outcome, report)
         return outcome.failures
 
-    def again(self, delivery: Delivery) -> Outcome:
+    def again(self, delivery: Delivery[Any]) -> Outcome:
         """Run one failed message again in a transaction of its own."""
         rerun = self.own_transaction if self.per_message else self._run_one
         return self.p.outages.run(functools.partial(rerun, delivery))
@@ -72,20 +72,20 @@ class TransactionalRuns:
         """One session for a run of single-message transactions (careful mode)."""
         return SessionLease(self.sessions)
 
-    def alone(self, delivery: Delivery, lease: SessionLease) -> Outcome:
+    def alone(self, delivery: Delivery[Any], lease: SessionLease) -> Outcome:
         """One message in its own transaction on ``lease``'s session."""
         return self.own_transaction(delivery, lease)
 
     # -- transactions ----------------------------------------------------------------------
 
     def _run_each(
-        self, deliveries: Sequence[Delivery], report: BatchReport
-    ) -> list[tuple[Delivery, Exception]]:
+        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
+    ) -> list[tuple[Delivery[Any], Exception]]:
         """Transaction mode: one transaction per message, each committed on its own.
 
         On a stop request the rest of the batch is left unsettled for the next owner.
         """
-        failures: list[tuple[Delivery, Exception]] = []
+        failures: list[tuple[Delivery[Any], Exception]] = []
         lease = SessionLease(self.sessions)
         try:
             for index, delivery in enumerate(deliveries):
@@ -101,7 +101,9 @@ class TransactionalRuns:
             lease.close()
         return failures
 
-    def own_transaction(self, delivery: Delivery, lease: SessionLease | None = None) -> Outcome:
+    def own_transaction(
+        self, delivery: Delivery[Any], lease: SessionLease | None = None
+    ) -> Outcome:
         """One message in its own transaction; a handler failure rolls back only it."""
         if lease is None:
             with self.sessions() as session:
@@ -112,7 +114,7 @@ class TransactionalRuns:
             lease.close()  # e.g. a dead connection: the retry starts on a fresh one
             raise
 
-    def _own_transaction_in(self, session: Session, delivery: Delivery) -> Outcome:
+    def _own_transaction_in(self, session: Session, delivery: Delivery[Any]) -> Outcome:
         try:
             return self._transaction_in(session, [delivery], False, False)
         except _RerunWithoutError as failed:  # rolled back: its claim is gone too
@@ -127,10 +129,10 @@ class TransactionalRuns:
         finally:
             session.expunge_all()  # the next message starts with an empty session
 
-    def _run_one(self, delivery: Delivery) -> Outcome:
+    def _run_one(self, delivery: Delivery[Any]) -> Outcome:
         return self._run_pass([delivery])
 
-    def _run_pass(self, deliveries: Sequence[Delivery]) -> Outcome:
+    def _run_pass(self, deliveries: Sequence[Delivery[Any]]) -> Outcome:
         """One transaction over ``deliveries``: claim, handle the new ones, commit.
 
         Without savepoints a handler failure rolls the transaction back; it is then run
@@ -138,7 +140,7 @@ class TransactionalRuns:
         failure does not cost another rerun).
         """
         pending = list(deliveries)
-        excluded: list[tuple[Delivery, Exception]] = []
+        excluded: list[tuple[Delivery[Any], Exception]] = []
         use_batch_handler = self.consumer.has_batch_handler
         savepoints = self.consumer.failure_isolation == "savepoint"
         while pending:
@@ -164,8 +166,8 @@ class TransactionalRuns:
 
     def _find_data_error(
         self,
-        pending: list[Delivery],
-        excluded: list[tuple[Delivery, Exception]],
+        pending: list[Delivery[Any]],
+        excluded: list[tuple[Delivery[Any], Exception]],
         error: Exception,
     ) -> Outcome:
         """A data error outside any handler's boundary: find the message it belongs to.
@@ -190,7 +192,7 @@ class TransactionalRuns:
     def _transaction_in(
         self,
         session: Session,
-        deliveries: Sequence[Delivery],
+        deliveries: Sequence[Delivery[Any]],
         use_batch_handler: bool,
         savepoints: bool,
     ) -> Outcome:
@@ -234,7 +236,7 @@ class TransactionalRuns:
     def _handle(
         self,
         session: Session,
-        new: list[Delivery],
+        new: list[Delivery[Any]],
         outcome: Outcome,
         use_batch_handler: bool,
         savepoints: bool,
@@ -265,7 +267,7 @@ class TransactionalRuns:
         self,
         session: Session,
         savepoints: bool,
-        delivery: Delivery | None,
+        delivery: Delivery[Any] | None,
         call: Callable[[], T],
     ) -> T | Exception:
         """Run ``call`` so that its failure undoes only its own work.

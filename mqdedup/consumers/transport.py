@@ -9,29 +9,47 @@ Ack contract (every transport keeps it):
   claims has committed. It acknowledges (RabbitMQ) or commits offsets (Kafka). A
   delivery whose channel/partition was lost meanwhile is silently dropped: it will be
   redelivered and deduplicated. ``settle`` never settles a delivery it was not given.
+* ``give_back`` returns handed-out deliveries that will not be settled (a dead-letter
+  publish that failed, for example): they go back to the source and are fetched again,
+  marked redelivered, before later ones of their partition / queue where the broker
+  allows it. Kafka seeks the partition back to the first given offset (what followed
+  it comes again too), RabbitMQ nacks them with requeue, memory puts them back at the
+  front. A delivery whose partition / channel was lost meanwhile is ignored (the broker
+  hands it out again anyway). The :class:`~mqdedup.consumers.worker.Worker` gives back
+  the unsettled rest of every batch, whatever the transport.
 * ``dead_letter`` durably stores the original message with the reason (confirmed
   publish to a dead-letter queue/topic, or the in-memory list) *before* returning; it
   raises if it could not, and the processor then leaves the delivery unsettled. A
   dead-lettered delivery is then passed to ``settle`` like a processed one.
 * ``keepalive`` is called while the processor waits (retry backoff, database outage,
-  long batches): it services heartbeats / polls so the broker does not drop the worker.
+  long batches): a transport without an I/O thread of its own services heartbeats /
+  polls there so the broker does not drop the worker (Kafka's and RabbitMQ's
+  transports own their I/O thread, which does that all the time).
+* ``close`` releases the connection; deliveries still unsettled go back to the broker.
+
+Deliveries are typed by their transport's token (``Delivery[KafkaToken]``,
+``Delivery[AmqpToken]``, ``Delivery[int]`` in memory): core code that works with any
+transport uses ``Delivery[Any]`` / ``Transport[Any]``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from mqdedup.message import Message
 
+#: The transport-specific part of a delivery (where to ack it, its offset, ...).
+TokenT = TypeVar("TokenT")
+
 
 @dataclass(frozen=True, slots=True)
-class Delivery:
-    """One message as handed out by a transport; ``token`` is transport-specific."""
+class Delivery(Generic[TokenT]):
+    """One message as handed out by a transport; ``token`` is the transport's own."""
 
     message: Message
-    token: Any
+    token: TokenT
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,18 +77,22 @@ class DeadLetter:
 
 
 @runtime_checkable
-class Transport(Protocol):
+class Transport(Protocol[TokenT]):
     """A source of deliveries that honours the module's ack contract."""
 
-    def fetch(self, max_messages: int, timeout: float) -> Sequence[Delivery]:
+    def fetch(self, max_messages: int, timeout: float) -> Sequence[Delivery[TokenT]]:
         """Up to ``max_messages`` deliveries, waiting at most ``timeout`` seconds."""
         ...
 
-    def settle(self, deliveries: Sequence[Delivery]) -> None:
+    def settle(self, deliveries: Sequence[Delivery[TokenT]]) -> None:
         """Acknowledge / commit the offsets of deliveries that are done."""
         ...
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def give_back(self, deliveries: Sequence[Delivery[TokenT]]) -> None:
+        """Return unsettled deliveries to the source: they are fetched again."""
+        ...
+
+    def dead_letter(self, delivery: Delivery[TokenT], record: DeadLetter) -> None:
         """Store the original message with ``record`` durably, or raise."""
         ...
 

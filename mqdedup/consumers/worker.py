@@ -1,16 +1,24 @@
-"""The worker loop: fetch a batch, process it, repeat until asked to stop."""
+"""The worker loop: fetch a batch, process it, repeat until asked to stop.
+
+This is the only fetch -> process loop: every consumer, whatever its broker, runs
+through it (``Consumer.run``). What a batch left unsettled (a dead-letter publish that
+failed) is given back to the transport (``Transport.give_back``) to be fetched again;
+while batches make no progress but give deliveries back, the worker backs off (longer
+each time), so a broken dead-letter target does not become a busy loop.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.processor import BatchAbandonedError, Processor
+from mqdedup.consumers.processor import BatchAbandonedError, BatchReport, Processor
 from mqdedup.consumers.transport import Transport
 from mqdedup.db.engine import session_factory
 from mqdedup.stopping import StopToken
@@ -23,18 +31,19 @@ class Worker:
 
     ``run()`` returns when a stop is requested (after finishing and settling the batch
     in flight), or with ``until_idle=True`` when a fetch comes back empty. The
-    transport is closed on the way out, which returns unsettled deliveries.
+    transport is closed on the way out, which returns unsettled deliveries (also when
+    :class:`~mqdedup.stopping.ImmediateStop` or an error ends the run).
     """
 
     def __init__(
         self,
         consumer: Consumer,
-        transport: Transport,
-        database: Engine | sessionmaker[Session],
+        transport: Transport[Any],
+        database: Engine | sessionmaker[Session] | None,
         *,
         stop: StopToken | None = None,
         metrics: Metrics | None = None,
-        log_interval: float = 30.0,
+        log_interval: float | None = None,
     ) -> None:
         self.consumer = consumer
         self.transport = transport
@@ -44,11 +53,18 @@ class Worker:
         self.processor = Processor(
             consumer, sessions, transport, metrics=self.metrics, stop=self.stop
         )
-        self._log_interval = log_interval
+        self._log_interval = consumer.metrics_interval if log_interval is None else log_interval
         self._last_log = time.monotonic()
+        self._unsettled_rounds = 0
 
     def run(self, *, until_idle: bool = False, max_batches: int | None = None) -> Metrics:
-        """Process batches until stopped (or idle); return the counters."""
+        """Process batches until stopped (or idle); return the counters.
+
+        Deliveries a batch left unsettled are given back to the transport (fetched
+        again after a back-off); in an ``until_idle`` run they are kept out until the
+        end (closing the transport returns them), so one message that cannot be settled
+        does not keep the run from ever becoming idle.
+        """
         batches = 0
         log.info("worker started", extra={"consumer": self.consumer.consumer_name})
         try:
@@ -62,7 +78,7 @@ class Worker:
                     self._log_metrics()
                     continue
                 try:
-                    self.processor.process(deliveries)
+                    report = self.processor.process(deliveries)
                 except BatchAbandonedError:
                     log.warning(
                         "batch abandoned on stop (database unavailable); only what had "
@@ -74,6 +90,8 @@ class Worker:
                 self._log_metrics()
                 if max_batches is not None and batches >= max_batches:
                     break
+                if not until_idle:
+                    self._give_back(report)
         finally:
             self.transport.close()
         log.info(
@@ -84,6 +102,36 @@ class Worker:
             },
         )
         return self.metrics
+
+    def _give_back(self, report: BatchReport) -> None:
+        """Return what the batch left unsettled to the transport: it is fetched again.
+
+        Not when stopping: closing the transport returns it anyway (to the next owner).
+        A batch that settled nothing new (only duplicates and given-back deliveries,
+        e.g. a dead-letter target that keeps failing) backs off before the next fetch,
+        longer each time, so fetching the same deliveries again is not a busy loop.
+        """
+        if not report.unsettled or self.stop.requested:
+            self._unsettled_rounds = 0
+            return
+        self.transport.give_back(report.unsettled)
+        if report.processed or report.dead_lettered:
+            self._unsettled_rounds = 0
+            return
+        self._unsettled_rounds += 1
+        seconds = min(
+            self.consumer.retry_policy.infrastructure_backoff_max,
+            0.5 * 2 ** (self._unsettled_rounds - 1),
+        )
+        log.warning(
+            "messages left unsettled were given back; fetching them again after a back-off",
+            extra={
+                "consumer": self.consumer.consumer_name,
+                "count": len(report.unsettled),
+                "seconds": seconds,
+            },
+        )
+        self.stop.wait(seconds)
 
     def _log_metrics(self) -> None:
         now = time.monotonic()
@@ -99,7 +147,7 @@ class Worker:
 
 
 def run_until_idle(
-    consumer: Consumer, transport: Transport, database: Engine | sessionmaker[Session]
+    consumer: Consumer, transport: Transport[Any], database: Engine | sessionmaker[Session]
 ) -> Metrics:
     """Process everything the transport has, then close it (handy in tests)."""
     return Worker(consumer, transport, database).run(until_idle=True)

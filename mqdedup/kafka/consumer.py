@@ -16,9 +16,11 @@ Each batch: the message ids are claimed in the dedup table in the same transacti
 the handler's writes; after the commit the partition offsets are committed, contiguously
 (a message still being retried holds its partition back). A message that keeps failing
 goes to the dead-letter topic (``<topic>.DLT``) with its original key, value and headers
-plus ``x-mqdedup-*`` headers; only then does the offset move past it. Polling continues
-(with paused partitions) while a batch is in flight, so long handlers and database
-outages never get the worker kicked out of the group. See ``docs/kafka.md``.
+plus ``x-mqdedup-*`` headers; only then does the offset move past it. ``run`` is the
+shared :class:`~mqdedup.consumers.worker.Worker` loop over :meth:`create_transport`,
+whose poll thread keeps polling (with paused partitions) while a batch is in flight, so
+long handlers and database outages never get the worker kicked out of the group. See
+``docs/kafka.md``.
 """
 
 from __future__ import annotations
@@ -30,17 +32,17 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.settings import TOPIC_PLACEHOLDER, KafkaSettings
+from mqdedup.kafka.transport import KafkaTransport
+from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session, sessionmaker
 
-    from mqdedup.consumers.metrics import Metrics
     from mqdedup.consumers.replay import ReplayReport
-    from mqdedup.kafka.transport import KafkaTransport
-    from mqdedup.stopping import StopToken
 
 BOOTSTRAP_ENV = "MQDEDUP_KAFKA_BOOTSTRAP"
 
@@ -84,7 +86,7 @@ RECOVERY_DEFAULTS: dict[str, int] = {
     "request_timeout_ms": 10_000,
 }
 #: Longest wait (seconds) for the dead-letter topic's metadata before a publish is
-#: given up (missing topic or outage; see ``KafkaTransport.dead_letter``).
+#: given up (missing topic or outage; see ``KafkaClient.dead_letter``).
 DEAD_LETTER_METADATA_WAIT = 5.0
 
 
@@ -131,8 +133,6 @@ class KafkaConsumer(Consumer):
     connect_timeout: ClassVar[float] = 30.0
     #: Batches fetched ahead of the one being processed.
     prefetch_batches: ClassVar[int] = 2
-    #: Seconds between the periodic metrics log lines.
-    metrics_interval: ClassVar[float] = 30.0
     #: Seconds between metadata refreshes (kafka-python's ``metadata_max_age_ms``): new
     #: partitions of a subscribed topic, and new topics of a ``topic_pattern``, are
     #: noticed within this bound (then a rebalance of a few seconds assigns them).
@@ -299,38 +299,20 @@ class KafkaConsumer(Consumer):
             commit_interval=cls.commit_interval,
             dead_letter_timeout=cls.dead_letter_timeout,
             max_buffered=cls.batch_size * (cls.prefetch_batches + 1),
-            metrics_interval=cls.metrics_interval,
         )
 
     # -- running -------------------------------------------------------------------------
 
-    def create_transport(self) -> KafkaTransport:
-        """A group-member transport (for :class:`~mqdedup.consumers.worker.Worker`).
+    def create_transport(
+        self, *, stop: StopToken | None = None, metrics: Metrics | None = None
+    ) -> KafkaTransport:
+        """Join the consumer group: a started transport with its own poll thread.
 
-        :meth:`run` does not use it: it runs its own two-thread loop.
+        ``stop``: when requested, the transport hands out nothing more while the batch
+        in flight is still settled and committed; closing it commits and leaves the
+        group. Raises BrokerUnavailableError when no bootstrap server answers.
         """
-        from mqdedup.kafka.transport import KafkaTransport
-
-        return KafkaTransport(self.kafka_settings())
-
-    def run(
-        self,
-        database: Engine | sessionmaker[Session],
-        *,
-        stop: StopToken | None = None,
-        metrics: Metrics | None = None,
-    ) -> Metrics:
-        """Consume until ``stop`` is requested: the production entry point.
-
-        Batches are processed on a helper thread while this thread keeps polling Kafka
-        (with paused partitions), commits settled offsets and follows rebalances. A
-        graceful stop finishes the batch in flight, commits, closes and leaves the group.
-        An :class:`~mqdedup.stopping.ImmediateStop` raised in this thread (a
-        second signal) leaves at once; the next owner gets the rest, deduplicated.
-        """
-        from mqdedup.kafka.runner import KafkaRunner
-
-        return KafkaRunner(self, database, stop=stop, metrics=metrics).run()
+        return KafkaTransport(self.kafka_settings(), stop=stop, metrics=metrics).start()
 
     def check_connection(self) -> None:
         """Raise BrokerUnavailableError (one line) if no bootstrap server answers."""

@@ -1,20 +1,18 @@
-"""Publishing Kafka dead letters: the original record plus the ``x-mqdedup-*`` headers.
+"""Kafka dead letters: the original record plus ``x-mqdedup-*`` headers, acknowledged.
 
-:class:`KafkaDeadLetters` is what a transport's ``dead_letter`` does: it makes sure the
-dead-letter topic exists (creating it when allowed), publishes the original key, value
-and headers plus the dead-letter headers, and waits for the broker's acknowledgement
-(``acks=all``, idempotent producer) before it returns. A record the broker refuses for
-good raises :class:`~mqdedup.errors.DeadLetterRefusedError` with the broker's reason;
-an outage raises :class:`~mqdedup.errors.BrokerUnavailableError`. The producer is
-replaced when it goes fatal (:mod:`mqdedup.kafka.producer`), so one refused record
-never blocks later ones.
+:class:`KafkaDeadLetters` publishes a dead letter to the consumer's dead-letter topic
+(``{topic}.DLT`` by default) with its original key, value and headers, through an
+idempotent ``acks=all`` producer, and returns only once the broker acknowledged it. A
+missing topic is created once (same partition count as its source) when allowed. It
+never touches the kafka-python consumer, so the worker thread may call it while the
+transport's poll thread polls; the admin client answers the topic questions.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import kafka
@@ -23,7 +21,7 @@ import kafka.errors as kafka_errors
 from mqdedup.consumers.transport import DeadLetter
 from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
 from mqdedup.kafka.producer import Outcome, ProducerRecord, RecoveringProducer, Sent
-from mqdedup.kafka.transport import KafkaToken, dead_letter_headers
+from mqdedup.kafka.records import KafkaToken, dead_letter_headers, describe_error
 
 if TYPE_CHECKING:
     from mqdedup.kafka.settings import KafkaSettings
@@ -32,26 +30,32 @@ log = logging.getLogger(__name__)
 
 
 class KafkaDeadLetters:
-    """Publishes dead letters of one consumer to its dead-letter topic(s).
+    """The dead-letter producer of one consumer, and what it knows about its topics."""
 
-    ``partitions_of(topic)`` gives the partition count of a source topic: a dead-letter
-    topic created here gets as many.
-    """
-
-    def __init__(self, settings: KafkaSettings, partitions_of: Callable[[str], int]) -> None:
+    def __init__(self, settings: KafkaSettings) -> None:
         self.settings = settings
-        self._partitions_of = partitions_of
         self._producer = RecoveringProducer(
             settings.producer_config, name=f"{settings.consumer_name} dead letters"
         )
-        self._known: set[str] = set()
+        self._known_topics: set[str] = set()
         #: Why a dead-letter topic found missing could not be created (by topic).
-        self._missing: dict[str, str] = {}
+        self._missing_topics: dict[str, str] = {}
+
+    def close(self, timeout: float) -> None:
+        """Flush and close the producer."""
+        self._producer.close(timeout)
 
     def publish(self, token: KafkaToken, record: DeadLetter) -> None:
-        """Publish the record ``token`` names with ``record``'s headers; wait for the ack."""
+        """Publish the original record with ``record``'s headers; wait for the broker's ack.
+
+        Raises :class:`DeadLetterRefusedError` when the broker refuses this record for
+        good (the reason names the topic and the broker's error), and
+        :class:`BrokerUnavailableError` when it cannot be reached or does not answer
+        within the dead-letter timeout (the delivery stays unsettled: the offset does
+        not move past it, and it is given back).
+        """
         topic = self.settings.dead_letter_topic_for(token.partition[0])
-        self._ensure_topic(topic, token.partition[0])
+        self._ensure_dead_letter_topic(topic, token.partition[0])
         outgoing = ProducerRecord(
             topic, token.record.key, token.record.value, dead_letter_headers(token, record)
         )
@@ -84,14 +88,11 @@ class KafkaDeadLetters:
             },
         )
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Flush and close the producer."""
-        self._producer.close(timeout)
-
     def _no_metadata(self, topic: str, sent: Sent) -> Sent:
         """The dead-letter topic's metadata did not arrive: missing topic, or an outage?"""
-        if self._topic_exists(topic) is False:
-            why = self._missing.get(topic) or (
+        exists = self._topic_exists(topic)
+        if exists is False:
+            why = self._missing_topics.get(topic) or (
                 "create_dead_letter_topics is off"
                 if not self.settings.create_dead_letter_topics
                 else "it could not be created"
@@ -102,44 +103,55 @@ class KafkaDeadLetters:
             )
         return Sent(Outcome.UNAVAILABLE, sent.error)
 
-    def _ensure_topic(self, topic: str, source_topic: str) -> None:
+    def _ensure_dead_letter_topic(self, topic: str, source_topic: str) -> None:
         """Check once that the dead-letter topic exists; create it if missing (when allowed).
 
         Not fatal when it fails: the broker may auto-create the topic, or the publish
         finds out (see :meth:`_no_metadata`).
         """
-        if topic in self._known:
+        if topic in self._known_topics:
             return
-        name = self.settings.consumer_name
         try:
             with self._admin() as admin:
                 if topic in set(admin.list_topics()):
-                    self._known.add(topic)
-                    self._missing.pop(topic, None)
+                    self._known_topics.add(topic)
+                    self._missing_topics.pop(topic, None)
                     return
                 if not self.settings.create_dead_letter_topics:
-                    self._missing[topic] = "create_dead_letter_topics is off"
+                    self._missing_topics[topic] = "create_dead_letter_topics is off"
                     return
+                partitions = _partition_count(admin, source_topic)
                 answer = admin.create_topics(
-                    {topic: {"num_partitions": self._partitions_of(source_topic) or 1}},
+                    {topic: {"num_partitions": partitions}},
                     timeout_ms=int(self.settings.dead_letter_timeout * 1000),
                     raise_errors=False,
                 )
                 problem = _create_error(answer)
                 if problem is None:
-                    log.info("created dead-letter topic", extra={"consumer": name, "topic": topic})
-                    self._known.add(topic)
-                    self._missing.pop(topic, None)
+                    log.info(
+                        "created dead-letter topic",
+                        extra={"consumer": self.settings.consumer_name, "topic": topic},
+                    )
+                    self._known_topics.add(topic)
+                    self._missing_topics.pop(topic, None)
                     return
-                self._missing[topic] = f"creating it failed: {problem}"
+                self._missing_topics[topic] = f"creating it failed: {problem}"
                 log.warning(
                     "could not create the dead-letter topic",
-                    extra={"consumer": name, "topic": topic, "error": problem},
+                    extra={
+                        "consumer": self.settings.consumer_name,
+                        "topic": topic,
+                        "error": problem,
+                    },
                 )
         except Exception as error:
             log.warning(
                 "could not check/create the dead-letter topic",
-                extra={"consumer": name, "topic": topic, "error": _describe(error)},
+                extra={
+                    "consumer": self.settings.consumer_name,
+                    "topic": topic,
+                    "error": describe_error(error),
+                },
             )
 
     def _topic_exists(self, topic: str) -> bool | None:
@@ -150,11 +162,11 @@ class KafkaDeadLetters:
         except Exception as error:
             log.warning(
                 "could not list topics",
-                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
+                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
             )
             return None
         if found:
-            self._known.add(topic)
+            self._known_topics.add(topic)
         return found
 
     @contextlib.contextmanager
@@ -169,6 +181,16 @@ class KafkaDeadLetters:
                 log.debug("admin client close failed", exc_info=True)
 
 
+def _partition_count(admin: Any, topic: str) -> int:
+    """How many partitions ``topic`` has (1 if unknown); asked through the admin client,
+    never the consumer (this runs on the worker thread)."""
+    described = admin.describe_topics([topic])
+    for entry in described or ():
+        if entry.get("name") == topic and entry.get("partitions"):
+            return len(entry["partitions"])
+    return 1
+
+
 def _create_error(answer: Any) -> str | None:
     """The error of a ``create_topics`` answer for one topic (None: created or existing)."""
     topics = answer.get("topics", []) if isinstance(answer, dict) else []
@@ -180,9 +202,3 @@ def _create_error(answer: Any) -> str | None:
         message = entry.get("error_message")
         return f"{error_type.__name__}" + (f": {message}" if message else "")
     return None
-
-
-def _describe(error: BaseException) -> str:
-    """``ClassName: first line`` of an error (kafka-python errors never carry secrets)."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

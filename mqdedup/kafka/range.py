@@ -29,7 +29,7 @@ from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.kafka.dead_letters import KafkaDeadLetters
 from mqdedup.kafka.offsets import PartitionKey
-from mqdedup.kafka.transport import KafkaToken, partition_key, to_message
+from mqdedup.kafka.records import KafkaToken, partition_key, to_message
 from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class KafkaRangeTransport:
         self.starts: dict[PartitionKey, int] = {}
         self.ends: dict[PartitionKey, int] = {}
         self._active: dict[PartitionKey, int] = {}
-        self._again: list[Delivery] = []
+        self._again: list[Delivery[KafkaToken]] = []
         self._client: Any = None
         self._dead_letters: KafkaDeadLetters | None = None
         self._closed = False
@@ -105,7 +105,7 @@ class KafkaRangeTransport:
         self._client.assign([TopicPartition(*key) for key in self._active])
         for key in self._active:
             self._client.seek(TopicPartition(*key), self.starts[key])
-        self._dead_letters = KafkaDeadLetters(self.settings, self._partition_count)
+        self._dead_letters = KafkaDeadLetters(self.settings)
 
     def close(self) -> None:
         """Disconnect; nothing is committed (unsettled records are simply not read again)."""
@@ -122,11 +122,11 @@ class KafkaRangeTransport:
                     extra={"consumer": self.settings.consumer_name, "error": str(error)},
                 )
         if self._dead_letters is not None:
-            self._dead_letters.close()
+            self._dead_letters.close(10.0)
 
     # -- the Transport protocol ----------------------------------------------------------
 
-    def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery[KafkaToken]]:
         """Up to ``max_messages`` deliveries of the range; ``[]`` once it is all read."""
         if self._again:
             batch, self._again = self._again[:max_messages], self._again[max_messages:]
@@ -146,19 +146,19 @@ class KafkaRangeTransport:
                 )
         return []
 
-    def settle(self, deliveries: Sequence[Delivery]) -> None:
+    def settle(self, deliveries: Sequence[Delivery[KafkaToken]]) -> None:
         """Count deliveries as done (a replay commits no offsets)."""
         for delivery in deliveries:
             self.ledger.settle(_position(delivery))
 
-    def give_back(self, deliveries: Sequence[Delivery]) -> None:
+    def give_back(self, deliveries: Sequence[Delivery[KafkaToken]]) -> None:
         """Hand these unsettled deliveries out again, before the rest of the range."""
         again = [
             Delivery(dataclasses.replace(d.message, redelivered=True), d.token) for d in deliveries
         ]
         self._again = again + self._again
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def dead_letter(self, delivery: Delivery[KafkaToken], record: DeadLetter) -> None:
         """Publish to the consumer's dead-letter topic, as the live transport does."""
         token = delivery.token
         if not isinstance(token, KafkaToken):
@@ -247,10 +247,7 @@ class KafkaRangeTransport:
             self.open()
         return self._client
 
-    def _partition_count(self, topic: str) -> int:
-        return len(self._opened().partitions_for_topic(topic) or ())
-
-    def _poll(self, client: Any, max_messages: int, timeout: float) -> list[Delivery]:
+    def _poll(self, client: Any, max_messages: int, timeout: float) -> list[Delivery[KafkaToken]]:
         """One poll: the records still inside the range; partitions at their end leave."""
         try:
             batches = client.poll(timeout_ms=int(timeout * 1000), max_records=max_messages)
@@ -262,7 +259,7 @@ class KafkaRangeTransport:
                 extra={"consumer": self.settings.consumer_name, "error": str(error)},
             )
             return []
-        deliveries: list[Delivery] = []
+        deliveries: list[Delivery[KafkaToken]] = []
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
             end = self._active.get(key, -1)
@@ -278,7 +275,7 @@ class KafkaRangeTransport:
         return deliveries
 
 
-def _position(delivery: Delivery) -> tuple[PartitionKey, int]:
+def _position(delivery: Delivery[KafkaToken]) -> tuple[PartitionKey, int]:
     token = delivery.token
     assert isinstance(token, KafkaToken)
     return (token.partition, token.offset)

@@ -32,7 +32,6 @@ class KafkaSettings:
     commit_interval: float
     dead_letter_timeout: float
     max_buffered: int
-    metrics_interval: float
 
     def dead_letter_topic_for(self, topic: str) -> str:
         """The dead-letter topic of records read from ``topic``."""

@@ -1,232 +1,185 @@
-"""The Kafka transport: a kafka-python consumer and a dead-letter producer.
+"""The Kafka transport: a consumer-group member that owns its poll thread.
 
-It keeps the ack contract of :mod:`mqdedup.consumers.transport`:
+kafka-python's consumer is not thread-safe, and the group drops a member that does not
+poll within ``max_poll_interval_ms``. So the transport runs a **poll thread** of its own
+(started by :meth:`KafkaTransport.start`), the only thread that touches the
+kafka-python consumer (:class:`~mqdedup.kafka.client.KafkaClient`). It
 
-* offsets are committed (``enable_auto_commit=False``) only for *settled* deliveries,
-  and only up to the first one that is not settled yet (:mod:`kafka_offsets`);
-* on a rebalance, settled offsets of revoked partitions are committed; the in-flight
-  deliveries of partitions that really went to another worker are dropped (their settles
-  are ignored; the next owner gets them again and the dedup table turns them into
-  duplicates), those of partitions kept across the rebalance carry on; a commit that
-  fails because of the rebalance is logged, never fatal;
-* ``dead_letter`` publishes the original key, value and headers plus the ``x-mqdedup-*``
-  headers to the dead-letter topic and waits for the broker's acknowledgement
-  (``acks=all``, idempotent producer) before it returns. A dead letter the broker
-  refuses for good (too large for the topic, invalid or unauthorised topic, a missing
-  topic that cannot be created) raises :class:`~mqdedup.errors.DeadLetterRefusedError`
-  with the broker's reason (the processor keeps the message another way); an outage
-  raises :class:`~mqdedup.errors.BrokerUnavailableError` and the delivery's partition
-  is rewound to it so it is fetched and tried again. The producer is replaced when it
-  goes fatal (:mod:`kafka_producer`), so one refused record never blocks later ones.
+* polls records into a bounded buffer (``max_buffered``: the batch being processed plus
+  ``prefetch_batches``); when the buffer is full (a long batch, a database outage) it
+  keeps polling with every partition paused, so the group keeps the worker and
+  rebalances are followed;
+* commits settled offsets (at most every ``commit_interval``), seeks partitions whose
+  deliveries were given back, follows rebalances and refreshes the per-partition lag;
+* on a stop request hands out nothing more and drops its buffer (not handed out, those
+  records come again to the next owner), while still committing what the batch in
+  flight settles; on :meth:`~KafkaTransport.close` it commits the settled offsets and
+  leaves the group.
 
-Threads: every call on the kafka-python consumer (poll, pause, seek, commit) happens on
-the *owner* thread, the one that called :meth:`KafkaTransport.open`. ``settle``,
-``dead_letter`` and ``keepalive`` may be called from another thread (the processing
-thread of :class:`~mqdedup.kafka.runner.KafkaRunner`): ``settle`` then only
-records the settlement and the owner thread commits it on its next turn.
+The :class:`~mqdedup.consumers.worker.Worker` thread calls ``fetch`` (takes from the
+buffer), ``settle`` and ``give_back`` (recorded in the thread-safe offset tracker; the
+poll thread commits / seeks on its next turn) and ``dead_letter`` (the dead-letter
+producer, never the consumer). A failure of the poll thread (a non-retriable Kafka
+error) is raised by the next ``fetch``: the worker stops with it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any
-
-import kafka
-import kafka.errors as kafka_errors
-from kafka.structs import MemberState, OffsetAndMetadata, TopicPartition
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery
-from mqdedup.errors import BrokerUnavailableError, ConfigurationError, DeadLetterRefusedError
-from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
-from mqdedup.kafka.producer import Outcome, ProducerRecord, RecoveringProducer, Sent
-from mqdedup.kafka.settings import KafkaSettings
-from mqdedup.message import HeaderValue, Message
+from mqdedup.errors import BrokerUnavailableError
+from mqdedup.kafka.client import KafkaClient
+from mqdedup.kafka.records import KafkaToken
+from mqdedup.stopping import StopToken
+
+if TYPE_CHECKING:
+    from mqdedup.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 
-#: Headers naming where a dead-lettered record came from (besides ``DeadLetter.headers()``).
-SOURCE_TOPIC_HEADER = "x-mqdedup-source-topic"
-SOURCE_PARTITION_HEADER = "x-mqdedup-source-partition"
-SOURCE_OFFSET_HEADER = "x-mqdedup-source-offset"
-SOURCE_TIMESTAMP_HEADER = "x-mqdedup-source-timestamp"
-DEAD_LETTER_PREFIX = "x-mqdedup-"
-#: Shortest poll while the group is (re)joining, so the join completes inside one call.
-REBALANCE_POLL = 1.0
-#: A join still not complete after this many seconds is started again.
-REJOIN_AFTER = 5.0
-#: Offset-commit metadata of a graceful stop or hand-over (close, revoke): the next owner
-#: of the partition need not treat its first records as possibly redelivered (careful
-#: mode). The next owner first commits its start offset without it.
-CLEAN_STOP_METADATA = "mqdedup:clean-stop"
+#: Longest a poll blocks, so commits, seeks, stops and rebalances are handled promptly.
+POLL_SLICE = 0.1
+#: How often the poll thread polls (with paused partitions) while the buffer is full.
+KEEPALIVE_INTERVAL = 0.5
+#: How often the per-partition lag is refreshed.
+LAG_INTERVAL = 1.0
+#: Seconds the poll thread gets to commit and leave the group on close (per step).
+CLOSE_TIMEOUT = 10.0
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class KafkaToken:
-    """Where a delivery came from, and the assignment epoch it was handed out in."""
+class _Buffer:
+    """Deliveries polled and not yet fetched by the worker (FIFO), with a condition that
+    wakes the poll thread (room, a settle) and the worker (new deliveries)."""
 
-    partition: PartitionKey
-    offset: int
-    epoch: int
-    #: The original record as kafka-python returned it (key, value and header list).
-    record: Any
+    def __init__(self) -> None:
+        self._items: deque[Delivery[KafkaToken]] = deque()
+        self._changed = threading.Condition()
 
+    def __len__(self) -> int:
+        return len(self._items)
 
-def partition_key(topic_partition: Any) -> PartitionKey:
-    """``(topic, partition)`` of a kafka-python ``TopicPartition``."""
-    return (str(topic_partition.topic), int(topic_partition.partition))
+    def put(self, deliveries: Sequence[Delivery[KafkaToken]]) -> None:
+        with self._changed:
+            self._items.extend(deliveries)
+            self._changed.notify_all()
 
+    def take(self, max_items: int, timeout: float) -> list[Delivery[KafkaToken]]:
+        """Up to ``max_items`` deliveries, waiting up to ``timeout`` for the first one."""
+        with self._changed:
+            if not self._items and timeout > 0:
+                self._changed.wait(timeout)
+            taken = [self._items.popleft() for _ in range(min(max_items, len(self._items)))]
+            if taken:
+                self._changed.notify_all()
+            return taken
 
-def to_message(record: Any, redelivered: bool = False) -> Message:
-    """The :class:`Message` of one kafka-python ``ConsumerRecord``."""
-    headers: dict[str, HeaderValue] = {}
-    for name, value in record.headers or ():
-        headers[name] = value  # a repeated header: the last one wins, as in lastHeader()
-    timestamp = (
-        datetime.fromtimestamp(record.timestamp / 1000, tz=UTC)
-        if record.timestamp is not None and record.timestamp >= 0
-        else None
-    )
-    return Message(
-        body=record.value if record.value is not None else b"",
-        key=record.key,
-        headers=headers,
-        source=record.topic,
-        partition=record.partition,
-        offset=record.offset,
-        timestamp=timestamp,
-        redelivered=redelivered,
-    )
+    def wait(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` or until something changes."""
+        with self._changed:
+            self._changed.wait(timeout)
 
+    def wait_for_room(self, limit: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` until fewer than ``limit`` deliveries are buffered."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self._items) < limit, timeout)
 
-def dead_letter_headers(token: KafkaToken, record: DeadLetter) -> list[tuple[str, bytes]]:
-    """The original headers (minus old ``x-mqdedup-*`` ones) plus the dead-letter headers."""
-    original = [
-        (name, value if value is not None else b"")
-        for name, value in (token.record.headers or ())
-        if not name.startswith(DEAD_LETTER_PREFIX)
-    ]
-    added = {
-        **record.headers(),
-        SOURCE_TOPIC_HEADER: token.partition[0],
-        SOURCE_PARTITION_HEADER: str(token.partition[1]),
-        SOURCE_OFFSET_HEADER: str(token.offset),
-    }
-    if token.record.timestamp is not None and token.record.timestamp >= 0:
-        added[SOURCE_TIMESTAMP_HEADER] = str(token.record.timestamp)
-    return original + [(name, value.encode("utf-8")) for name, value in added.items()]
+    def notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def clear(self) -> int:
+        with self._changed:
+            dropped = len(self._items)
+            self._items.clear()
+            self._changed.notify_all()
+            return dropped
 
 
 class KafkaTransport:
-    """A :class:`~mqdedup.consumers.transport.Transport` over kafka-python.
+    """A :class:`~mqdedup.consumers.transport.Transport` of one consumer-group member.
 
-    ``group=True`` subscribes as a member of the consumer group (commits offsets);
-    ``group=False`` is for replay: partitions are assigned explicitly with
-    :meth:`assign`, nothing joins the group and nothing is committed.
+    Create it with :meth:`~mqdedup.kafka.consumer.KafkaConsumer.create_transport` (or
+    construct it and call :meth:`start`); see the module docs for the threads.
     """
 
     def __init__(
         self,
         settings: KafkaSettings,
         *,
+        stop: StopToken | None = None,
         metrics: Metrics | None = None,
-        group: bool = True,
     ) -> None:
         self.settings = settings
-        self.metrics = metrics or Metrics()
-        self.group = group
-        # Possibly redelivered after an assignment: the batch a dead previous owner was
-        # handling plus the batches it settled since its last commit (see the tracker).
-        self.tracker = OffsetTracker(redelivery_window=settings.max_buffered if group else 0)
-        self._client: Any = None
-        self._owner: threading.Thread | None = None
-        self._producer = RecoveringProducer(
-            settings.producer_config, name=f"{settings.consumer_name} dead letters"
-        )
-        self._known_dead_letter_topics: set[str] = set()
-        #: Why a dead-letter topic found missing could not be created (by topic).
-        self._missing_dead_letter_topics: dict[str, str] = {}
-        self._commit_wanted = threading.Event()
-        self._next_commit_attempt = 0.0
-        self._revoking: set[PartitionKey] = set()
-        self._rebalance_lock = threading.Lock()
-        self._rebalancing_since: float | None = None
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._stop = stop or StopToken()
+        #: The kafka-python side; only the poll thread calls its consumer methods.
+        self.client = KafkaClient(settings, metrics=self.metrics)
+        self._buffer = _Buffer()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._closing = threading.Event()
+        self._failure: BaseException | None = None
         self._closed = False
-        self._high_water: dict[PartitionKey, int] = {}
-        #: Freshly assigned partitions whose previous owner's stop is not checked yet.
-        self._unchecked: set[PartitionKey] = set()
-        #: Committed offsets of assigned partitions nothing was seen of (for the lag).
-        self._idle_committed: dict[PartitionKey, int] = {}
 
     # -- life cycle ----------------------------------------------------------------------
 
-    def open(self) -> None:
-        """Connect, and subscribe (group mode). Raises BrokerUnavailableError if unreachable."""
-        if self._client is not None:
-            return
-        settings = self.settings
-        config = dict(settings.consumer_config)
-        if not self.group:
-            config["group_id"] = None
-        try:
-            client = kafka.KafkaConsumer(**config)
-        except kafka_errors.KafkaConfigurationError as error:
-            raise ConfigurationError(f"invalid Kafka settings: {error}") from error
-        except kafka_errors.KafkaError as error:
-            raise BrokerUnavailableError(
-                f"cannot reach Kafka at {','.join(settings.bootstrap_servers)}: {_describe(error)}"
-            ) from error
-        self._client = client
-        self._owner = threading.current_thread()
-        if self.group:
-            listener = _RebalanceListener(self)
-            if settings.pattern is not None:
-                client.subscribe(pattern=settings.pattern, listener=listener)
-            else:
-                client.subscribe(topics=list(settings.topics), listener=listener)
-        log.info(
-            "kafka consumer connected",
-            extra={
-                "consumer": settings.consumer_name,
-                "group_id": settings.group_id if self.group else None,
-                "topics": list(settings.topics) or settings.pattern,
-                "bootstrap": ",".join(settings.bootstrap_servers),
-            },
+    def start(self) -> KafkaTransport:
+        """Start the poll thread: connect and subscribe; return ``self``.
+
+        Raises :class:`~mqdedup.errors.BrokerUnavailableError` when no bootstrap server
+        answers within ``connect_timeout`` and :class:`~mqdedup.errors.ConfigurationError`
+        for settings kafka-python rejects.
+        """
+        if self._thread is not None:
+            return self
+        self._thread = threading.Thread(
+            target=self._run,
+            name=f"mqdedup-kafka-poll[{self.settings.consumer_name}]",
+            daemon=True,
         )
+        self._thread.start()
+        connect = float(self.settings.consumer_config.get("bootstrap_timeout_ms", 30_000)) / 1000
+        if not self._ready.wait(connect + CLOSE_TIMEOUT):
+            self.close()
+            raise BrokerUnavailableError(
+                f"Kafka at {','.join(self.settings.bootstrap_servers)} did not answer "
+                f"within {connect:.0f}s"
+            )
+        if self._failure is not None:
+            self._thread.join(timeout=CLOSE_TIMEOUT)
+            self._closed = True
+            raise self._failure
+        return self
 
-    @property
-    def client(self) -> Any:
-        """The kafka-python ``KafkaConsumer`` (opened on first use)."""
-        if self._client is None:
-            self.open()
-        return self._client
+    def close(self) -> None:
+        """Commit what is settled, leave the group, disconnect (waits for the poll thread).
 
-    def close(self, *, commit: bool = True, timeout: float = 10.0) -> None:
-        """Commit what is settled (unless ``commit=False``), leave the group, disconnect."""
+        Deliveries not settled are not committed: the next owner of their partition
+        gets them again (deduplicated).
+        """
         if self._closed:
             return
         self._closed = True
-        client, self._client = self._client, None
-        if client is not None:
-            if commit and self.group:
-                assigned = {partition_key(tp) for tp in client.assignment() or ()}
-                offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
-                clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in assigned}
-                self._commit(client, {**clean, **offsets}, timeout, clean=set(clean))
-            try:
-                client.close(autocommit=False, timeout_ms=int(timeout * 1000))
-            except Exception as error:
+        self._closing.set()
+        self._buffer.notify()
+        thread = self._thread
+        if thread is None:
+            self.client.close(commit=False)  # never started: only the producer to release
+            return
+        if thread is not threading.current_thread():
+            thread.join(timeout=3 * CLOSE_TIMEOUT + 5)
+            if thread.is_alive():
                 log.warning(
-                    "kafka consumer did not close cleanly",
-                    extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
+                    "Kafka poll thread did not stop in time; abandoning it",
+                    extra={"consumer": self.settings.consumer_name},
                 )
-        self._producer.close(timeout)
 
     @property
     def closed(self) -> bool:
@@ -235,688 +188,111 @@ class KafkaTransport:
 
     # -- the Transport protocol ----------------------------------------------------------
 
-    def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
-        """Commit what is settled, then poll up to ``max_messages`` (owner thread only)."""
-        self.commit_pending()
-        self.apply_rewinds()
-        self.resume_all()
-        return self.poll(max_messages, timeout)
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery[KafkaToken]]:
+        """Up to ``max_messages`` polled deliveries, waiting at most ``timeout`` seconds.
 
-    def settle(self, deliveries: Sequence[Delivery]) -> None:
-        """Mark deliveries settled; their offsets are committed contiguously.
-
-        On the owner thread the commit happens at once; from another thread it is left
-        to the owner thread's next turn. Deliveries of revoked or rewound partitions are
-        ignored: they will be fetched again (by this or another worker) and deduplicated.
+        Returns nothing once a stop is requested. Raises what stopped the poll thread.
         """
-        settled = 0
-        for delivery in deliveries:
-            token = delivery.token
-            if isinstance(token, KafkaToken) and self.tracker.settle(
-                token.partition, token.offset, token.epoch
-            ):
-                settled += 1
-        if settled:
-            if self._on_owner_thread():
-                self.commit_pending(force=True)
-            else:
-                self._commit_wanted.set()
+        deadline = time.monotonic() + timeout
+        while True:
+            self._raise_if_failed()
+            if self._stop.requested or self._closed:
+                return []
+            remaining = deadline - time.monotonic()
+            taken = self._buffer.take(max_messages, min(max(remaining, 0.0), POLL_SLICE))
+            # Deliveries of partitions revoked or given back meanwhile are dropped.
+            batch = self.client.current(taken)
+            if batch:
+                return batch
+            if remaining <= 0:
+                return []
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def settle(self, deliveries: Sequence[Delivery[KafkaToken]]) -> None:
+        """Mark deliveries settled; the poll thread commits their offsets contiguously.
+
+        Deliveries of revoked partitions (or given back meanwhile) are ignored: they are
+        fetched again, by this or another worker, and deduplicated.
+        """
+        self.client.settle(deliveries)
+        self._buffer.notify()  # wake the poll thread to commit
+
+    def give_back(self, deliveries: Sequence[Delivery[KafkaToken]]) -> None:
+        """Fetch these unsettled deliveries again: their partition seeks back to the first.
+
+        Later deliveries of the same partition already polled are dropped and come
+        again after it (in order, marked redelivered). Ignored for partitions that were
+        revoked meanwhile (the next owner gets them anyway).
+        """
+        self.client.give_back(deliveries)
+        self._buffer.notify()  # wake the poll thread to seek
+
+    def dead_letter(self, delivery: Delivery[KafkaToken], record: DeadLetter) -> None:
         """Publish the original record with ``record``'s headers; wait for the broker's ack.
 
-        Raises :class:`DeadLetterRefusedError` when the broker refuses this record for
-        good (the reason names the topic and the broker's error), and
-        :class:`BrokerUnavailableError` when it cannot be reached or does not answer
-        within the dead-letter timeout (the offset then does not move past this
-        delivery: its partition is rewound to it).
+        See :meth:`KafkaClient.dead_letter` for the errors it raises.
         """
-        token = delivery.token
-        if not isinstance(token, KafkaToken):
-            raise TypeError("not a Kafka delivery")
-        if self._closed:
-            raise BrokerUnavailableError("the Kafka transport is closed")
-        topic = self.settings.dead_letter_topic_for(token.partition[0])
-        self._ensure_dead_letter_topic(topic, token.partition[0])
-        outgoing = ProducerRecord(
-            topic, token.record.key, token.record.value, dead_letter_headers(token, record)
-        )
-        sent = self._producer.send_all([outgoing], self.settings.dead_letter_timeout)[0]
-        if sent.outcome is Outcome.NO_METADATA:
-            sent = self._no_metadata(topic, sent)
-        source = f"{token.partition[0]}/{token.partition[1]}/{token.offset}"
-        if sent.outcome is Outcome.REFUSED:
-            log.warning(
-                "the broker refused the dead letter",
-                extra={
-                    "consumer": self.settings.consumer_name,
-                    "topic": topic,
-                    "source": source,
-                    "error": sent.error,
-                },
-            )
-            raise DeadLetterRefusedError(
-                f"the broker refused the dead letter for {topic!r}: {sent.error}"
-            )
-        if not sent.ok:
-            raise BrokerUnavailableError(f"dead-letter publish to {topic!r} failed: {sent.error}")
-        log.info(
-            "published to dead-letter topic",
-            extra={
-                "consumer": self.settings.consumer_name,
-                "topic": topic,
-                "source": source,
-                "reason": record.reason,
-            },
-        )
-
-    def _no_metadata(self, topic: str, sent: Sent) -> Sent:
-        """The dead-letter topic's metadata did not arrive: missing topic, or an outage?"""
-        exists = self._topic_exists(topic)
-        if exists is False:
-            why = self._missing_dead_letter_topics.get(topic) or (
-                "create_dead_letter_topics is off"
-                if not self.settings.create_dead_letter_topics
-                else "it could not be created"
-            )
-            return Sent(
-                Outcome.REFUSED,
-                f"the topic does not exist and the broker does not create it ({why})",
-            )
-        return Sent(Outcome.UNAVAILABLE, sent.error)
+        self.client.dead_letter(delivery, record)
 
     def keepalive(self) -> None:
-        """Stay in the group while the processor waits.
+        """Nothing to do: the poll thread keeps the group membership all the time."""
 
-        On the owner thread: pause every partition and poll (no records come back), so
-        ``max_poll_interval_ms`` never expires; the partitions are resumed by the next
-        fetch. From another thread nothing is needed: the owner thread keeps polling.
-        """
-        if not self._on_owner_thread() or self._client is None:
+    # -- the poll thread -----------------------------------------------------------------
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _run(self) -> None:
+        try:
+            self.client.open()
+        except BaseException as error:
+            self._failure = error
+            self._ready.set()
+            self.client.close(commit=False)
             return
-        self.commit_pending()
-        self.apply_rewinds()
-        self.pause_all()
-        stray = self.poll(1, 0.05)
-        if stray:  # a rebalance inside the poll assigned fresh, unpaused partitions
-            self.rewind(stray)
-            self.apply_rewinds()
-            self.pause_all()
-
-    # -- used by the runner (owner thread) -------------------------------------------------
-
-    def poll(self, max_records: int, timeout: float) -> list[Delivery]:
-        """One kafka-python poll; records become tracked deliveries (owner thread only).
-
-        While the group is (re)joining, the poll waits at least ``REBALANCE_POLL``
-        seconds so the join can complete inside the call (see :meth:`_watch_join`).
-        """
-        client = self.client
-        if self.group and self._watch_join():
-            timeout = max(timeout, REBALANCE_POLL)
+        self._ready.set()
+        failed = False
         try:
-            batches = client.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
-        except kafka_errors.CommitFailedError as error:
-            log.warning(
-                "offset commit failed during a rebalance; redeliveries will be deduplicated",
-                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
+            self._poll_loop()
+        except BaseException as error:
+            failed = True
+            self._failure = error
+            log.exception(
+                "Kafka poll thread failed; the worker stops",
+                extra={"consumer": self.settings.consumer_name},
             )
-            return []
-        except kafka_errors.KafkaError as error:
-            if not _retriable(error):
-                raise
-            log.warning(
-                "kafka poll failed; retrying",
-                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
-            )
-            return []
-        if self.group:
-            self._drop_unassigned()
-        deliveries: list[Delivery] = []
-        for topic_partition, records in batches.items():
-            key = partition_key(topic_partition)
-            if key in self._unchecked and records:
-                self._check_previous_owner(key, topic_partition, records[0].offset)
-            for record in records:
-                tracked = self.tracker.track_redelivered(key, record.offset)
-                if tracked is None:
-                    continue  # its partition is being rewound; it will come again
-                epoch, redelivered = tracked
-                deliveries.append(
-                    Delivery(
-                        to_message(record, redelivered),
-                        KafkaToken(key, record.offset, epoch, record),
-                    )
-                )
-        return deliveries
-
-    def _check_previous_owner(self, key: PartitionKey, topic_partition: Any, start: int) -> None:
-        """Before the first records of a fresh assignment: is the careful window needed?
-
-        Not when the previous owner stopped gracefully (its last commit carries
-        ``CLEAN_STOP_METADATA``) nor when nobody ever committed (nothing can have died on
-        these records). Either way the start offset is first committed *without* the
-        marker, so a death from now on leaves a trace for the next owner; if that
-        commit fails, the window stays.
-        """
-        with self._rebalance_lock:
-            self._unchecked.discard(key)
-        client = self.client
-        try:
-            committed = client.committed(
-                topic_partition, metadata=True, timeout_ms=int(self.settings.commit_timeout * 1000)
-            )
-        except kafka_errors.KafkaError:
-            return  # unknown: keep the careful window
-        if committed is not None and committed.metadata != CLEAN_STOP_METADATA:
-            return  # the previous owner may have died on these records
-        if self._commit(client, {key: start}, self.settings.commit_timeout):
-            self.tracker.expect_clean(key)
-
-    def current(self, deliveries: Iterable[Delivery]) -> list[Delivery]:
-        """The deliveries whose partition epoch is still current (others were dropped)."""
-        return [
-            d
-            for d in deliveries
-            if isinstance(d.token, KafkaToken)
-            and self.tracker.is_current(d.token.partition, d.token.epoch)
-        ]
-
-    def pause_all(self) -> None:
-        """Pause every assigned partition (fetching stops; group membership stays)."""
-        client = self.client
-        unpaused = set(client.assignment() or ()) - set(client.paused() or ())
-        if unpaused:
-            client.pause(*unpaused)
-
-    def resume_all(self) -> None:
-        """Resume every paused partition (kafka-python keeps the paused flag of a partition
-        that stays assigned across a rebalance)."""
-        if self._client is None:
-            return
-        paused = set(self._client.paused() or ())
-        if paused:
-            self._client.resume(*paused)
-
-    def commit_pending(self, timeout: float | None = None, *, force: bool = False) -> bool:
-        """Commit settled offsets not committed yet; True when nothing is left to commit.
-
-        At most one commit per ``commit_interval`` unless ``force``; failures are logged
-        and retried on a later call (after a short back-off). Neither is a risk: an
-        offset not committed yet only means its messages may come again, deduplicated.
-        """
-        self._commit_wanted.clear()
-        if not self.group or self._client is None:
-            return True
-        if not force and time.monotonic() < self._next_commit_attempt:
-            return False
-        assigned = self._assigned_keys()
-        offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
-        if not offsets:
-            return True
-        ok = self._commit(
-            self._client, offsets, self.settings.commit_timeout if timeout is None else timeout
-        )
-        self._next_commit_attempt = time.monotonic() + (
-            self.settings.commit_interval if ok else max(1.0, self.settings.commit_interval)
-        )
-        return ok
-
-    @property
-    def commit_wanted(self) -> bool:
-        """True when another thread settled deliveries the owner thread has to commit."""
-        return self._commit_wanted.is_set()
-
-    def wait_commit_wanted(self, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds until a settle from another thread arrives."""
-        return self._commit_wanted.wait(timeout)
-
-    def rewind(self, deliveries: Iterable[Delivery]) -> None:
-        """Fetch these unsettled deliveries (and what followed them) again.
-
-        Records the first unsettled offset of each partition; the seek itself happens on
-        the owner thread (:meth:`apply_rewinds`).
-        """
-        first: dict[PartitionKey, KafkaToken] = {}
-        for delivery in deliveries:
-            token = delivery.token
-            if not isinstance(token, KafkaToken):
-                continue
-            seen = first.get(token.partition)
-            if seen is None or token.offset < seen.offset:
-                first[token.partition] = token
-        for token in first.values():
-            if self.tracker.request_rewind(token.partition, token.offset, token.epoch):
-                log.warning(
-                    "rewinding partition to an unsettled message",
-                    extra={
-                        "consumer": self.settings.consumer_name,
-                        "partition": f"{token.partition[0]}/{token.partition[1]}",
-                        "offset": token.offset,
-                    },
-                )
-        if first:
-            self._commit_wanted.set()  # wake the owner thread
-
-    def apply_rewinds(self) -> None:
-        """Seek partitions back to their first unsettled delivery (owner thread only)."""
-        rewinds = self.tracker.take_rewinds()
-        if not rewinds or self._client is None:
-            return
-        assigned = {partition_key(tp): tp for tp in self._client.assignment() or ()}
-        for rewind in rewinds:
-            topic_partition = assigned.get(rewind.partition)
-            if topic_partition is not None:
-                self._client.seek(topic_partition, rewind.offset)
-
-    def update_lag(self) -> dict[str, int]:
-        """Per-partition lag (high-water mark minus committed/consumed offset) into metrics."""
-        if self._client is None:
-            return self.metrics.lag
-        lag: dict[str, int] = {}
-        for topic_partition in self._client.assignment() or ():
-            key = partition_key(topic_partition)
-            try:
-                high_water = self._client.highwater(topic_partition)
-            except kafka_errors.KafkaError:
-                continue
-            if high_water is None:
-                continue
-            position = self.tracker.committed_offset(key)
-            if position is None:
-                position = self.tracker.next_offset(key)
-            if position is None:  # nothing seen yet (e.g. just assigned, all caught up)
-                position = self._untracked_position(key, topic_partition)
-            if position is None:
-                continue
-            lag[f"{key[0]}/{key[1]}"] = max(0, int(high_water) - position)
-        self.metrics.lag = lag
-        return lag
-
-    def _forget_idle(self, keys: Iterable[PartitionKey]) -> None:
-        for key in keys:
-            self._idle_committed.pop(key, None)
-
-    def _untracked_position(self, key: PartitionKey, topic_partition: Any) -> int | None:
-        """The group's committed offset of a partition this worker has seen nothing of.
-
-        Asked once per assignment (nobody else commits a partition we own) and only for
-        partitions with nothing tracked: a worker that joins a caught-up group still
-        reports their lag. kafka-python's own fetch position would not do: it can be
-        ahead of records already fetched but not yet polled.
-        """
-        assert self._client is not None
-        if key in self._idle_committed:
-            return self._idle_committed[key]
-        try:
-            committed = self._client.committed(topic_partition, timeout_ms=1000)
-        except kafka_errors.KafkaError:
-            return None
-        if committed is None:
-            return None  # nothing committed yet: the lag is known once records come
-        self._idle_committed[key] = int(committed)
-        return int(committed)
-
-    # -- replay helpers (owner thread, group=False) ----------------------------------------
-
-    def assign(self, partitions: Sequence[PartitionKey]) -> None:
-        """Assign explicit partitions without joining the group (replay)."""
-        client = self.client
-        client.assign([TopicPartition(topic, partition) for topic, partition in partitions])
-        self.tracker.assign(partitions)
-
-    def seek(self, partition: PartitionKey, offset: int) -> None:
-        """Set the next offset to fetch for ``partition``."""
-        self.client.seek(TopicPartition(*partition), offset)
-
-    def offsets_for_times(
-        self, partitions: Sequence[PartitionKey], when: datetime
-    ) -> dict[PartitionKey, int | None]:
-        """The first offset at or after ``when`` per partition (None: no such record)."""
-        millis = int(when.timestamp() * 1000)
-        found = self.client.offsets_for_times(
-            {TopicPartition(*key): millis for key in partitions},
-            timeout_ms=int(self.settings.commit_timeout * 1000),
-        )
-        return {
-            partition_key(tp): (None if value is None else int(value.offset))
-            for tp, value in found.items()
-        }
-
-    def beginning_offsets(self, partitions: Sequence[PartitionKey]) -> dict[PartitionKey, int]:
-        """The first available offset per partition."""
-        found = self.client.beginning_offsets([TopicPartition(*key) for key in partitions])
-        return {partition_key(tp): int(offset) for tp, offset in found.items()}
-
-    def end_offsets(self, partitions: Sequence[PartitionKey]) -> dict[PartitionKey, int]:
-        """The offset after the last record per partition (the high-water mark)."""
-        found = self.client.end_offsets([TopicPartition(*key) for key in partitions])
-        return {partition_key(tp): int(offset) for tp, offset in found.items()}
-
-    def partitions_of(self, topic: str) -> list[int]:
-        """The partition numbers of ``topic``; ConfigurationError if it does not exist."""
-        found = self.client.partitions_for_topic(topic)
-        if not found:
-            raise ConfigurationError(f"Kafka topic {topic!r} does not exist")
-        return sorted(int(p) for p in found)
-
-    def position(self, partition: PartitionKey) -> int:
-        """The next offset the consumer will fetch for ``partition``."""
-        return int(self.client.position(TopicPartition(*partition)))
-
-    # -- rebalances -----------------------------------------------------------------------
-
-    def _watch_join(self) -> bool:
-        """True while the member is not STABLE; repairs a join that never completes.
-
-        kafka-python 3.0 loses a completed JoinGroup/SyncGroup when the ``poll()`` that
-        started it timed out first and the rebalance was triggered by a metadata change
-        (e.g. a new topic's partitions): the member then stays ``REBALANCING`` with no
-        partitions for good. If that lasts ``REJOIN_AFTER`` seconds, ask the coordinator
-        to rejoin (harmless while a join is still in flight: it is awaited again).
-        """
-        state = getattr(self._client.group_metadata(), "state", None)
-        if state == MemberState.STABLE:
-            self._rebalancing_since = None
-            return False
-        now = time.monotonic()
-        if self._rebalancing_since is None:
-            self._rebalancing_since = now
-        elif now - self._rebalancing_since >= REJOIN_AFTER:
-            coordinator = getattr(self._client, "_coordinator", None)
-            request_rejoin = getattr(coordinator, "request_rejoin", None)
-            if callable(request_rejoin):
-                log.warning(
-                    "group join did not complete; rejoining",
-                    extra={"consumer": self.settings.consumer_name, "state": str(state)},
-                )
-                request_rejoin()
-            self._rebalancing_since = now
-        return True
-
-    def _assigned_keys(self) -> set[PartitionKey]:
-        if self._client is None:
-            return set()
-        return {partition_key(tp) for tp in self._client.assignment() or ()}
-
-    def _drop_unassigned(self) -> None:
-        """Forget partitions kafka-python no longer assigns (their work is dropped)."""
-        with self._rebalance_lock:
-            assigned = self._assigned_keys()
-            gone = [key for key in self.tracker.partitions if key not in assigned]
-            if gone:
-                self.tracker.revoke(gone)
-                self._revoking.difference_update(gone)
-
-    def _partitions_revoked(self, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
-        """Listener (IO thread): commit what is settled; the drop waits for the assignment.
-
-        With the eager protocol every partition is "revoked" before each rebalance, but
-        kafka-python keeps the fetch state (position, buffered records) of a partition
-        that is assigned again; its in-flight work must then be kept, not dropped.
-        """
-        wanted = set(keys)
-        self._forget_idle(keys)
-        uncommitted = {k: v for k, v in self.tracker.to_commit().items() if k in wanted}
-        clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in wanted}
-        self._commit_on_revoke({**clean, **uncommitted}, clean=set(clean))
-        with self._rebalance_lock:
-            self._revoking.update(keys)
-        return uncommitted
-
-    def _partitions_assigned(self, keys: list[PartitionKey]) -> tuple[list[PartitionKey], ...]:
-        """Listener (IO thread): drop partitions really gone, start fresh ones afresh.
-
-        ``keys`` is the whole new assignment (eager) or the added partitions
-        (cooperative). A partition kept from the previous assignment keeps its state in
-        kafka-python and here; any other assigned partition has a fresh fetch state
-        (it starts at the committed offset), so it gets a new epoch.
-        """
-        self._forget_idle(keys)
-        with self._rebalance_lock:
-            assigned = self._assigned_keys() | set(keys)
-            revoking, self._revoking = self._revoking, set()
-            gone = sorted(revoking - assigned)
-            self.tracker.revoke(gone)
-            tracked = set(self.tracker.partitions)
-            fresh = sorted((set(keys) - revoking) | (assigned - tracked))
-            self.tracker.assign(fresh)
-            self._unchecked.difference_update(gone)
-            self._unchecked.update(fresh)
-        kept = sorted(assigned - set(fresh))
-        return gone, fresh, kept
-
-    def _partitions_lost(self, keys: list[PartitionKey]) -> None:
-        """Listener (IO thread): membership expired; nothing may be committed any more."""
-        self._forget_idle(keys)
-        with self._rebalance_lock:
-            self.tracker.revoke(keys)
-            self._revoking.difference_update(keys)
-
-    # -- internals -----------------------------------------------------------------------
-
-    def _on_owner_thread(self) -> bool:
-        return self._owner is threading.current_thread()
-
-    def _commit(
-        self,
-        client: Any,
-        offsets: Mapping[PartitionKey, int],
-        timeout: float,
-        *,
-        clean: Collection[PartitionKey] = (),
-    ) -> bool:
-        if not offsets:
-            return True
-        request = {
-            TopicPartition(*key): OffsetAndMetadata(
-                offset, CLEAN_STOP_METADATA if key in clean else "", -1
-            )
-            for key, offset in offsets.items()
-        }
-        try:
-            client.commit(request, timeout_ms=int(timeout * 1000))
-        except (
-            kafka_errors.CommitFailedError,
-            kafka_errors.RebalanceInProgressError,
-            kafka_errors.IllegalGenerationError,
-            kafka_errors.UnknownMemberIdError,
-        ) as error:
-            log.warning(
-                "offset commit failed because of a rebalance; redeliveries will be deduplicated",
-                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
-            )
-            return False
-        except kafka_errors.KafkaError as error:
-            log.warning(
-                "offset commit failed; will retry",
-                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
-            )
-            return False
-        self.tracker.committed(dict(offsets))
-        return True
-
-    def _commit_on_revoke(
-        self, offsets: Mapping[PartitionKey, int], *, clean: Collection[PartitionKey] = ()
-    ) -> None:
-        """Best-effort commit from the rebalance listener (kafka-python's IO thread).
-
-        A blocking commit is not allowed there; the asynchronous commit is queued before
-        the group is re-joined, so the coordinator handles it while we still own them.
-        """
-        client = self._client
-        if client is None or not offsets:
-            return
-        request = {
-            TopicPartition(*key): OffsetAndMetadata(
-                offset, CLEAN_STOP_METADATA if key in clean else "", -1
-            )
-            for key, offset in offsets.items()
-        }
-        try:
-            client.commit_async(request, callback=self._revoke_commit_done)
-        except Exception as error:
-            log.warning(
-                "offset commit on revoke failed; redeliveries will be deduplicated",
-                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
-            )
-
-    def _revoke_commit_done(self, offsets: Any, response: Any) -> None:
-        if isinstance(response, Exception):
-            log.warning(
-                "offset commit on revoke failed; redeliveries will be deduplicated",
-                extra={"consumer": self.settings.consumer_name, "error": _describe(response)},
-            )
-
-    def _ensure_dead_letter_topic(self, topic: str, source_topic: str) -> None:
-        """Check once that the dead-letter topic exists; create it if missing (when allowed).
-
-        Not fatal when it fails: the broker may auto-create the topic, or the publish
-        finds out (see :meth:`_no_metadata`).
-        """
-        if topic in self._known_dead_letter_topics:
-            return
-        try:
-            with self._admin() as admin:
-                if topic in set(admin.list_topics()):
-                    self._known_dead_letter_topics.add(topic)
-                    self._missing_dead_letter_topics.pop(topic, None)
-                    return
-                if not self.settings.create_dead_letter_topics:
-                    self._missing_dead_letter_topics[topic] = "create_dead_letter_topics is off"
-                    return
-                partitions = len(self._client.partitions_for_topic(source_topic) or ()) or 1
-                answer = admin.create_topics(
-                    {topic: {"num_partitions": partitions}},
-                    timeout_ms=int(self.settings.dead_letter_timeout * 1000),
-                    raise_errors=False,
-                )
-                problem = _create_error(answer)
-                if problem is None:
-                    log.info(
-                        "created dead-letter topic",
-                        extra={"consumer": self.settings.consumer_name, "topic": topic},
-                    )
-                    self._known_dead_letter_topics.add(topic)
-                    self._missing_dead_letter_topics.pop(topic, None)
-                    return
-                self._missing_dead_letter_topics[topic] = f"creating it failed: {problem}"
-                log.warning(
-                    "could not create the dead-letter topic",
-                    extra={
-                        "consumer": self.settings.consumer_name,
-                        "topic": topic,
-                        "error": problem,
-                    },
-                )
-        except Exception as error:
-            log.warning(
-                "could not check/create the dead-letter topic",
-                extra={
-                    "consumer": self.settings.consumer_name,
-                    "topic": topic,
-                    "error": _describe(error),
-                },
-            )
-
-    def _topic_exists(self, topic: str) -> bool | None:
-        """Whether ``topic`` exists (None: the cluster did not answer)."""
-        try:
-            with self._admin() as admin:
-                found = topic in set(admin.list_topics())
-        except Exception as error:
-            log.warning(
-                "could not list topics",
-                extra={"consumer": self.settings.consumer_name, "error": _describe(error)},
-            )
-            return None
-        if found:
-            self._known_dead_letter_topics.add(topic)
-        return found
-
-    @contextlib.contextmanager
-    def _admin(self) -> Iterator[Any]:
-        admin = kafka.KafkaAdminClient(**self.settings.admin_config)
-        try:
-            yield admin
         finally:
-            try:
-                admin.close()
-            except Exception:
-                log.debug("admin client close failed", exc_info=True)
+            self._buffer.clear()
+            if not failed:
+                self.client.update_lag()
+            self.client.close(commit=True, timeout=CLOSE_TIMEOUT)
 
-
-def _create_error(answer: Any) -> str | None:
-    """The error of a ``create_topics`` answer for one topic (None: created or existing)."""
-    topics = answer.get("topics", []) if isinstance(answer, dict) else []
-    for entry in topics:
-        code = int(entry.get("error_code", 0) or 0)
-        if code in (0, kafka_errors.TopicAlreadyExistsError.errno):
-            continue
-        error_type = kafka_errors.for_code(code)
-        message = entry.get("error_message")
-        return f"{error_type.__name__}" + (f": {message}" if message else "")
-    return None
-
-
-class _RebalanceListener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]
-    """Keeps the offset tracker in step with kafka-python's assignment.
-
-    kafka-python 3 runs these callbacks on its IO thread; they only touch the
-    (thread-safe) offset tracker and queue an asynchronous commit.
-    """
-
-    def __init__(self, transport: KafkaTransport) -> None:
-        self.transport = transport
-
-    def on_partitions_revoked(self, revoked: Any) -> None:
-        keys = [partition_key(tp) for tp in revoked]
-        uncommitted = self.transport._partitions_revoked(keys)
-        log.info(
-            "partitions revoked",
-            extra={
-                "consumer": self.transport.settings.consumer_name,
-                "partitions": _names(keys),
-                "committing": {f"{k[0]}/{k[1]}": v for k, v in uncommitted.items()},
-            },
-        )
-
-    def on_partitions_lost(self, lost: Any) -> None:
-        keys = [partition_key(tp) for tp in lost]
-        self.transport._partitions_lost(keys)
-        log.warning(
-            "partitions lost (group membership expired); their in-flight work is dropped",
-            extra={"consumer": self.transport.settings.consumer_name, "partitions": _names(keys)},
-        )
-
-    def on_partitions_assigned(self, assigned: Any) -> None:
-        keys = [partition_key(tp) for tp in assigned]
-        gone, fresh, kept = self.transport._partitions_assigned(keys)
-        log.info(
-            "partitions assigned",
-            extra={
-                "consumer": self.transport.settings.consumer_name,
-                "partitions": _names(fresh),
-                "kept": _names(kept),
-                "dropped": _names(gone),
-            },
-        )
-
-
-def _names(keys: Iterable[PartitionKey]) -> list[str]:
-    return [f"{topic}/{partition}" for topic, partition in sorted(keys)]
-
-
-def _retriable(error: BaseException) -> bool:
-    return bool(getattr(error, "retriable", False)) or isinstance(
-        error,
-        kafka_errors.KafkaConnectionError
-        | kafka_errors.KafkaTimeoutError
-        | kafka_errors.NodeNotReadyError,
-    )
-
-
-def _describe(error: BaseException) -> str:
-    """``ClassName: first line`` of an error (kafka-python errors never carry secrets)."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    def _poll_loop(self) -> None:
+        client = self.client
+        limit = self.settings.max_buffered
+        next_lag = time.monotonic()
+        while not self._closing.is_set():
+            client.commit_pending()
+            client.apply_rewinds()
+            if self._stop.requested:
+                # Stopping: hand out nothing more, stay in the group until close.
+                self._buffer.clear()
+                client.pause_all()
+                client.poll(1, 0.0)  # polled records stay unsettled: the next owner's
+                self._buffer.wait(POLL_SLICE)
+            elif len(self._buffer) < limit:
+                client.resume_all()
+                deliveries = client.poll(limit - len(self._buffer), POLL_SLICE)
+                if deliveries:
+                    self._buffer.put(deliveries)
+            elif not self._buffer.wait_for_room(limit, KEEPALIVE_INTERVAL):
+                # Still full (a long batch, a database outage): poll with every partition
+                # paused, so the group keeps us and rebalances are followed.
+                client.pause_all()
+                deliveries = client.poll(1, 0.0)
+                if deliveries:  # a rebalance assigned fresh, unpaused partitions
+                    self._buffer.put(deliveries)
+            now = time.monotonic()
+            if now >= next_lag:
+                client.update_lag()
+                next_lag = now + LAG_INTERVAL

@@ -50,7 +50,6 @@ from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
-    from sqlalchemy.orm import Session, sessionmaker
 
 __all__ = [
     "MESSAGE_ID_HEADER",
@@ -166,32 +165,6 @@ class RabbitMQConsumer(Consumer):
             reconnect_backoff_max=self.reconnect_backoff_max,
         )
         return transport.start()
-
-    def run(
-        self,
-        database: Engine | sessionmaker[Session],
-        *,
-        stop: StopToken | None = None,
-        metrics: Metrics | None = None,
-    ) -> Metrics:
-        """Consume until ``stop`` is requested: what ``mqdedup worker`` runs per process.
-
-        On a stop request: stop consuming, finish and ack the batch in flight, close.
-        Connection losses are retried for ever with backoff; messages are never
-        dead-lettered because the broker or the database was unavailable. Counters go
-        to ``metrics`` (the queue depth to ``metrics.lag[queue]``).
-        """
-        from mqdedup.consumers.worker import Worker
-
-        stop = stop or StopToken()
-        metrics = metrics if metrics is not None else Metrics()
-        transport = self.create_transport(stop=stop, metrics=metrics)
-        try:
-            worker = Worker(self, transport, database, stop=stop, metrics=metrics)
-        except BaseException:
-            transport.close()
-            raise
-        return worker.run()
 
     def check_connection(self) -> None:
         """Connect once and close: BrokerUnavailableError / ConfigurationError if that fails."""

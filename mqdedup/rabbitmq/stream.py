@@ -89,7 +89,7 @@ class StreamRangeTransport:
         self._channel: Any = None
         self._consumer_tag: str | None = None
         self._arrived: deque[tuple[Any, Any, bytes]] = deque()
-        self._again: list[Delivery] = []
+        self._again: list[Delivery[Any]] = []
         self._acked_up_to = 0
         self._done = False
         self._closed = False
@@ -152,7 +152,7 @@ class StreamRangeTransport:
 
     # -- the Transport protocol ----------------------------------------------------------
 
-    def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery[Any]]:
         """Up to ``max_messages`` deliveries of the range; ``[]`` once it is all read."""
         if self._again:
             batch, self._again = self._again[:max_messages], self._again[max_messages:]
@@ -174,20 +174,20 @@ class StreamRangeTransport:
                 self._done = True  # the range holds nothing more (a time after the last)
         return []
 
-    def settle(self, deliveries: Sequence[Delivery]) -> None:
+    def settle(self, deliveries: Sequence[Delivery[Any]]) -> None:
         """Count deliveries as done and ack them (on a stream, acks grant credit)."""
         for delivery in deliveries:
             self.ledger.settle(_token(delivery).offset)
         self._ack([_token(d).tag for d in deliveries])
 
-    def give_back(self, deliveries: Sequence[Delivery]) -> None:
+    def give_back(self, deliveries: Sequence[Delivery[Any]]) -> None:
         """Hand these unsettled deliveries out again, before the rest of the range."""
         again = [
             Delivery(dataclasses.replace(d.message, redelivered=True), d.token) for d in deliveries
         ]
         self._again = again + self._again
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def dead_letter(self, delivery: Delivery[Any], record: DeadLetter) -> None:
         """Publish to the consumer's dead-letter queue with confirms, as the live
         transport does (on a publishing connection of its own)."""
         token = _token(delivery)
@@ -217,9 +217,9 @@ class StreamRangeTransport:
     def _on_message(self, _channel: Any, method: Any, properties: Any, body: bytes) -> None:
         self._arrived.append((method, properties, body))
 
-    def _take(self, max_messages: int) -> list[Delivery]:
+    def _take(self, max_messages: int) -> list[Delivery[Any]]:
         """Deliveries of the range from what arrived; notes the end when it is reached."""
-        batch: list[Delivery] = []
+        batch: list[Delivery[Any]] = []
         while self._arrived and len(batch) < max_messages and not self._done:
             method, properties, body = self._arrived.popleft()
             offset = int((properties.headers or {}).get(STREAM_OFFSET_HEADER, -1))
@@ -287,7 +287,7 @@ class StreamRangeTransport:
         return max(seen, default=-1) + 1
 
 
-def _token(delivery: Delivery) -> StreamToken:
+def _token(delivery: Delivery[Any]) -> StreamToken:
     token = delivery.token
     assert isinstance(token, StreamToken)
     return token

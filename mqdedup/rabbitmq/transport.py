@@ -127,12 +127,12 @@ class RabbitMQTransport:
 
     ``fetch`` returns up to ``max_messages`` buffered deliveries: as soon as that many
     are there, when the broker cannot send more (``prefetch`` unacked), when no new one
-    arrived for ``linger`` seconds, or at the timeout. Deliveries handed out by the
-    previous ``fetch`` and neither settled nor dead-lettered are released
-    (``basic.nack`` with requeue) at the next ``fetch``, so they never hold a prefetch
-    slot for good. When ``stop`` is requested the transport stops consuming
-    (``basic.cancel``) and returns its buffered, not yet fetched deliveries to the queue;
-    acks of the batch in flight still go out until :meth:`close`.
+    arrived for ``linger`` seconds, or at the timeout. ``give_back`` releases deliveries
+    that will not be settled (``basic.nack`` with requeue, sent by the I/O thread), so
+    they are delivered again and never hold a prefetch slot for good. When ``stop`` is
+    requested the transport stops consuming (``basic.cancel``) and returns its buffered,
+    not yet fetched deliveries to the queue; acks of the batch in flight still go out
+    until :meth:`close`.
     """
 
     def __init__(
@@ -263,7 +263,7 @@ class RabbitMQTransport:
 
     # -- Transport protocol --------------------------------------------------------------
 
-    def fetch(self, max_messages: int, timeout: float) -> list[Delivery]:
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery[AmqpToken]]:
         """Up to ``max_messages`` deliveries, waiting at most ``timeout`` seconds.
 
         Raises :class:`ConfigurationError` when the broker rejected the topology on a
@@ -271,7 +271,6 @@ class RabbitMQTransport:
         """
         self._raise_if_fatal()
         self._dead_letters.service()
-        self._release_unsettled()
         deadline = time.monotonic() + timeout
         with self._lock:
             self._wanted = max_messages
@@ -308,7 +307,7 @@ class RabbitMQTransport:
                     ]
             finally:
                 self._wanted = 1 << 30
-        deliveries: list[Delivery] = []
+        deliveries: list[Delivery[AmqpToken]] = []
         for generation, method, properties, body in raw:
             if generation != live:
                 continue  # died with its channel; the broker redelivers it
@@ -319,7 +318,7 @@ class RabbitMQTransport:
             deliveries.append(Delivery(to_message(self.queue, method, properties, body), token))
         return deliveries
 
-    def settle(self, deliveries: Sequence[Delivery]) -> None:
+    def settle(self, deliveries: Sequence[Delivery[AmqpToken]]) -> None:
         """Ack deliveries whose transaction committed (``multiple=True`` where contiguous).
 
         Deliveries from a channel that has died since are dropped: they are redelivered
@@ -331,7 +330,7 @@ class RabbitMQTransport:
         tags: set[int] = set()
         stale = 0
         for delivery in deliveries:
-            token: AmqpToken = delivery.token
+            token = delivery.token
             self._handed_out.pop((token.generation, token.delivery_tag), None)
             if token.generation == live:
                 tags.add(token.delivery_tag)
@@ -355,7 +354,7 @@ class RabbitMQTransport:
                 extra={"queue": self.queue, "count": len(tags)},
             )
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def dead_letter(self, delivery: Delivery[AmqpToken], record: DeadLetter) -> None:
         """Publish the original message with the reason headers to the dead-letter queue.
 
         Uses publisher confirms and ``mandatory`` on the worker's publishing connection
@@ -366,7 +365,7 @@ class RabbitMQTransport:
         processor then leaves the delivery unsettled or keeps it elsewhere.
         """
         self._raise_if_fatal()
-        token: AmqpToken = delivery.token
+        token = delivery.token
         live = self.live_generation
         if live is None or token.generation != live:
             raise BrokerUnavailableError(
@@ -380,6 +379,32 @@ class RabbitMQTransport:
             message_id=delivery.message.id,
         )
         self._dead_letters.publish(delivery.message.body, properties)
+
+    def give_back(self, deliveries: Sequence[Delivery[AmqpToken]]) -> None:
+        """Return unsettled deliveries to the queue (``basic.nack`` with requeue).
+
+        The nacks are handed to the I/O thread; the broker delivers the messages again
+        (marked redelivered; RabbitMQ puts a requeued message back at its original
+        position where it can). Deliveries of a channel that died meanwhile are skipped:
+        the broker has requeued them already.
+        """
+        live = self.live_generation
+        tags: list[int] = []
+        for delivery in deliveries:
+            token = delivery.token
+            key = (token.generation, token.delivery_tag)
+            if key not in self._handed_out:
+                continue  # settled or given back already
+            del self._handed_out[key]
+            if token.generation == live:
+                tags.append(token.delivery_tag)
+        if not tags or live is None:
+            return
+        log.info(
+            "returning unsettled deliveries to the queue",
+            extra={"queue": self.queue, "count": len(tags)},
+        )
+        self._submit(functools.partial(self._nack, live, sorted(tags)), live, "nack", detached=True)
 
     def keepalive(self) -> None:
         """Nothing to do: the I/O thread answers heartbeats all the time."""
@@ -444,22 +469,6 @@ class RabbitMQTransport:
             # The connection closed meanwhile; teardown fails every pending command.
             log.debug("could not wake the I/O thread; the connection is closing")
         return command
-
-    def _release_unsettled(self) -> None:
-        """Return deliveries of the previous batch that were neither settled nor dead-lettered."""
-        if not self._handed_out:
-            return
-        leftovers = list(self._handed_out)
-        self._handed_out.clear()
-        live = self.live_generation
-        tags = sorted(tag for generation, tag in leftovers if generation == live)
-        if not tags or live is None:
-            return
-        log.info(
-            "returning unsettled deliveries to the queue",
-            extra={"queue": self.queue, "count": len(tags)},
-        )
-        self._submit(functools.partial(self._nack, live, tags), live, "nack", detached=True)
 
     # -- I/O thread --------------------------------------------------------------------------
 

@@ -343,12 +343,6 @@ class RabbitMQKit(TransportKit):
 
     def _open(self, consumer: ContractOrders) -> Transport:
         transport: Transport = consumer.create_transport()
-        if not hasattr(transport, "give_back"):
-            # Before the Transport protocol had give_back, RabbitMQ released unsettled
-            # deliveries of one fetch at the next one: fetch them in one call. (Remove
-            # with the give_back skip once the kafka-loop branch is merged.)
-            wait_for(lambda: self.admin.depth(self.queue) == 0, 10, "the prefetch to fill")
-            time.sleep(0.1)  # the deliveries cross the socket into the transport's buffer
         return transport
 
     def remaining(self) -> int:

@@ -12,11 +12,10 @@ import threading
 import time
 from collections import Counter, defaultdict
 
-import pytest
 from sqlalchemy import func, select
 
 from mqdedup import RetryPolicy
-from mqdedup.consumers.transport import DeadLetter, Transport
+from mqdedup.consumers.transport import DeadLetter
 from mqdedup.consumers.worker import Worker
 from mqdedup.stopping import StopToken
 from tests.contract.conftest import (
@@ -35,11 +34,6 @@ REASON = DeadLetter(
     error_class="ValueError",
     error_message="boom",
 )
-
-
-def require_give_back(transport: Transport) -> None:
-    if not hasattr(transport, "give_back"):
-        pytest.skip("the Transport protocol has no give_back yet (helper A adds it)")
 
 
 def test_fetch_hands_out_what_was_published(transport_kit: TransportKit) -> None:
@@ -129,12 +123,11 @@ def test_given_back_deliveries_are_fetched_again(transport_kit: TransportKit) ->
     transport_kit.publish(published)
     consumer = transport_kit.consumer_class()()
     transport = transport_kit.transport(consumer)
-    require_give_back(transport)
     deliveries = fetch(transport, len(published))
     kept, returned = deliveries[:4], deliveries[4:]
     transport.settle(kept)
 
-    transport.give_back(returned)  # type: ignore[attr-defined]
+    transport.give_back(returned)
     again = fetch(transport, len(returned))
     assert sorted(ids_of(consumer, again)) == sorted(ids_of(consumer, returned))
     transport.settle(again)

@@ -141,7 +141,7 @@ def test_without_careful_mode_the_killer_loops(
 class RefusingDeadLetters(MemoryTransport):
     """A transport whose dead-letter target is unreachable (every publish fails)."""
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def dead_letter(self, delivery: Delivery[int], record: DeadLetter) -> None:
         raise BrokerUnavailableError("dead-letter queue unreachable")
 
 

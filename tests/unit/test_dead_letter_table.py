@@ -30,7 +30,7 @@ class RefusingTransport(MemoryTransport):
     refuse: frozenset[str] = frozenset()
     unavailable: frozenset[str] = frozenset()
 
-    def dead_letter(self, delivery: Delivery, record: DeadLetter) -> None:
+    def dead_letter(self, delivery: Delivery[int], record: DeadLetter) -> None:
         if delivery.message.id in self.refuse or not delivery.message.id:
             raise DeadLetterRefusedError("MessageSizeTooLargeError: the record is too large")
         if delivery.message.id in self.unavailable:

@@ -11,7 +11,7 @@ from sqlalchemy import Engine
 from mqdedup import ConfigurationError, Context, InMemoryBroker, Message, run_until_idle
 from mqdedup.consumers.transport import DeadLetter
 from mqdedup.kafka import KafkaConsumer
-from mqdedup.kafka.transport import (
+from mqdedup.kafka.records import (
     KafkaToken,
     dead_letter_headers,
     to_message,

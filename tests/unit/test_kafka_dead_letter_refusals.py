@@ -1,4 +1,4 @@
-"""How the Kafka transport classifies a failed dead-letter publish (no broker).
+"""How the Kafka client classifies a failed dead-letter publish (no broker).
 
 A refusal of the record itself is ``DeadLetterRefusedError`` (the processor keeps the
 message in the database); everything else is ``BrokerUnavailableError`` (the offset
@@ -16,7 +16,8 @@ from kafka import errors as kafka_errors
 
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
-from mqdedup.kafka.transport import KafkaToken, KafkaTransport
+from mqdedup.kafka.client import KafkaClient
+from mqdedup.kafka.records import KafkaToken
 from mqdedup.message import Message
 from tests.unit.test_kafka_config import consumer_class, record
 from tests.unit.test_outbox_publishers import FakeFuture, FakeProducer
@@ -26,23 +27,24 @@ REASON = DeadLetter(reason="handler failed after 3 attempts", consumer="billing"
 
 def transport_with(
     *plans: dict[bytes, Any], exists: bool | None = True, create: bool = True
-) -> tuple[KafkaTransport, list[FakeProducer]]:
+) -> tuple[KafkaClient, list[FakeProducer]]:
     """A transport whose n-th dead-letter producer follows ``plans[n]``."""
     consumer = consumer_class(bootstrap_servers="127.0.0.1:1", create_dead_letter_topics=create)
-    transport = KafkaTransport(consumer().kafka_settings())
+    transport = KafkaClient(consumer().kafka_settings())
     made: list[FakeProducer] = []
 
     def factory(**_config: Any) -> FakeProducer:
         made.append(FakeProducer(plans[min(len(made), len(plans) - 1)]))
         return made[-1]
 
-    transport._producer.factory = factory
-    transport._ensure_dead_letter_topic = lambda topic, source: None  # type: ignore[method-assign]
-    transport._topic_exists = lambda topic: exists  # type: ignore[method-assign]
+    dead_letters = transport.dead_letters
+    dead_letters._producer.factory = factory
+    dead_letters._ensure_dead_letter_topic = lambda topic, source: None  # type: ignore[method-assign]
+    dead_letters._topic_exists = lambda topic: exists  # type: ignore[method-assign]
     return transport, made
 
 
-def delivery(value: bytes = b'{"order": 1}') -> Delivery:
+def delivery(value: bytes = b'{"order": 1}') -> Delivery[KafkaToken]:
     kafka_record = record(value=value)
     token = KafkaToken(("orders", 2), 41, 1, kafka_record)
     return Delivery(Message(body=value, source="orders", partition=2, offset=41), token)
@@ -101,6 +103,6 @@ def test_an_unreachable_cluster_is_an_outage() -> None:
     def refuse(**_config: Any) -> Any:
         raise kafka_errors.NoBrokersAvailable()
 
-    transport._producer.factory = refuse
+    transport.dead_letters._producer.factory = refuse
     with pytest.raises(BrokerUnavailableError, match="NoBrokersAvailable"):
         transport.dead_letter(delivery(), REASON)

@@ -297,7 +297,7 @@ class SettleSpy(MemoryTransport):
         self.engine = engine
         self.calls: list[tuple[list[str], dict[str, int]]] = []
 
-    def settle(self, deliveries: Sequence[Delivery]) -> None:
+    def settle(self, deliveries: Sequence[Delivery[int]]) -> None:
         ids = [str(d.message.header("message-id")) for d in deliveries]
         self.calls.append((ids, order_counts(self.engine)))
         super().settle(deliveries)

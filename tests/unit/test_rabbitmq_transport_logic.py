@@ -114,14 +114,18 @@ def test_teardown_drops_the_buffer_and_disconnected_settle_is_a_no_op() -> None:
         transport.dead_letter(batch[0], DeadLetter("r", "orders", 1))
 
 
-def test_unsettled_deliveries_are_returned_at_the_next_fetch() -> None:
+def test_given_back_deliveries_are_nacked_with_requeue_once() -> None:
     transport = connected_transport()
     deliver(transport, 1, 2, 3, 4)
     batch = transport.fetch(3, timeout=0)
     transport.settle([batch[0], batch[2]])  # batch[1] neither settled nor dead-lettered
     assert transport._channel.frames == [("ack", 1, False), ("ack", 3, False)]
     transport.fetch(10, timeout=0)
-    assert ("nack", 2, True) in transport._channel.frames
+    assert ("nack", 2, True) not in transport._channel.frames, "fetch no longer releases"
+    transport.give_back([batch[1]])
+    transport.give_back([batch[1], batch[0]])  # already given back / settled: ignored
+    assert transport._channel.frames.count(("nack", 2, True)) == 1
+    assert ("nack", 1, True) not in transport._channel.frames
     assert 2 not in transport._outstanding
 
 

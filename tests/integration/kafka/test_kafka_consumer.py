@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -14,7 +15,11 @@ import pytest
 from sqlalchemy import delete, select
 
 from mqdedup import Metrics, StopToken
+from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.dedup.store import DedupStore
+from mqdedup.errors import BrokerUnavailableError
+from mqdedup.kafka.records import KafkaToken
+from mqdedup.kafka.transport import KafkaTransport
 from tests.integration.kafka.consumers import TestOrders, make_consumer
 from tests.integration.kafka.helpers import row_counts, total_rows
 from tests.services import KafkaHelper, Outgoing, TestDatabase, unique_name, wait_for
@@ -209,6 +214,54 @@ def test_failed_dead_letter_publish_keeps_the_offset_before_the_message(
     assert metrics.dead_lettered == 0
 
 
+def test_a_batch_left_unsettled_is_given_back_fetched_again_and_processed_once(
+    kafka_helper: KafkaHelper, db: TestDatabase
+) -> None:
+    """The poison's first two dead-letter publishes fail (an outage, forced here): the
+    batch leaves it unsettled, the Worker gives it back, the partition seeks back to it
+    (what followed it comes again too) and, once the publish works, it is dead-lettered
+    once and the offset moves past it. No effect is doubled."""
+    topic = kafka_helper.create_topic(partitions=1)
+    ids = ["m0", "m1", "poison", "m3", "m4"]
+    kafka_helper.produce(topic, [Outgoing(mid, mid.encode()) for mid in ids])
+    base = consumer_for(kafka_helper, db, topic, batch_size=50, fail_ids=["poison"])
+    outages = [BrokerUnavailableError("the dead-letter topic is unreachable (test)")] * 2
+    fetched: Counter[str] = Counter()
+
+    class FlakyDeadLetters(base):  # type: ignore[valid-type, misc]
+        def create_transport(
+            self, *, stop: StopToken | None = None, metrics: Metrics | None = None
+        ) -> KafkaTransport:
+            transport: KafkaTransport = super().create_transport(stop=stop, metrics=metrics)
+            fetch, publish = transport.fetch, transport.dead_letter
+
+            def counting_fetch(max_messages: int, timeout: float) -> list[Delivery[KafkaToken]]:
+                batch = fetch(max_messages, timeout)
+                fetched.update(str(d.message.header("message-id")) for d in batch)
+                return batch
+
+            def flaky_dead_letter(delivery: Delivery[KafkaToken], record: DeadLetter) -> None:
+                if outages:
+                    raise outages.pop()
+                publish(delivery, record)
+
+            transport.fetch = counting_fetch  # type: ignore[method-assign]
+            transport.dead_letter = flaky_dead_letter  # type: ignore[method-assign]
+            return transport
+
+    group = base.group_id or ""
+    with running(FlakyDeadLetters, db) as metrics:
+        wait_for(lambda: kafka_helper.committed(group, topic) == {0: 5}, 60, "offset 5 committed")
+
+    assert fetched["poison"] == 3, "fetched again after each give-back"
+    assert fetched["m3"] >= 2, "the partition was rewound to the poison"
+    assert row_counts(db.engine, db.prefix) == {mid: 1 for mid in ids if mid != "poison"}
+    dead = kafka_helper.read_all(f"{topic}.DLT", expected=1)
+    assert [headers_of(record)["message-id"] for record in dead] == ["poison"]
+    assert metrics.dead_lettered == 1
+    assert metrics_of(db, "poison") == 3  # its handler never ran past max_attempts
+
+
 def failed_dead_letters(caplog: pytest.LogCaptureFixture) -> int:
     return sum(1 for r in list(caplog.records) if r.getMessage().startswith("dead-letter failed"))
 
@@ -311,12 +364,12 @@ def test_a_group_join_lost_by_kafka_python_is_started_again(
     """kafka-python 3.0 can lose a completed JoinGroup/SyncGroup when the poll that
     started it timed out first (here forced with 1 ms polls): without the watchdog the
     worker stays in the group with no partitions and never consumes anything."""
-    from mqdedup.kafka import runner as kafka_runner
+    from mqdedup.kafka import client as kafka_client
     from mqdedup.kafka import transport as kafka_transport
 
-    monkeypatch.setattr(kafka_transport, "REBALANCE_POLL", 0.0)
-    monkeypatch.setattr(kafka_transport, "REJOIN_AFTER", 2.0)
-    monkeypatch.setattr(kafka_runner, "POLL_SLICE", 0.001)
+    monkeypatch.setattr(kafka_client, "REBALANCE_POLL", 0.0)
+    monkeypatch.setattr(kafka_client, "REJOIN_AFTER", 2.0)
+    monkeypatch.setattr(kafka_transport, "POLL_SLICE", 0.001)
     for attempt in range(3):
         topic = kafka_helper.create_topic(partitions=2)  # new topic: metadata arrives late
         ids = [f"j{attempt}-{i}" for i in range(20)]

@@ -1,0 +1,634 @@
+"""One kafka-python consumer (plus the dead-letter producer), used from one thread.
+
+:class:`KafkaClient` does the broker work of the Kafka transport and keeps the ack
+contract of :mod:`mqdedup.consumers.transport`:
+
+* offsets are committed (``enable_auto_commit=False``) only for *settled* deliveries,
+  and only up to the first one that is not settled yet (:mod:`mqdedup.kafka.offsets`);
+* on a rebalance, settled offsets of revoked partitions are committed; the in-flight
+  deliveries of partitions that really went to another worker are dropped (their settles
+  are ignored; the next owner gets them again and the dedup table turns them into
+  duplicates), those of partitions kept across the rebalance carry on; a commit that
+  fails because of the rebalance is logged, never fatal;
+* ``give_back`` seeks a partition back to its first given-back offset (the partition
+  gets a new epoch: deliveries of it handed out later are dropped and fetched again);
+* ``dead_letter`` publishes through :class:`~mqdedup.kafka.dead_letters.KafkaDeadLetters`
+  and waits for the broker's acknowledgement before it returns.
+
+Threads: kafka-python's consumer is not thread-safe. Every call on it (poll, pause,
+seek, commit, close) happens on the *owner* thread, the one that called :meth:`open`:
+the poll thread of :class:`~mqdedup.kafka.transport.KafkaTransport` (group members), or
+the caller's thread (replays). ``settle``, ``give_back`` and ``dead_letter`` may be
+called from another thread: the first two only record what to do (the tracker is
+thread-safe) and the owner thread commits / seeks on its next turn; dead letters go
+through the producer and an admin client, never through the consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import kafka
+import kafka.errors as kafka_errors
+from kafka.structs import MemberState, OffsetAndMetadata, TopicPartition
+
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.transport import DeadLetter, Delivery
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.kafka.dead_letters import KafkaDeadLetters
+from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
+from mqdedup.kafka.records import KafkaToken, describe_error, partition_key, to_message
+
+if TYPE_CHECKING:
+
+    from mqdedup.kafka.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+#: Shortest poll while the group is (re)joining, so the join completes inside one call.
+REBALANCE_POLL = 1.0
+#: A join still not complete after this many seconds is started again.
+REJOIN_AFTER = 5.0
+#: Offset-commit metadata of a graceful stop or hand-over (close, revoke): the next owner
+#: of the partition need not treat its first records as possibly redelivered (careful
+#: mode). The next owner first commits its start offset without it.
+CLEAN_STOP_METADATA = "mqdedup:clean-stop"
+
+
+class KafkaClient:
+    """A kafka-python consumer plus the dead-letter producer (see the module docs).
+
+    It subscribes as a member of the consumer group and commits offsets; the transport
+    drives it from its poll thread only (kafka-python's consumer is not thread-safe).
+    """
+
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        *,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        # Possibly redelivered after an assignment: the batch a dead previous owner was
+        # handling plus the batches it settled since its last commit (see the tracker).
+        self.tracker = OffsetTracker(redelivery_window=settings.max_buffered)
+        self._client: Any = None
+        self._owner: threading.Thread | None = None
+        self.dead_letters = KafkaDeadLetters(settings)
+        self._commit_wanted = threading.Event()
+        self._next_commit_attempt = 0.0
+        self._revoking: set[PartitionKey] = set()
+        self._rebalance_lock = threading.Lock()
+        self._rebalancing_since: float | None = None
+        self._closed = False
+        self._high_water: dict[PartitionKey, int] = {}
+        #: Freshly assigned partitions whose previous owner's stop is not checked yet.
+        self._unchecked: set[PartitionKey] = set()
+        #: Committed offsets of assigned partitions nothing was seen of (for the lag).
+        self._idle_committed: dict[PartitionKey, int] = {}
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Connect, and subscribe Raises BrokerUnavailableError if unreachable."""
+        if self._client is not None:
+            return
+        settings = self.settings
+        config = dict(settings.consumer_config)
+        try:
+            client = kafka.KafkaConsumer(**config)
+        except kafka_errors.KafkaConfigurationError as error:
+            raise ConfigurationError(f"invalid Kafka settings: {error}") from error
+        except kafka_errors.KafkaError as error:
+            raise BrokerUnavailableError(
+                f"cannot reach Kafka at {','.join(settings.bootstrap_servers)}: "
+                f"{describe_error(error)}"
+            ) from error
+        self._client = client
+        self._owner = threading.current_thread()
+        listener = _RebalanceListener(self)
+        if settings.pattern is not None:
+            client.subscribe(pattern=settings.pattern, listener=listener)
+        else:
+            client.subscribe(topics=list(settings.topics), listener=listener)
+        log.info(
+            "kafka consumer connected",
+            extra={
+                "consumer": settings.consumer_name,
+                "group_id": settings.group_id,
+                "topics": list(settings.topics) or settings.pattern,
+                "bootstrap": ",".join(settings.bootstrap_servers),
+            },
+        )
+
+    @property
+    def client(self) -> Any:
+        """The kafka-python ``KafkaConsumer`` (opened on first use)."""
+        if self._client is None:
+            self.open()
+        return self._client
+
+    def close(self, *, commit: bool = True, timeout: float = 10.0) -> None:
+        """Commit what is settled (unless ``commit=False``), leave the group, disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            if commit:
+                assigned = {partition_key(tp) for tp in client.assignment() or ()}
+                offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
+                clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in assigned}
+                self._commit(client, {**clean, **offsets}, timeout, clean=set(clean))
+            try:
+                client.close(autocommit=False, timeout_ms=int(timeout * 1000))
+            except Exception as error:
+                log.warning(
+                    "kafka consumer did not close cleanly",
+                    extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
+                )
+        self.dead_letters.close(timeout)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    # -- the Transport protocol ----------------------------------------------------------
+
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery[KafkaToken]]:
+        """Commit what is settled, then poll up to ``max_messages`` (owner thread only)."""
+        self.commit_pending()
+        self.apply_rewinds()
+        self.resume_all()
+        return self.poll(max_messages, timeout)
+
+    def settle(self, deliveries: Sequence[Delivery[KafkaToken]]) -> None:
+        """Mark deliveries settled; their offsets are committed contiguously.
+
+        On the owner thread the commit happens at once; from another thread it is left
+        to the owner thread's next turn. Deliveries of revoked or rewound partitions are
+        ignored: they will be fetched again (by this or another worker) and deduplicated.
+        """
+        settled = 0
+        for delivery in deliveries:
+            token = delivery.token
+            if self.tracker.settle(token.partition, token.offset, token.epoch):
+                settled += 1
+        if settled:
+            if self._on_owner_thread():
+                self.commit_pending(force=True)
+            else:
+                self._commit_wanted.set()
+
+    def dead_letter(self, delivery: Delivery[KafkaToken], record: DeadLetter) -> None:
+        """Publish the original record with ``record``'s headers; wait for the broker's ack.
+
+        Never touches the consumer (safe from any thread); see
+        :meth:`KafkaDeadLetters.publish` for the errors it raises.
+        """
+        if self._closed:
+            raise BrokerUnavailableError("the Kafka transport is closed")
+        self.dead_letters.publish(delivery.token, record)
+
+    def keepalive(self) -> None:
+        """Stay in the group while the processor waits.
+
+        On the owner thread: pause every partition and poll (no records come back), so
+        ``max_poll_interval_ms`` never expires; the partitions are resumed by the next
+        fetch. From another thread nothing is needed: the owner thread keeps polling.
+        """
+        if not self._on_owner_thread() or self._client is None:
+            return
+        self.commit_pending()
+        self.apply_rewinds()
+        self.pause_all()
+        stray = self.poll(1, 0.05)
+        if stray:  # a rebalance inside the poll assigned fresh, unpaused partitions
+            self.give_back(stray)
+            self.apply_rewinds()
+            self.pause_all()
+
+    # -- owner thread --------------------------------------------------------------------
+
+    def poll(self, max_records: int, timeout: float) -> list[Delivery[KafkaToken]]:
+        """One kafka-python poll; records become tracked deliveries (owner thread only).
+
+        While the group is (re)joining, the poll waits at least ``REBALANCE_POLL``
+        seconds so the join can complete inside the call (see :meth:`_watch_join`).
+        """
+        client = self.client
+        if self._watch_join():
+            timeout = max(timeout, REBALANCE_POLL)
+        try:
+            batches = client.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
+        except kafka_errors.CommitFailedError as error:
+            log.warning(
+                "offset commit failed during a rebalance; redeliveries will be deduplicated",
+                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
+            )
+            return []
+        except kafka_errors.KafkaError as error:
+            if not _retriable(error):
+                raise
+            log.warning(
+                "kafka poll failed; retrying",
+                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
+            )
+            return []
+        self._drop_unassigned()
+        deliveries: list[Delivery[KafkaToken]] = []
+        for topic_partition, records in batches.items():
+            key = partition_key(topic_partition)
+            if key in self._unchecked and records:
+                self._check_previous_owner(key, topic_partition, records[0].offset)
+            for record in records:
+                tracked = self.tracker.track_redelivered(key, record.offset)
+                if tracked is None:
+                    continue  # its partition is being rewound; it will come again
+                epoch, redelivered = tracked
+                deliveries.append(
+                    Delivery(
+                        to_message(record, redelivered),
+                        KafkaToken(key, record.offset, epoch, record),
+                    )
+                )
+        return deliveries
+
+    def _check_previous_owner(self, key: PartitionKey, topic_partition: Any, start: int) -> None:
+        """Before the first records of a fresh assignment: is the careful window needed?
+
+        Not when the previous owner stopped gracefully (its last commit carries
+        ``CLEAN_STOP_METADATA``) nor when nobody ever committed (nothing can have died on
+        these records). Either way the start offset is first committed *without* the
+        marker, so a death from now on leaves a trace for the next owner; if that
+        commit fails, the window stays.
+        """
+        with self._rebalance_lock:
+            self._unchecked.discard(key)
+        client = self.client
+        try:
+            committed = client.committed(
+                topic_partition, metadata=True, timeout_ms=int(self.settings.commit_timeout * 1000)
+            )
+        except kafka_errors.KafkaError:
+            return  # unknown: keep the careful window
+        if committed is not None and committed.metadata != CLEAN_STOP_METADATA:
+            return  # the previous owner may have died on these records
+        if self._commit(client, {key: start}, self.settings.commit_timeout):
+            self.tracker.expect_clean(key)
+
+    def current(self, deliveries: Iterable[Delivery[KafkaToken]]) -> list[Delivery[KafkaToken]]:
+        """The deliveries whose partition epoch is still current (others were dropped)."""
+        return [d for d in deliveries if self.tracker.is_current(d.token.partition, d.token.epoch)]
+
+    def pause_all(self) -> None:
+        """Pause every assigned partition (fetching stops; group membership stays)."""
+        client = self.client
+        unpaused = set(client.assignment() or ()) - set(client.paused() or ())
+        if unpaused:
+            client.pause(*unpaused)
+
+    def resume_all(self) -> None:
+        """Resume every paused partition (kafka-python keeps the paused flag of a partition
+        that stays assigned across a rebalance)."""
+        if self._client is None:
+            return
+        paused = set(self._client.paused() or ())
+        if paused:
+            self._client.resume(*paused)
+
+    def commit_pending(self, timeout: float | None = None, *, force: bool = False) -> bool:
+        """Commit settled offsets not committed yet; True when nothing is left to commit.
+
+        At most one commit per ``commit_interval`` unless ``force``; failures are logged
+        and retried on a later call (after a short back-off). Neither is a risk: an
+        offset not committed yet only means its messages may come again, deduplicated.
+        """
+        self._commit_wanted.clear()
+        if self._client is None:
+            return True
+        if not force and time.monotonic() < self._next_commit_attempt:
+            return False
+        assigned = self._assigned_keys()
+        offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
+        if not offsets:
+            return True
+        ok = self._commit(
+            self._client, offsets, self.settings.commit_timeout if timeout is None else timeout
+        )
+        self._next_commit_attempt = time.monotonic() + (
+            self.settings.commit_interval if ok else max(1.0, self.settings.commit_interval)
+        )
+        return ok
+
+    def give_back(self, deliveries: Iterable[Delivery[KafkaToken]]) -> None:
+        """Fetch these unsettled deliveries (and what followed them) again.
+
+        Records the first given-back offset of each partition (ignored when the
+        delivery's epoch is over: its partition moved or was given back already); the
+        seek itself happens on the owner thread (:meth:`apply_rewinds`).
+        """
+        first: dict[PartitionKey, KafkaToken] = {}
+        for delivery in deliveries:
+            token = delivery.token
+            seen = first.get(token.partition)
+            if seen is None or token.offset < seen.offset:
+                first[token.partition] = token
+        for token in first.values():
+            if self.tracker.request_rewind(token.partition, token.offset, token.epoch):
+                log.warning(
+                    "rewinding partition to an unsettled message",
+                    extra={
+                        "consumer": self.settings.consumer_name,
+                        "partition": f"{token.partition[0]}/{token.partition[1]}",
+                        "offset": token.offset,
+                    },
+                )
+        if first:
+            self._commit_wanted.set()  # wake the owner thread
+
+    def apply_rewinds(self) -> None:
+        """Seek partitions back to their first unsettled delivery (owner thread only)."""
+        rewinds = self.tracker.take_rewinds()
+        if not rewinds or self._client is None:
+            return
+        assigned = {partition_key(tp): tp for tp in self._client.assignment() or ()}
+        for rewind in rewinds:
+            topic_partition = assigned.get(rewind.partition)
+            if topic_partition is not None:
+                self._client.seek(topic_partition, rewind.offset)
+
+    def update_lag(self) -> dict[str, int]:
+        """Per-partition lag (high-water mark minus committed/consumed offset) into metrics."""
+        if self._client is None:
+            return self.metrics.lag
+        lag: dict[str, int] = {}
+        for topic_partition in self._client.assignment() or ():
+            key = partition_key(topic_partition)
+            try:
+                high_water = self._client.highwater(topic_partition)
+            except kafka_errors.KafkaError:
+                continue
+            if high_water is None:
+                continue
+            position = self.tracker.committed_offset(key)
+            if position is None:
+                position = self.tracker.next_offset(key)
+            if position is None:  # nothing seen yet (e.g. just assigned, all caught up)
+                position = self._untracked_position(key, topic_partition)
+            if position is None:
+                continue
+            lag[f"{key[0]}/{key[1]}"] = max(0, int(high_water) - position)
+        self.metrics.lag = lag
+        return lag
+
+    def _forget_idle(self, keys: Iterable[PartitionKey]) -> None:
+        for key in keys:
+            self._idle_committed.pop(key, None)
+
+    def _untracked_position(self, key: PartitionKey, topic_partition: Any) -> int | None:
+        """The group's committed offset of a partition this worker has seen nothing of.
+
+        Asked once per assignment (nobody else commits a partition we own) and only for
+        partitions with nothing tracked: a worker that joins a caught-up group still
+        reports their lag. kafka-python's own fetch position would not do: it can be
+        ahead of records already fetched but not yet polled.
+        """
+        assert self._client is not None
+        if key in self._idle_committed:
+            return self._idle_committed[key]
+        try:
+            committed = self._client.committed(topic_partition, timeout_ms=1000)
+        except kafka_errors.KafkaError:
+            return None
+        if committed is None:
+            return None  # nothing committed yet: the lag is known once records come
+        self._idle_committed[key] = int(committed)
+        return int(committed)
+
+    # -- rebalances -----------------------------------------------------------------------
+
+    def _watch_join(self) -> bool:
+        """True while the member is not STABLE; repairs a join that never completes.
+
+        kafka-python 3.0 loses a completed JoinGroup/SyncGroup when the ``poll()`` that
+        started it timed out first and the rebalance was triggered by a metadata change
+        (e.g. a new topic's partitions): the member then stays ``REBALANCING`` with no
+        partitions for good. If that lasts ``REJOIN_AFTER`` seconds, ask the coordinator
+        to rejoin (harmless while a join is still in flight: it is awaited again).
+        """
+        state = getattr(self._client.group_metadata(), "state", None)
+        if state == MemberState.STABLE:
+            self._rebalancing_since = None
+            return False
+        now = time.monotonic()
+        if self._rebalancing_since is None:
+            self._rebalancing_since = now
+        elif now - self._rebalancing_since >= REJOIN_AFTER:
+            coordinator = getattr(self._client, "_coordinator", None)
+            request_rejoin = getattr(coordinator, "request_rejoin", None)
+            if callable(request_rejoin):
+                log.warning(
+                    "group join did not complete; rejoining",
+                    extra={"consumer": self.settings.consumer_name, "state": str(state)},
+                )
+                request_rejoin()
+            self._rebalancing_since = now
+        return True
+
+    def _assigned_keys(self) -> set[PartitionKey]:
+        if self._client is None:
+            return set()
+        return {partition_key(tp) for tp in self._client.assignment() or ()}
+
+    def _drop_unassigned(self) -> None:
+        """Forget partitions kafka-python no longer assigns (their work is dropped)."""
+        with self._rebalance_lock:
+            assigned = self._assigned_keys()
+            gone = [key for key in self.tracker.partitions if key not in assigned]
+            if gone:
+                self.tracker.revoke(gone)
+                self._revoking.difference_update(gone)
+
+    def _partitions_revoked(self, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
+        """Listener (IO thread): commit what is settled; the drop waits for the assignment.
+
+        With the eager protocol every partition is "revoked" before each rebalance, but
+        kafka-python keeps the fetch state (position, buffered records) of a partition
+        that is assigned again; its in-flight work must then be kept, not dropped.
+        """
+        wanted = set(keys)
+        self._forget_idle(keys)
+        uncommitted = {k: v for k, v in self.tracker.to_commit().items() if k in wanted}
+        clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in wanted}
+        self._commit_on_revoke({**clean, **uncommitted}, clean=set(clean))
+        with self._rebalance_lock:
+            self._revoking.update(keys)
+        return uncommitted
+
+    def _partitions_assigned(self, keys: list[PartitionKey]) -> tuple[list[PartitionKey], ...]:
+        """Listener (IO thread): drop partitions really gone, start fresh ones afresh.
+
+        ``keys`` is the whole new assignment (eager) or the added partitions
+        (cooperative). A partition kept from the previous assignment keeps its state in
+        kafka-python and here; any other assigned partition has a fresh fetch state
+        (it starts at the committed offset), so it gets a new epoch.
+        """
+        self._forget_idle(keys)
+        with self._rebalance_lock:
+            assigned = self._assigned_keys() | set(keys)
+            revoking, self._revoking = self._revoking, set()
+            gone = sorted(revoking - assigned)
+            self.tracker.revoke(gone)
+            tracked = set(self.tracker.partitions)
+            fresh = sorted((set(keys) - revoking) | (assigned - tracked))
+            self.tracker.assign(fresh)
+            self._unchecked.difference_update(gone)
+            self._unchecked.update(fresh)
+        kept = sorted(assigned - set(fresh))
+        return gone, fresh, kept
+
+    def _partitions_lost(self, keys: list[PartitionKey]) -> None:
+        """Listener (IO thread): membership expired; nothing may be committed any more."""
+        self._forget_idle(keys)
+        with self._rebalance_lock:
+            self.tracker.revoke(keys)
+            self._revoking.difference_update(keys)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _on_owner_thread(self) -> bool:
+        return self._owner is threading.current_thread()
+
+    def _commit(
+        self,
+        client: Any,
+        offsets: Mapping[PartitionKey, int],
+        timeout: float,
+        *,
+        clean: Collection[PartitionKey] = (),
+    ) -> bool:
+        if not offsets:
+            return True
+        request = {
+            TopicPartition(*key): OffsetAndMetadata(
+                offset, CLEAN_STOP_METADATA if key in clean else "", -1
+            )
+            for key, offset in offsets.items()
+        }
+        try:
+            client.commit(request, timeout_ms=int(timeout * 1000))
+        except (
+            kafka_errors.CommitFailedError,
+            kafka_errors.RebalanceInProgressError,
+            kafka_errors.IllegalGenerationError,
+            kafka_errors.UnknownMemberIdError,
+        ) as error:
+            log.warning(
+                "offset commit failed because of a rebalance; redeliveries will be deduplicated",
+                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
+            )
+            return False
+        except kafka_errors.KafkaError as error:
+            log.warning(
+                "offset commit failed; will retry",
+                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
+            )
+            return False
+        self.tracker.committed(dict(offsets))
+        return True
+
+    def _commit_on_revoke(
+        self, offsets: Mapping[PartitionKey, int], *, clean: Collection[PartitionKey] = ()
+    ) -> None:
+        """Best-effort commit from the rebalance listener (kafka-python's IO thread).
+
+        A blocking commit is not allowed there; the asynchronous commit is queued before
+        the group is re-joined, so the coordinator handles it while we still own them.
+        """
+        client = self._client
+        if client is None or not offsets:
+            return
+        request = {
+            TopicPartition(*key): OffsetAndMetadata(
+                offset, CLEAN_STOP_METADATA if key in clean else "", -1
+            )
+            for key, offset in offsets.items()
+        }
+        try:
+            client.commit_async(request, callback=self._revoke_commit_done)
+        except Exception as error:
+            log.warning(
+                "offset commit on revoke failed; redeliveries will be deduplicated",
+                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
+            )
+
+    def _revoke_commit_done(self, offsets: Any, response: Any) -> None:
+        if isinstance(response, Exception):
+            log.warning(
+                "offset commit on revoke failed; redeliveries will be deduplicated",
+                extra={"consumer": self.settings.consumer_name, "error": describe_error(response)},
+            )
+
+
+class _RebalanceListener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]
+    """Keeps the offset tracker in step with kafka-python's assignment.
+
+    kafka-python 3 runs these callbacks on its IO thread; they only touch the
+    (thread-safe) offset tracker and queue an asynchronous commit.
+    """
+
+    def __init__(self, transport: KafkaClient) -> None:
+        self.transport = transport
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        keys = [partition_key(tp) for tp in revoked]
+        uncommitted = self.transport._partitions_revoked(keys)
+        log.info(
+            "partitions revoked",
+            extra={
+                "consumer": self.transport.settings.consumer_name,
+                "partitions": _names(keys),
+                "committing": {f"{k[0]}/{k[1]}": v for k, v in uncommitted.items()},
+            },
+        )
+
+    def on_partitions_lost(self, lost: Any) -> None:
+        keys = [partition_key(tp) for tp in lost]
+        self.transport._partitions_lost(keys)
+        log.warning(
+            "partitions lost (group membership expired); their in-flight work is dropped",
+            extra={"consumer": self.transport.settings.consumer_name, "partitions": _names(keys)},
+        )
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        keys = [partition_key(tp) for tp in assigned]
+        gone, fresh, kept = self.transport._partitions_assigned(keys)
+        log.info(
+            "partitions assigned",
+            extra={
+                "consumer": self.transport.settings.consumer_name,
+                "partitions": _names(fresh),
+                "kept": _names(kept),
+                "dropped": _names(gone),
+            },
+        )
+
+
+def _names(keys: Iterable[PartitionKey]) -> list[str]:
+    return [f"{topic}/{partition}" for topic, partition in sorted(keys)]
+
+
+def _retriable(error: BaseException) -> bool:
+    return bool(getattr(error, "retriable", False)) or isinstance(
+        error,
+        kafka_errors.KafkaConnectionError
+        | kafka_errors.KafkaTimeoutError
+        | kafka_errors.NodeNotReadyError,
+    )

@@ -1,0 +1,85 @@
+"""Kafka records as mqdedup sees them: the delivery token, the message, dead-letter headers.
+
+Pure functions and data, no broker connection: shared by the group transport
+(:mod:`mqdedup.kafka.transport`), its kafka-python wrapper (:mod:`mqdedup.kafka.client`)
+and replays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from mqdedup.consumers.transport import DeadLetter
+from mqdedup.kafka.offsets import PartitionKey
+from mqdedup.message import HeaderValue, Message
+
+#: Headers naming where a dead-lettered record came from (besides ``DeadLetter.headers()``).
+SOURCE_TOPIC_HEADER = "x-mqdedup-source-topic"
+SOURCE_PARTITION_HEADER = "x-mqdedup-source-partition"
+SOURCE_OFFSET_HEADER = "x-mqdedup-source-offset"
+SOURCE_TIMESTAMP_HEADER = "x-mqdedup-source-timestamp"
+DEAD_LETTER_PREFIX = "x-mqdedup-"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KafkaToken:
+    """Where a delivery came from, and the assignment epoch it was handed out in."""
+
+    partition: PartitionKey
+    offset: int
+    epoch: int
+    #: The original record as kafka-python returned it (key, value and header list).
+    record: Any
+
+
+def partition_key(topic_partition: Any) -> PartitionKey:
+    """``(topic, partition)`` of a kafka-python ``TopicPartition``."""
+    return (str(topic_partition.topic), int(topic_partition.partition))
+
+
+def to_message(record: Any, redelivered: bool = False) -> Message:
+    """The :class:`Message` of one kafka-python ``ConsumerRecord``."""
+    headers: dict[str, HeaderValue] = {}
+    for name, value in record.headers or ():
+        headers[name] = value  # a repeated header: the last one wins, as in lastHeader()
+    timestamp = (
+        datetime.fromtimestamp(record.timestamp / 1000, tz=UTC)
+        if record.timestamp is not None and record.timestamp >= 0
+        else None
+    )
+    return Message(
+        body=record.value if record.value is not None else b"",
+        key=record.key,
+        headers=headers,
+        source=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        timestamp=timestamp,
+        redelivered=redelivered,
+    )
+
+
+def dead_letter_headers(token: KafkaToken, record: DeadLetter) -> list[tuple[str, bytes]]:
+    """The original headers (minus old ``x-mqdedup-*`` ones) plus the dead-letter headers."""
+    original = [
+        (name, value if value is not None else b"")
+        for name, value in (token.record.headers or ())
+        if not name.startswith(DEAD_LETTER_PREFIX)
+    ]
+    added = {
+        **record.headers(),
+        SOURCE_TOPIC_HEADER: token.partition[0],
+        SOURCE_PARTITION_HEADER: str(token.partition[1]),
+        SOURCE_OFFSET_HEADER: str(token.offset),
+    }
+    if token.record.timestamp is not None and token.record.timestamp >= 0:
+        added[SOURCE_TIMESTAMP_HEADER] = str(token.record.timestamp)
+    return original + [(name, value.encode("utf-8")) for name, value in added.items()]
+
+
+def describe_error(error: BaseException) -> str:
+    """``ClassName: first line`` of an error (kafka-python errors never carry secrets)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
