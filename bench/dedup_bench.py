@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import Engine, insert
 
 from mqdedup import Consumer, InMemoryBroker, Message, create_engine, run_until_idle
-from mqdedup.consumers.base import BatchContext, Context
+from mqdedup.consumers.context import BatchContext, Context
 from mqdedup.db.schema import schema
 from tests.support import business, orders
 

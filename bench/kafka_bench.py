@@ -45,7 +45,7 @@ import kafka
 from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, insert, text
 
 from mqdedup import StopToken, create_engine, init_schema
-from mqdedup.consumers.base import BatchContext, Context
+from mqdedup.consumers.context import BatchContext, Context
 from mqdedup.db.schema import schema
 from mqdedup.kafka import KafkaConsumer
 from mqdedup.message import Message

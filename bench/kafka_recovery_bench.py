@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kafka
 
 from mqdedup import StopToken, create_engine, init_schema
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.kafka import KafkaConsumer
 from mqdedup.message import Message
 

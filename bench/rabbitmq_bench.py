@@ -45,7 +45,7 @@ import pika
 from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, insert, select, text
 
 from mqdedup import Message, create_engine, init_schema
-from mqdedup.consumers.base import BatchContext, Context
+from mqdedup.consumers.context import BatchContext, Context
 from mqdedup.db.schema import schema
 from mqdedup.rabbitmq import RabbitMQConsumer
 from mqdedup.stopping import StopToken

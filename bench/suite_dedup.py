@@ -20,7 +20,7 @@ from sqlalchemy import Engine, text
 
 from bench.suite_common import Row, Section, Settings, Sizes, progress
 from mqdedup import Consumer, InMemoryBroker, Message, create_engine, init_schema, run_until_idle
-from mqdedup.consumers.base import BatchContext
+from mqdedup.consumers.context import BatchContext
 from mqdedup.db.schema import schema
 from mqdedup.dedup.store import DedupStore
 

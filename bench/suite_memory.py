@@ -45,7 +45,7 @@ def worker(database_url: str, messages: int, every: int) -> int:
     from sqlalchemy import text
 
     from mqdedup import Consumer, InMemoryBroker, Message, Worker, create_engine, init_schema
-    from mqdedup.consumers.base import BatchContext
+    from mqdedup.consumers.context import BatchContext
     from mqdedup.consumers.memory import MemoryTransport
     from mqdedup.consumers.transport import Delivery
     from mqdedup.db.schema import schema

@@ -28,7 +28,8 @@ from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, insert
 from sqlalchemy.orm import Session
 
 from mqdedup import Context, InMemoryBroker, Message, RedisDedup, Worker, run_until_idle
-from mqdedup.consumers.base import BatchContext, Consumer
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.context import BatchContext
 from mqdedup.db import create_engine, dialects, init_schema
 from mqdedup.db.schema import MYSQL_TABLE_OPTIONS, KeyString, schema
 from mqdedup.dedup.redis_tokens import RedisTokenStore

@@ -17,7 +17,7 @@ from mqdedup.consumers import (
     Worker,
     run_until_idle,
 )
-from mqdedup.consumers.base import (
+from mqdedup.consumers.context import (
     HandlerEndedTransactionError,
     InvalidResultError,
     NoTransactionError,

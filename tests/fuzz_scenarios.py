@@ -31,7 +31,7 @@ from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, i
 from sqlalchemy import create_engine as plain_engine
 
 from mqdedup import Consumer, InMemoryBroker, Message, RetryPolicy
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.consumers.worker import Worker

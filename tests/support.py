@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, func, insert, select
 
 from mqdedup import Consumer, Context, Message
-from mqdedup.consumers.base import BatchContext
+from mqdedup.consumers.context import BatchContext
 from mqdedup.db import init_schema
 from mqdedup.db.schema import schema
 

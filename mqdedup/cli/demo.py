@@ -33,7 +33,8 @@ from sqlalchemy import (
     select,
 )
 
-from mqdedup.consumers.base import Consumer, Context
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.context import Context
 from mqdedup.consumers.memory import InMemoryBroker, MemoryTransport
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.engine import create_engine, init_schema

@@ -1,6 +1,7 @@
 """Consumers: the base class to subclass, the processing core and the transports."""
 
-from mqdedup.consumers.base import BatchContext, Consumer, Context, RetryPolicy
+from mqdedup.consumers.base import Consumer, RetryPolicy
+from mqdedup.consumers.context import BatchContext, Context
 from mqdedup.consumers.memory import InMemoryBroker, MemoryTransport
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchReport, Processor

@@ -14,13 +14,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from mqdedup.consumers.pipeline import Pipeline
 from mqdedup.consumers.report import BatchReport, Outcome
 from mqdedup.consumers.transport import DeadLetter, Delivery
-from mqdedup.dedup.claims import AttemptLog
 from mqdedup.errors import MessageError
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.pipeline import Pipeline
+    from mqdedup.dedup.claims import AttemptLog
 
 log = logging.getLogger(__name__)
 

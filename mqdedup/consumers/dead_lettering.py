@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup.consumers.base import Consumer
-from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.report import BatchAbandonedError, BatchReport
 from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
 from mqdedup.dedup.dead_letters import DeadLetterCause, DeadLetterTable, clean_text
 from mqdedup.errors import DeadLetterRefusedError, MessageError
-from mqdedup.outages import Outages
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.base import Consumer
+    from mqdedup.consumers.metrics import Metrics
+    from mqdedup.outages import Outages
 
 log = logging.getLogger(__name__)
 

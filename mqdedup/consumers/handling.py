@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
 from mqdedup import tracing
-from mqdedup.consumers.base import BatchContext, Consumer, Context, InvalidResultError
-from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.transport import Delivery
+from mqdedup.consumers.context import BatchContext, Context, InvalidResultError
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.base import Consumer
+    from mqdedup.consumers.metrics import Metrics
+    from mqdedup.consumers.transport import Delivery
 
 #: Built once: ``json.dumps(..., allow_nan=False)`` would build an encoder per call.
 _STRICT_JSON = json.JSONEncoder(allow_nan=False)

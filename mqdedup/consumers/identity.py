@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mqdedup.consumers.base import Consumer
-from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.report import BatchReport
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.dedup.ids import InvalidMessageIdError, check_message_id
 from mqdedup.errors import MessageError
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.base import Consumer
+    from mqdedup.consumers.metrics import Metrics
+    from mqdedup.consumers.report import BatchReport
 
 
 def identify(

@@ -14,11 +14,13 @@ import functools
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mqdedup.consumers.pipeline import Pipeline
 from mqdedup.consumers.report import BatchReport, Outcome
-from mqdedup.consumers.transport import Delivery
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.pipeline import Pipeline
+    from mqdedup.consumers.transport import Delivery
 
 #: Bounds of one wait for a busy claim (seconds): the lease left, clamped to these.
 BUSY_WAIT = (0.05, 0.5)

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from mqdedup.consumers.base import Consumer
-from mqdedup.consumers.dead_lettering import DeadLettering
-from mqdedup.consumers.handling import Handlers
-from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.report import BatchReport, Outcome
-from mqdedup.consumers.transport import Delivery
-from mqdedup.dedup.claims import ClaimStore
-from mqdedup.outages import Outages
-from mqdedup.stopping import StopToken
+if TYPE_CHECKING:
+    from mqdedup.consumers.base import Consumer
+    from mqdedup.consumers.dead_lettering import DeadLettering
+    from mqdedup.consumers.handling import Handlers
+    from mqdedup.consumers.metrics import Metrics
+    from mqdedup.consumers.report import BatchReport, Outcome
+    from mqdedup.consumers.transport import Delivery
+    from mqdedup.dedup.claims import ClaimStore
+    from mqdedup.outages import Outages
+    from mqdedup.stopping import StopToken
 
 
 class Pipeline(Protocol):

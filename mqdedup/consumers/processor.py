@@ -17,11 +17,10 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.careful import WORKER_DIED, CarefulRuns, RunsAlone
 from mqdedup.consumers.dead_lettering import DeadLettering
 from mqdedup.consumers.handling import Handlers
@@ -31,12 +30,15 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.report import BatchAbandonedError, BatchReport, Outcome
 from mqdedup.consumers.sessions import SQLiteSelfDeadlockError
 from mqdedup.consumers.transactions import TransactionalRuns
-from mqdedup.consumers.transport import Delivery, Transport
 from mqdedup.db.dialects import is_transient
 from mqdedup.dedup.claims import AttemptLog, ClaimStore
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outages import Outages
 from mqdedup.stopping import StopToken
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.base import Consumer
+    from mqdedup.consumers.transport import Delivery, Transport
 
 __all__ = [
     "WORKER_DIED",

@@ -13,18 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import Delivery, Transport
 from mqdedup.consumers.worker import Worker
 from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import MessageError
 from mqdedup.stopping import StopToken
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.base import Consumer
 
 MISSING_ID_REASON = "missing message id"
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mqdedup.consumers.transport import DeadLetter, Delivery
+if TYPE_CHECKING:
+    from mqdedup.consumers.transport import DeadLetter, Delivery
 
 
 class BatchAbandonedError(Exception):

@@ -13,18 +13,20 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup.consumers.base import guard_session, unguard_session
-from mqdedup.consumers.pipeline import Pipeline
+from mqdedup.consumers.context import guard_session, unguard_session
 from mqdedup.consumers.report import BatchReport, Outcome
 from mqdedup.consumers.sessions import SessionLease, self_deadlock, waits_for_own_lock
-from mqdedup.consumers.transport import Delivery
 from mqdedup.db import sqlite_lock
 from mqdedup.db.dialects import is_data_error, is_transient
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.pipeline import Pipeline
+    from mqdedup.consumers.transport import Delivery
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

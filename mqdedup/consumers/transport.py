@@ -36,9 +36,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, runtime_checkable
 
-from mqdedup.message import Message
+if TYPE_CHECKING:
+    from mqdedup.message import Message
 
 #: The transport-specific part of a delivery (where to ack it, its offset, ...).
 TokenT = TypeVar("TokenT")

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchAbandonedError, BatchReport, Processor
-from mqdedup.consumers.transport import Transport
 from mqdedup.db.engine import session_factory
 from mqdedup.stopping import StopToken
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.base import Consumer
+    from mqdedup.consumers.transport import Transport
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import pika
 import pika.exceptions
 
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.message import Message

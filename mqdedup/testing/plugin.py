@@ -42,7 +42,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from mqdedup.consumers.base import Consumer, Context
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.context import Context
 from mqdedup.consumers.memory import InMemoryBroker
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.worker import Worker

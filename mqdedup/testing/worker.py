@@ -34,7 +34,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mqdedup.consumers.base import BatchContext, Consumer, Context
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.context import BatchContext, Context
 from mqdedup.db.engine import create_engine
 from mqdedup.errors import ConfigurationError
 from mqdedup.logs import configure

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mqdedup import InMemoryBroker, Message, create_engine, run_until_idle
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from tests.support import OrderConsumer
 
 

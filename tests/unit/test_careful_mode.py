@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import Engine, event, select
 
 from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.consumers.memory import MemoryTransport, run_until_idle_restarting
 from mqdedup.consumers.processor import WORKER_DIED
 from mqdedup.consumers.transport import DeadLetter, Delivery

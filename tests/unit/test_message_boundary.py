@@ -20,7 +20,7 @@ from sqlalchemy import Engine, func, insert, select
 from sqlalchemy.exc import OperationalError
 
 from mqdedup import Consumer, InMemoryBroker, Message, RetryPolicy, ids, run_until_idle
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.db import create_engine
 from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError

@@ -13,7 +13,7 @@ from sqlalchemy import Engine, insert, select, update
 from sqlalchemy.orm import Session
 
 from mqdedup import InMemoryBroker, Message, run_until_idle
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.db.schema import schema
 from mqdedup.dedup.store import utcnow
 from mqdedup.errors import ConfigurationError

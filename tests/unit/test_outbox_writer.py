@@ -11,7 +11,7 @@ from sqlalchemy import Engine, func, insert, select
 from sqlalchemy.orm import Session
 
 from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.db.schema import schema
 from mqdedup.outbox import InvalidOutgoingMessageError, OutboxWriter, OutgoingMessage
 from mqdedup.outbox.writer import outgoing_message_id, shard_hash

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import Engine, func, select
 
 from mqdedup import Consumer, InMemoryBroker, Message, RetryPolicy, run_until_idle
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.transport import Delivery
 from mqdedup.consumers.worker import Worker

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from mqdedup import Message
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.errors import ConfigurationError
 from mqdedup.rabbitmq.consumer import Binding, RabbitMQConsumer
 from mqdedup.rabbitmq.topology import (

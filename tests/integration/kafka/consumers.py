@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from sqlalchemy import insert
 
 from mqdedup import Context, Message, RetryPolicy
-from mqdedup.consumers.base import BatchContext
+from mqdedup.consumers.context import BatchContext
 from mqdedup.kafka import KafkaConsumer
 from tests.support import orders_table
 

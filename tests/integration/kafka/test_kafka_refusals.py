@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 from mqdedup import Message, Metrics, RetryPolicy, StopToken
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.dedup.dead_letters import DeadLetterTable
 from tests.integration.kafka.consumers import TestOrders, make_consumer
 from tests.integration.kafka.helpers import row_counts, total_rows

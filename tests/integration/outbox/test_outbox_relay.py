@@ -11,7 +11,8 @@ from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
 from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
-from mqdedup.consumers.base import Consumer, Context
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.context import Context
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import MemoryPublisher, OutboxWriter, Relay, RelayConfig

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from sqlalchemy import Engine, Table, func, insert, select
 
 from mqdedup import Message
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.db.schema import schema
 from mqdedup.rabbitmq.consumer import RabbitMQConsumer, RabbitMQTransport

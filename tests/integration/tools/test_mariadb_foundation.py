@@ -16,7 +16,8 @@ import pytest
 from sqlalchemy import func, insert, select, text
 
 from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
-from mqdedup.consumers.base import BatchContext, Consumer, Context
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.context import BatchContext, Context
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.schema import schema
 from mqdedup.errors import SimulatedCrash

@@ -18,7 +18,8 @@ import pytest
 from sqlalchemy import func, insert, select, text
 
 from mqdedup import InMemoryBroker, Message, RetryPolicy, ids, run_until_idle
-from mqdedup.consumers.base import Consumer, Context
+from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.context import Context
 from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError
 from tests.integration.tools.conftest import Database

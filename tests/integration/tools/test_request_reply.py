@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import insert
 
 from mqdedup import Consumer, InMemoryBroker, Message, run_until_idle
-from mqdedup.consumers.base import Context
+from mqdedup.consumers.context import Context
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import ConfigurationError, SimulatedCrash
 from mqdedup.rabbitmq.replies import (

@@ -1,0 +1,158 @@
+"""What a handler gets besides its message: the guarded session and the outbox.
+
+The processor builds a :class:`Context` (or :class:`BatchContext`) per handler call; the
+session it carries cannot end the processor's transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.orm import Session
+
+from mqdedup.errors import ConfigurationError, MessageError
+from mqdedup.outbox.writer import OutboxWriter
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.base import Consumer
+    from mqdedup.message import Message
+
+
+class HandlerEndedTransactionError(RuntimeError):
+    """A handler called ``commit``, ``rollback``, ``close`` or ``begin`` on ``ctx.session``.
+
+    The transaction belongs to the processor: it holds the message's claim and its
+    batch-mates' work, and commits them together before the broker is settled. The call
+    is refused (nothing is ended) and the message fails like any raising handler.
+    """
+
+
+class InvalidResultError(MessageError):
+    """A handler returned a result no database can store as JSON (NaN, infinity, a NUL
+    character, a lone surrogate, a type JSON does not have); the message is
+    dead-lettered at once with this reason."""
+
+
+#: Session methods that would end (or replace) the processor's transaction.
+GUARDED_SESSION_METHODS = ("commit", "rollback", "close", "begin", "reset", "invalidate")
+
+
+def _refusal(method: str) -> Any:
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise HandlerEndedTransactionError(
+            f"a handler must not end the transaction: ctx.session.{method}() is not allowed "
+            "(mqdedup commits the message's claim and effects together after the handler)"
+        )
+
+    refuse.__name__ = method
+    return refuse
+
+
+def _guarded_begin(session: Session) -> Any:
+    refuse = _refusal("begin")
+
+    def begin(nested: bool = False) -> Any:
+        if nested:  # begin_nested(): a savepoint inside the transaction is fine
+            return Session.begin(session, nested=True)
+        return refuse()
+
+    return begin
+
+
+_REFUSALS: dict[str, Any] = {method: _refusal(method) for method in GUARDED_SESSION_METHODS}
+_REFUSALS_KEY = "mqdedup.refusals"
+
+
+def guard_session(session: Session) -> None:
+    """Make ``session``'s transaction-ending methods raise HandlerEndedTransactionError.
+
+    Instance attributes shadow the methods, so ``ctx.session`` stays a real ``Session``
+    (``ctx.outbox``, ORM calls and savepoints with ``begin_nested()`` keep working) and
+    the guard costs two dictionary updates per transaction.
+    """
+    refusals = session.info.get(_REFUSALS_KEY)
+    if refusals is None:  # built once per session (a lease reuses it for a batch)
+        refusals = {**_REFUSALS, "begin": _guarded_begin(session)}
+        session.info[_REFUSALS_KEY] = refusals
+    session.__dict__.update(refusals)
+
+
+def unguard_session(session: Session) -> None:
+    """Undo :func:`guard_session` (the processor is about to end the transaction)."""
+    namespace = session.__dict__
+    for method in GUARDED_SESSION_METHODS:
+        namespace.pop(method, None)
+
+
+class NoTransactionError(ConfigurationError):
+    """A handler used ``ctx.session`` or ``ctx.outbox`` of a consumer whose claims live
+    outside the database (``dedup = RedisDedup(...)``): there is no transaction."""
+
+
+class Context:
+    """What a handler gets besides the message: the transaction's session and outbox.
+
+    ``session`` is the processor's transaction, guarded: ``commit()``, ``rollback()``,
+    ``close()`` or ``begin()`` raise :class:`HandlerEndedTransactionError` (use
+    ``begin_nested()`` for a savepoint of your own). A consumer whose claim store has
+    no transaction (``dedup = RedisDedup(...)``) has neither: using them raises
+    :class:`NoTransactionError` saying why.
+    """
+
+    def __init__(self, session: Session | None, consumer: Consumer, message: Message) -> None:
+        self._session = session
+        self.consumer = consumer
+        self.message = message
+
+    @property
+    def session(self) -> Session:
+        """The transaction's (guarded) session."""
+        if self._session is None:
+            raise NoTransactionError(self._no_transaction("ctx.session"))
+        return self._session
+
+    def _no_transaction(self, what: str) -> str:
+        return (
+            f"{what} is not available: {type(self.consumer).__name__} keeps its claims in "
+            f"{self.consumer.dedup.describe()}, so its handler runs in no database "
+            "transaction (use the default SQL dedup to write to a database)"
+        )
+
+    @cached_property
+    def log(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger for the handler that adds the message id and consumer name."""
+        return logging.LoggerAdapter(
+            logging.getLogger(f"mqdedup.handler.{self.consumer.consumer_name}"),
+            {"message_id": self.message.id, "consumer": self.consumer.consumer_name},
+        )
+
+    @property
+    def consumer_name(self) -> str:
+        """The dedup scope this message is claimed in."""
+        return self.consumer.consumer_name
+
+    @cached_property
+    def outbox(self) -> OutboxWriter:
+        """Add outgoing messages to the outbox, in this transaction."""
+        if self._session is None:
+            raise NoTransactionError(self._no_transaction("ctx.outbox"))
+        return OutboxWriter(
+            self.session,
+            consumer_name=self.consumer.consumer_name,
+            causation_id=self.message.id,
+            prefix=self.consumer.table_prefix,
+            message=self.message,
+        )
+
+
+class BatchContext(Context):
+    """Context of :meth:`Consumer.handle_batch`; ``message`` is the batch's first one."""
+
+    def __init__(
+        self, session: Session | None, consumer: Consumer, messages: Sequence[Message]
+    ) -> None:
+        super().__init__(session, consumer, messages[0])
+        self.messages = messages
