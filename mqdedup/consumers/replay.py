@@ -6,7 +6,8 @@ returns an empty fetch once the range is read; :class:`ReplayRun` runs it with t
 :class:`~mqdedup.consumers.worker.Worker` like live traffic, so already claimed ids are
 duplicates and nothing happens twice. The counts come from the Worker's
 :class:`~mqdedup.consumers.metrics.Metrics` and the transport's :class:`RangeLedger`. A
-dry run reads the same transport and only asks the dedup table which ids are known.
+dry run is the same Worker over the same transport with :class:`DryRun` in the
+Processor's place: it only asks the dedup table which ids are known.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.report import BatchReport
 from mqdedup.consumers.transport import Delivery, Transport
 from mqdedup.consumers.worker import Worker
 from mqdedup.dedup.store import DedupStore
@@ -165,17 +167,26 @@ class ReplayRun:
                 self.consumer, self.transport, self.sessions, stop=self.stop, metrics=self.metrics
             ).run(until_idle=True)
             return self.report
-        tally = ReplayTally(self.consumer, self.sessions, self._dry)
-        try:
-            while not self.stop.requested:
-                batch = self.transport.fetch(self.consumer.batch_size, self.consumer.poll_timeout)
-                if not batch:
-                    break
-                tally.dry(batch)
-                self.transport.settle(batch)  # nothing was processed; the range moves on
-        finally:
-            self.transport.close()
+        dry_run = DryRun(ReplayTally(self.consumer, self.sessions, self._dry), self.transport)
+        Worker(self.consumer, self.transport, self.sessions, stop=self.stop, processor=dry_run).run(
+            until_idle=True
+        )
         return self.report
+
+
+class DryRun:
+    """A dry run's stand-in for the Processor: count what processing would do, write
+    nothing, and settle each batch so the range moves on."""
+
+    def __init__(self, tally: ReplayTally, transport: Transport[Any]) -> None:
+        self.tally = tally
+        self.transport = transport
+
+    def process(self, deliveries: Sequence[Delivery[Any]]) -> BatchReport:
+        """Count ``deliveries`` and settle them (nothing was processed)."""
+        self.tally.dry(deliveries)
+        self.transport.settle(deliveries)
+        return BatchReport()
 
 
 class ReplayTally:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -23,13 +24,22 @@ from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
     from mqdedup.consumers.base import Consumer
-    from mqdedup.consumers.transport import Transport
+    from mqdedup.consumers.transport import Delivery, Transport
 
 log = logging.getLogger(__name__)
 
 
+class BatchProcessor(Protocol):
+    """What the Worker hands each fetched batch to: the :class:`Processor` (claim ->
+    handle -> commit -> settle), or a replay's dry run that only counts."""
+
+    def process(self, deliveries: Sequence[Delivery[Any]]) -> BatchReport:
+        """Process and settle one batch; say where each delivery ended."""
+        ...
+
+
 class Worker:
-    """Runs one consumer over one transport.
+    """Runs one consumer over one transport: the only fetch -> process loop.
 
     ``run()`` returns when a stop is requested (after finishing and settling the batch
     in flight), or with ``until_idle=True`` when a fetch comes back empty. The
@@ -46,13 +56,14 @@ class Worker:
         stop: StopToken | None = None,
         metrics: Metrics | None = None,
         log_interval: float | None = None,
+        processor: BatchProcessor | None = None,
     ) -> None:
         self.consumer = consumer
         self.transport = transport
         self.stop = stop or StopToken()
         self.metrics = metrics or Metrics()
         sessions = session_factory(database) if isinstance(database, Engine) else database
-        self.processor = Processor(
+        self.processor: BatchProcessor = processor or Processor(
             consumer, sessions, transport, metrics=self.metrics, stop=self.stop
         )
         self._log_interval = consumer.metrics_interval if log_interval is None else log_interval
