@@ -289,7 +289,7 @@ def test_run_entry_point_without_a_database(
         broker.publish("sms", "x", message_id=f"sms-{number % 40}")
 
     class Standalone(sms_consumer(namespace, redis_url, effects=redis_conn)):  # type: ignore[misc]
-        def create_transport(self) -> Any:
+        def create_transport(self, *, stop: Any = None, metrics: Any = None) -> Any:
             return broker.transport("sms")
 
     stop, metrics = StopToken(), Metrics()
