@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Any
 
@@ -25,7 +24,6 @@ from mqdedup.cli.options import consumer_prefix, resolve_settings
 from mqdedup.cli.publishers import create_publishers
 from mqdedup.cli.runners import _export_environment
 from mqdedup.cli.supervisor import ChildSpec, Supervisor
-from mqdedup.consumers.base import Consumer
 from mqdedup.db.engine import check_connection, create_engine
 from mqdedup.errors import (
     ConfigurationError,
@@ -45,7 +43,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     consumer.validate()
     engine, _ = connected_engine(args, require_schema=False)
     require_current_schema(engine, consumer.table_prefix)
-    kind = _broker_kind(consumer)
+    kind = consumer.broker
     if args.from_dlq:
         if kind != "rabbitmq":
             raise ConfigurationError("--from-dlq is for RabbitMQ consumers")
@@ -101,20 +99,6 @@ def _connect_broker(consumer: Any) -> None:
 
     wait_for_consumer_broker(consumer, lambda line: print(f"mqdedup: {line}", file=sys.stderr))
     consumer.check_connection()
-
-
-def _broker_kind(consumer: Consumer) -> str | None:
-    for module, name, kind in (
-        ("mqdedup.kafka.consumer", "KafkaConsumer", "kafka"),
-        ("mqdedup.rabbitmq.consumer", "RabbitMQConsumer", "rabbitmq"),
-    ):
-        try:
-            base = getattr(importlib.import_module(module), name)
-        except ImportError:
-            continue
-        if isinstance(consumer, base):
-            return kind
-    return None
 
 
 def cmd_relay(args: argparse.Namespace) -> int:

@@ -92,6 +92,9 @@ class Consumer:
     table_prefix: ClassVar[str] = DEFAULT_PREFIX
     #: Skip the claim entirely (a baseline for benchmarks; never for real consumers).
     deduplicate: ClassVar[bool] = True
+    #: The adapter this consumer reads through (``"kafka"``, ``"rabbitmq"``; None for
+    #: consumers given a transport explicitly): picks the broker-specific CLI options.
+    broker: ClassVar[str | None] = None
     #: Where claims live: ``SqlDedup()`` (default: the dedup table, in the handler's
     #: transaction) or ``RedisDedup(lease=..., retention=...)`` for handlers without a
     #: database write (no ``ctx.session`` / ``ctx.outbox`` then). See

@@ -103,6 +103,8 @@ class KafkaConsumer(Consumer):
     to the dead-letter producer).
     """
 
+    broker: ClassVar[str | None] = "kafka"
+
     #: Topics to subscribe to (or set ``topic_pattern``).
     topics: ClassVar[Sequence[str]] = ()
     #: A regular expression of topics to subscribe to, instead of ``topics``.

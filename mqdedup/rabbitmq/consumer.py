@@ -72,6 +72,8 @@ class RabbitMQConsumer(Consumer):
     ``prefetch`` is set, the channel's prefetch count.
     """
 
+    broker: ClassVar[str | None] = "rabbitmq"
+
     #: The queue to consume (required). Also the default consumer name (dedup scope).
     queue: ClassVar[str] = ""
     #: Exchanges to declare and bind the queue to (the default exchange needs none).
