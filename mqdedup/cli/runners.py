@@ -35,7 +35,8 @@ def run_relay(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
     """Connect and relay committed outbox rows until the stop token is set."""
     from mqdedup.cli.publishers import create_publishers
     from mqdedup.db.engine import check_connection, create_engine
-    from mqdedup.outbox.relay import Relay, RelayConfig
+    from mqdedup.outbox.relay import Relay
+    from mqdedup.outbox.relay_config import RelayConfig
 
     options = spec.options
     engine = create_engine(options["database_url"])

@@ -19,10 +19,11 @@ The relay uses only :class:`ShardCoordinator`:
 * ``wait(timeout)`` sleeps until a commit notification (``notifies``) or the timeout.
 
 Two implementations, chosen by the database's ``shard_locks`` trait
-(:func:`mqdedup.db.dialects.traits`) in :func:`mqdedup.outbox.relay.create_coordinator`:
-PostgreSQL advisory locks with ``LISTEN`` (:mod:`mqdedup.outbox.postgresql_coordination`)
-and MySQL/MariaDB named locks, polled (:mod:`mqdedup.outbox.mysql_coordination`). SQLite
-has none: one relay, which polls.
+(:func:`mqdedup.db.dialects.traits`) in
+:func:`mqdedup.outbox.shard_coordinators.create_coordinator`: PostgreSQL advisory locks
+with ``LISTEN`` (:mod:`mqdedup.outbox.postgresql_coordination`) and MySQL/MariaDB named
+locks, polled (:mod:`mqdedup.outbox.mysql_coordination`). SQLite has none: one relay,
+which polls.
 """
 
 from __future__ import annotations

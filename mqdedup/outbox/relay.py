@@ -20,219 +20,48 @@ consumer's dedup absorbs.
 Several relays can run at once on PostgreSQL and MySQL/MariaDB: rows are sharded by key
 hash and each shard is owned by one relay through a lock, so a key's rows are published
 by one relay in id order. The relay sees this only through
-:class:`~mqdedup.outbox.coordination.ShardCoordinator` (acquire shards, the claim's
-still-held check, wake-ups, release), built by :func:`create_coordinator` from the
-database's traits: advisory locks and ``LISTEN``/``NOTIFY`` on PostgreSQL, named locks
-(``GET_LOCK``) and polling every ``poll_interval`` on MySQL/MariaDB. SQLite has neither
-row locks nor advisory locks: run a single relay there, which polls.
+:class:`~mqdedup.outbox.coordination.ShardCoordinator`, built by
+:func:`~mqdedup.outbox.shard_coordinators.create_coordinator` from the database's traits.
+SQLite has neither row locks nor advisory locks: run a single relay there, which polls.
+
+This module drives the cycles (bursts, waiting, maintenance, shutdown); the steps of one
+cycle and the relay's state are in :mod:`~mqdedup.outbox.relay_cycle`. Its other parts:
+settings (:mod:`~mqdedup.outbox.relay_config`), bookkeeping
+(:mod:`~mqdedup.outbox.relay_metrics`), helper threads and connections
+(:mod:`~mqdedup.outbox.relay_connections`), publishing a batch
+(:mod:`~mqdedup.outbox.relay_publishing`), broker backoff
+(:mod:`~mqdedup.outbox.broker_pauses`) and shard take-over
+(:mod:`~mqdedup.outbox.lease_takeover`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
-import random
-import socket
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
-from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
-from sqlalchemy import Connection, Engine
-
-from mqdedup.db.dialects import is_transient, prepare_relay_connection, traits
-from mqdedup.db.schema import DEFAULT_PREFIX
-from mqdedup.dedup.store import utcnow
-from mqdedup.errors import ConfigurationError
-from mqdedup.histograms import Histograms
+from mqdedup.db.dialects import is_transient
 from mqdedup.outages import Outages
-from mqdedup.outbox.coordination import ShardCoordinator
-from mqdedup.outbox.mysql_coordination import MySQLCoordinator
-from mqdedup.outbox.postgresql_coordination import PostgreSQLCoordinator
-from mqdedup.outbox.publishers import (
-    PUBLISHED,
-    OutboxRecord,
-    Outcome,
-    Publisher,
-    PublishResult,
-)
-from mqdedup.outbox.store import (
-    OutboxStatus,
-    OutboxStore,
-    ShardFilter,
-)
+from mqdedup.outbox.publishers import OutboxRecord
+from mqdedup.outbox.relay_cycle import RelayCycle, RelayStoppedError
+from mqdedup.outbox.relay_metrics import CycleReport, RelayMetrics
+from mqdedup.outbox.store import OutboxStatus
 from mqdedup.stopping import StopToken, graceful_signals
-from mqdedup.tracing import TRACE_HEADERS, PublishTrace
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
-class _RelayStoppedError(Exception):
-    """A stop was requested while the relay waited for the database."""
-
-
-@dataclass(frozen=True)
-class RelayConfig:
-    """How a relay claims, retries and cleans up.
-
-    * ``batch_size``: rows per claim (and per flush / confirm round).
-    * ``poll_interval``: seconds between polls when no notification arrives.
-    * ``lease``: seconds a claimed row stays reserved; must exceed the time to publish a
-      batch (the publishers' own timeouts), or a slow batch is published twice.
-    * ``max_attempts``, ``initial_backoff``, ``max_backoff``: per-row retries after the
-      broker refused the row (unroutable, too large); then the row is ``failed``.
-    * ``broker_backoff_max``: longest pause between tries while a broker is unavailable.
-    * ``database_backoff_max``: longest pause between tries while the database is down.
-    * ``delete_published``: delete rows once published instead of marking them.
-    * ``retention``: published rows older than this are purged every ``purge_interval``
-      seconds, ``purge_chunk_size`` rows per transaction (``None``: never).
-    * ``shards``: PostgreSQL and MySQL/MariaDB; every relay of one table must use the
-      same number.
-    * ``rebalance_interval``: seconds between shard rebalancing checks.
-    * ``listen``: use ``LISTEN``/``NOTIFY`` on PostgreSQL (MySQL/MariaDB always poll).
-    """
-
-    batch_size: int = 500
-    poll_interval: float = 1.0
-    lease: float = 60.0
-    max_attempts: int = 10
-    initial_backoff: float = 1.0
-    max_backoff: float = 300.0
-    broker_backoff_max: float = 10.0
-    database_backoff_max: float = 5.0
-    delete_published: bool = False
-    retention: timedelta | None = timedelta(days=7)
-    purge_interval: float = 600.0
-    purge_chunk_size: int = 5000
-    shards: int = 16
-    rebalance_interval: float = 5.0
-    listen: bool = True
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ConfigurationError("relay batch_size must be at least 1")
-        if self.max_attempts < 1:
-            raise ConfigurationError("relay max_attempts must be at least 1")
-        if self.lease <= 0 or self.poll_interval <= 0:
-            raise ConfigurationError("relay lease and poll_interval must be positive")
-        if self.initial_backoff < 0 or self.max_backoff < 0 or self.broker_backoff_max <= 0:
-            raise ConfigurationError(
-                "relay backoffs must not be negative and broker_backoff_max must be positive"
-            )
-        if self.purge_chunk_size < 1:
-            raise ConfigurationError("relay purge_chunk_size must be at least 1")
-
-    def row_backoff(self, attempts: int) -> float:
-        """Seconds before a refused row's next try (exponential, capped, ±10% jitter)."""
-        base = min(self.max_backoff, self.initial_backoff * 2.0 ** (attempts - 1))
-        return float(base * random.uniform(0.9, 1.1))
-
-
-@dataclass
-class RelayMetrics:
-    """What one relay has done since it started."""
-
-    batches: int = 0
-    claimed: int = 0
-    published: int = 0
-    rejected: int = 0
-    failed: int = 0
-    unavailable: int = 0
-    broker_outages: int = 0
-    database_retries: int = 0
-    #: What the relay is waiting for while it cannot make progress (None: nothing).
-    outage: str | None = None
-    purged: int = 0
-    seconds_publishing: float = 0.0
-    #: ``publish_delay_seconds``: an outbox row's commit to its confirmed publish.
-    histograms: Histograms = field(default_factory=Histograms, repr=False)
-
-    def snapshot(self, *, histograms: bool = True) -> dict[str, Any]:
-        """A plain copy for the metrics endpoint (``histograms=False``: for a log line)."""
-        data = {
-            item.name: getattr(self, item.name)
-            for item in fields(self)
-            if item.name != "histograms"
-        }
-        if histograms:
-            data["histograms"] = self.histograms.snapshot()
-        return data
-
-
-@dataclass
-class _BrokerState:
-    """Backoff of one broker while it is unavailable."""
-
-    failures: int = 0
-    paused_until: float = 0.0
-
-
-@dataclass
-class CycleReport:
-    """What one claim → publish → mark cycle did."""
-
-    claimed: int = 0
-    published: list[OutboxRecord] = field(default_factory=list)
-    rejected: list[tuple[OutboxRecord, str]] = field(default_factory=list)
-    failed: list[OutboxRecord] = field(default_factory=list)
-    unavailable: list[OutboxRecord] = field(default_factory=list)
-
-    @property
-    def complete(self) -> bool:
-        """True when every claimed row was published."""
-        return len(self.published) == self.claimed
-
-
-class Relay:
+class Relay(RelayCycle):
     """Publishes committed outbox rows through ``publishers`` (broker name → publisher).
 
     ``publishers`` maps the ``broker`` column (``kafka``, ``rabbitmq`` or a custom
     name given to the writer) to a :class:`~mqdedup.outbox.publishers.Publisher`. Rows
     for other brokers are left for relays that have one.
     """
-
-    def __init__(
-        self,
-        engine: Engine,
-        publishers: Mapping[str, Publisher],
-        *,
-        prefix: str = DEFAULT_PREFIX,
-        config: RelayConfig | None = None,
-        relay_id: str | None = None,
-    ) -> None:
-        if not publishers:
-            raise ConfigurationError("a relay needs at least one publisher (kafka or rabbitmq)")
-        traits(engine)  # ConfigurationError for a database mqdedup does not support
-        self.engine = engine
-        self.publishers = dict(publishers)
-        self.config = config or RelayConfig()
-        self.store = OutboxStore(prefix)
-        self.relay_id = relay_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.metrics = RelayMetrics()
-        self.stop = StopToken()
-        self._brokers: dict[str, _BrokerState] = {name: _BrokerState() for name in publishers}
-        self._control: ShardCoordinator | None = create_coordinator(
-            engine,
-            table_name=self.store.table.name,
-            channel=self.store.channel,
-            shards=self.config.shards,
-            fingerprint=",".join(sorted(publishers)),
-            listen=self.config.listen,
-        )
-        self._next_rebalance = 0.0
-        self._next_purge = 0.0
-        self._verified: set[int] = set()
-        self._executors: dict[str, ThreadPoolExecutor] = {}
-        self._connections: dict[str, Connection] = {}
-        self._metrics_lock = threading.Lock()
 
     # -- the daemon ----------------------------------------------------------------------------
 
@@ -266,7 +95,7 @@ class Relay:
                     try:
                         self._maintain()
                         moved = self._burst()
-                    except _RelayStoppedError:
+                    except RelayStoppedError:
                         break
                     if moved:
                         continue  # more may be waiting; an empty claim leads to the wait
@@ -327,13 +156,14 @@ class Relay:
                 claimed += len(batch)
                 ahead: Future[list[OutboxRecord]] | None = None
                 if not self.stop.requested and time.monotonic() < until:
-                    ahead = self._helpers("claim").submit(
+                    ahead = self._connections.helper("claim").submit(
                         self._with_database_retry, self._claim, background=True
                     )
                 report = self._publish_batch(batch)
                 self._before_mark(report)
                 if ahead is not None and report.complete and not self.stop.requested:
-                    marks.append(self._helpers("mark").submit(self._settle, report, True))
+                    marker = self._connections.helper("mark")
+                    marks.append(marker.submit(self._settle, report, True))
                     batch = ahead.result()
                     continue
                 extra = [record.id for record in ahead.result()] if ahead is not None else []
@@ -353,46 +183,9 @@ class Relay:
                 mark.result()
         return claimed
 
-    def _on(self, name: str, statement: Callable[..., T], *arguments: Any, **options: Any) -> T:
-        """Run a store statement on the relay's ``name`` connection (claim / mark).
-
-        On PostgreSQL each helper has its own connection, detached from the pool, in
-        autocommit with the relay's session settings: a claim or a mark is one round
-        trip. On MySQL/MariaDB likewise, at ``READ COMMITTED``, each statement group in
-        its own transaction. A connection that failed is dropped; the retry opens a new
-        one.
-        """
-        if self._control is None:
-            return statement(self.engine, *arguments, **options)
-        connection = self._connections.get(name)
-        if connection is None or connection.closed or connection.invalidated:
-            connection = prepare_relay_connection(self.engine.connect())
-            connection.detach()  # the session settings must not reach the pool
-            self._connections[name] = connection
-        try:
-            return statement(connection, *arguments, **options)
-        except Exception:
-            self._connections.pop(name, None)
-            with contextlib.suppress(Exception):
-                connection.close()
-            raise
-
-    def _helpers(self, name: str) -> ThreadPoolExecutor:
-        executor = self._executors.get(name)
-        if executor is None:
-            executor = ThreadPoolExecutor(1, thread_name_prefix=f"mqdedup-relay-{name}")
-            self._executors[name] = executor
-        return executor
-
     def close(self) -> None:
         """Close the publishers and the control connection (releases shards)."""
-        for executor in self._executors.values():
-            executor.shutdown(wait=True)
-        self._executors.clear()
-        for connection in self._connections.values():
-            with contextlib.suppress(Exception):
-                connection.close()
-        self._connections.clear()
+        self._connections.close()
         for name, publisher in self.publishers.items():
             try:
                 publisher.close()
@@ -419,201 +212,14 @@ class Relay:
         self.metrics.purged += deleted
         return deleted
 
-    # -- the cycle -----------------------------------------------------------------------------
-
-    def _claim(self) -> list[OutboxRecord]:
-        brokers = [name for name in self.publishers if name not in self._paused_brokers()]
-        if not brokers:
-            return []
-        shard_filter: ShardFilter | None = None
-        control = self._control
-        if control is not None:
-            if not control.connected or not control.owned:
-                return []
-            claimable = self._taken_over(set(control.owned))
-            if not claimable:
-                return []
-            shard_filter = control.shard_filter(claimable)
-        elif not self._taken_over({0}):
-            return []
-        return self._on(
-            "claim",
-            self.store.claim,
-            self.relay_id,
-            self.config.batch_size,
-            timedelta(seconds=self.config.lease),
-            brokers=brokers,
-            shard_filter=shard_filter,
-        )
-
-    def _taken_over(self, owned: set[int]) -> set[int]:
-        """The owned shards that are safe to claim from.
-
-        A shard just taken over may hold rows leased by a relay that died; they must be
-        published before later rows of their keys, so the shard waits until those
-        leases have expired (or the rows were marked by their relay).
-        """
-        self._verified &= owned
-        unverified = owned - self._verified
-        if unverified:
-            shards = self._control.shards if self._control is not None else None
-            held = self.store.foreign_leases(self.engine, self.relay_id, shards) & unverified
-            self._verified |= unverified - held
-            if held:
-                log.info(
-                    "waiting for another relay's leases to expire before claiming",
-                    extra={"relay": self.relay_id, "shards": sorted(held)},
-                )
-        return set(self._verified)
-
-    def _publish_batch(self, records: Sequence[OutboxRecord]) -> CycleReport:
-        """Send each broker's records through its publisher (id order per broker)."""
-        started = time.monotonic()
-        by_broker: dict[str, list[int]] = {}
-        for index, record in enumerate(records):
-            by_broker.setdefault(record.broker, []).append(index)
-        results: list[PublishResult] = [PUBLISHED] * len(records)
-        for broker, indexes in by_broker.items():
-            traces = [
-                PublishTrace(
-                    # The default exchange routes by key: name the queue then.
-                    records[i].destination or records[i].routing_key or "(default exchange)",
-                    records[i].message_id,
-                    records[i].headers,
-                )
-                for i in indexes
-            ]
-            batch = [
-                _with_trace(records[i], span.headers)
-                for i, span in zip(indexes, traces, strict=True)
-            ]
-            try:
-                outcome = self.publishers[broker].publish_batch(batch)
-                if len(outcome) != len(batch):
-                    raise RuntimeError(
-                        f"publisher returned {len(outcome)} results for {len(batch)} records"
-                    )
-            except Exception as error:
-                log.exception("publisher failed", extra={"broker": broker})
-                failure = PublishResult.unavailable(f"{type(error).__name__}: {error}")
-                outcome = [failure] * len(batch)
-            for index, result, span in zip(indexes, outcome, traces, strict=True):
-                results[index] = result
-                span.end(None if result.outcome is Outcome.PUBLISHED else result.error)
-            self._broker_result(broker, outcome)
-        report = CycleReport(claimed=len(records))
-        for record, result in zip(records, results, strict=True):
-            if result.outcome is Outcome.PUBLISHED:
-                report.published.append(record)
-            elif result.outcome is Outcome.REJECTED:
-                report.rejected.append((record, result.error or "rejected"))
-            else:
-                report.unavailable.append(record)
-        now = utcnow()
-        with self._metrics_lock:
-            for record in report.published:
-                delay = (now - record.created_at).total_seconds()
-                self.metrics.histograms.observe("publish_delay_seconds", max(0.0, delay))
-            self.metrics.batches += 1
-            self.metrics.claimed += len(records)
-            self.metrics.seconds_publishing += time.monotonic() - started
-        return report
-
-    def _before_mark(self, report: CycleReport) -> None:
-        """Hook between publishing and marking (fault-injection tests override it)."""
-
-    def _settle(self, report: CycleReport, background: bool = False) -> None:
-        """Mark published rows, count refused ones, release the others."""
-        config = self.config
-        if report.published:
-            ids = [record.id for record in report.published]
-            self._with_database_retry(
-                lambda: self._on(
-                    "mark", self.store.mark_published, ids, delete_rows=config.delete_published
-                ),
-                background=background,
-            )
-            with self._metrics_lock:
-                self.metrics.published += len(ids)
-        if report.rejected:
-            for record, error in report.rejected:
-                log.warning(
-                    "broker refused an outbox row; it will be retried",
-                    extra={
-                        "message_id": record.message_id,
-                        "broker": record.broker,
-                        "destination": record.destination,
-                        "attempt": record.attempts + 1,
-                        "error": error,
-                    },
-                )
-            report.failed = self._with_database_retry(
-                lambda: self.store.record_failures(
-                    self.engine, report.rejected, config.max_attempts, config.row_backoff
-                )
-            )
-            with self._metrics_lock:
-                self.metrics.rejected += len(report.rejected)
-                self.metrics.failed += len(report.failed)
-            for record in report.failed:
-                log.error(
-                    "outbox row failed after its last attempt; kept as failed",
-                    extra={
-                        "message_id": record.message_id,
-                        "broker": record.broker,
-                        "destination": record.destination,
-                        "attempts": record.attempts + 1,
-                    },
-                )
-        if report.unavailable:
-            ids = [record.id for record in report.unavailable]
-            self._with_database_retry(
-                lambda: self._on("mark", self.store.release, ids, self.relay_id)
-            )
-            with self._metrics_lock:
-                self.metrics.unavailable += len(ids)
-
-    # -- brokers -------------------------------------------------------------------------------
-
-    def _broker_result(self, broker: str, results: Sequence[PublishResult]) -> None:
-        state = self._brokers[broker]
-        down = [r for r in results if r.outcome is Outcome.UNAVAILABLE]
-        if not down:
-            if state.failures:
-                log.info("broker available again", extra={"broker": broker})
-            state.failures = 0
-            state.paused_until = 0.0
-            return
-        state.failures += 1
-        if state.failures == 1:
-            self.metrics.broker_outages += 1
-        pause = min(
-            self.config.broker_backoff_max, 0.25 * 2 ** (state.failures - 1)
-        ) * random.uniform(0.8, 1.0)
-        state.paused_until = time.monotonic() + pause
-        log.warning(
-            "broker unavailable; its rows wait",
-            extra={
-                "broker": broker,
-                "rows": len(down),
-                "retry_in": round(pause, 2),
-                "consecutive": state.failures,
-                "error": down[0].error,
-            },
-        )
-
-    def _paused_brokers(self) -> set[str]:
-        now = time.monotonic()
-        return {name for name, state in self._brokers.items() if state.paused_until > now}
-
     # -- waiting and maintenance ---------------------------------------------------------------
 
     def _idle(self, limit: float | None = None) -> None:
         """Wait for a notification, the poll interval, the next broker retry or a stop."""
         timeout = self.config.poll_interval if limit is None else limit
-        pauses = [s.paused_until for s in self._brokers.values() if s.paused_until]
-        if pauses:
-            timeout = min(timeout, max(0.0, min(pauses) - time.monotonic()))
+        next_retry = self._brokers.next_retry()
+        if next_retry is not None:
+            timeout = min(timeout, max(0.0, next_retry - time.monotonic()))
         control = self._control
         if control is not None and control.notifies and control.connected and control.owned:
             deadline = time.monotonic() + timeout
@@ -638,13 +244,6 @@ class Relay:
             stop=self.stop, is_transient=is_transient, keepalive=self._keepalive, slice_seconds=0.5
         )
         return outages.pause(seconds)
-
-    def _keepalive(self) -> None:
-        for name, publisher in self.publishers.items():
-            try:
-                publisher.keepalive()
-            except Exception:
-                log.warning("publisher keepalive failed", extra={"broker": name}, exc_info=True)
 
     def _maintain(self) -> None:
         now = time.monotonic()
@@ -671,32 +270,6 @@ class Relay:
 
     # -- infrastructure ------------------------------------------------------------------------
 
-    def _with_database_retry(self, work: Callable[[], T], *, background: bool = False) -> T:
-        """Run ``work`` through database outages (:class:`~mqdedup.outages.Outages`).
-
-        ``background``: called from a helper thread, which must not touch the publishers
-        (their connections belong to the relay's thread).
-        """
-        outages = Outages(
-            stop=self.stop,
-            is_transient=is_transient,
-            backoff_max=self.config.database_backoff_max,
-            keepalive=self._keepalive,
-            on_retry=self._count_database_retry,
-            on_change=self._set_outage,
-            stopped=_RelayStoppedError,
-            context={"relay": self.relay_id},
-            slice_seconds=0.5,
-        )
-        return outages.run(work, background=background)
-
-    def _count_database_retry(self) -> None:
-        with self._metrics_lock:
-            self.metrics.database_retries += 1
-
-    def _set_outage(self, cause: str | None) -> None:
-        self.metrics.outage = cause
-
     @contextmanager
     def _signals(self, enabled: bool) -> Iterator[None]:
         if not enabled:
@@ -704,45 +277,3 @@ class Relay:
             return
         with graceful_signals(self.stop):
             yield
-
-
-def create_coordinator(
-    engine: Engine,
-    *,
-    table_name: str,
-    channel: str,
-    shards: int,
-    fingerprint: str,
-    listen: bool = True,
-) -> ShardCoordinator | None:
-    """The shard coordinator of ``engine``'s database; ``None`` where relays cannot share.
-
-    Chosen by the ``shard_locks`` trait (:func:`mqdedup.db.dialects.traits`): advisory
-    locks (PostgreSQL), named locks (MySQL/MariaDB) or none (SQLite: one relay).
-    ``fingerprint`` names the relay's settings besides ``shards`` (its brokers): relays of
-    one table must agree on both. ``listen`` (PostgreSQL) wakes the relay on commits.
-    """
-    locks = traits(engine).shard_locks
-    if locks == "advisory":
-        return PostgreSQLCoordinator(
-            engine,
-            table_name=table_name,
-            channel=channel,
-            shards=shards,
-            fingerprint=fingerprint,
-            listen=listen,
-        )
-    if locks == "named":
-        return MySQLCoordinator(
-            engine, table_name=table_name, shards=shards, fingerprint=fingerprint
-        )
-    return None
-
-
-def _with_trace(record: OutboxRecord, trace_headers: Mapping[str, str]) -> OutboxRecord:
-    """``record`` carrying ``trace_headers`` (the publish span) instead of its own."""
-    if all(record.headers.get(name) == trace_headers.get(name) for name in TRACE_HEADERS):
-        return record  # no span (or none recorded): the row's own trace headers go out
-    headers = {k: v for k, v in record.headers.items() if k not in TRACE_HEADERS}
-    headers.update(trace_headers)
-    return record._replace(headers=headers)

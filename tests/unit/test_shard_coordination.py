@@ -12,7 +12,7 @@ from mqdedup.errors import ConfigurationError
 from mqdedup.outbox.coordination import FairShareCoordinator, ShardCoordinator
 from mqdedup.outbox.mysql_coordination import MySQLCoordinator
 from mqdedup.outbox.postgresql_coordination import PostgreSQLCoordinator
-from mqdedup.outbox.relay import create_coordinator
+from mqdedup.outbox.shard_coordinators import create_coordinator
 from mqdedup.outbox.store import ShardFilter
 
 
