@@ -22,6 +22,11 @@ the caller's thread (replays). ``settle``, ``give_back`` and ``dead_letter`` may
 called from another thread: the first two only record what to do (the tracker is
 thread-safe) and the owner thread commits / seeks on its next turn; dead letters go
 through the producer and an admin client, never through the consumer.
+
+Its parts: the rebalance listener (:mod:`mqdedup.kafka.rebalance`), offset commits
+(:mod:`mqdedup.kafka.offset_commits`) with the clean-stop marker and the previous
+owner's check (:mod:`mqdedup.kafka.clean_stop`), the partitions' lag
+(:mod:`mqdedup.kafka.partition_lag`).
 """
 
 from __future__ import annotations
@@ -29,18 +34,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import kafka
 import kafka.errors as kafka_errors
-from kafka.structs import MemberState, OffsetAndMetadata, TopicPartition
+from kafka.structs import MemberState
 
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.kafka.clean_stop import stopped_cleanly
 from mqdedup.kafka.dead_letters import KafkaDeadLetters
+from mqdedup.kafka.offset_commits import OffsetCommits
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
+from mqdedup.kafka.partition_lag import PartitionLag
+from mqdedup.kafka.rebalance import RebalanceListener
 from mqdedup.kafka.records import KafkaToken, describe_error, partition_key, to_message
 
 if TYPE_CHECKING:
@@ -53,10 +62,6 @@ log = logging.getLogger(__name__)
 REBALANCE_POLL = 1.0
 #: A join still not complete after this many seconds is started again.
 REJOIN_AFTER = 5.0
-#: Offset-commit metadata of a graceful stop or hand-over (close, revoke): the next owner
-#: of the partition need not treat its first records as possibly redelivered (careful
-#: mode). The next owner first commits its start offset without it.
-CLEAN_STOP_METADATA = "mqdedup:clean-stop"
 
 
 class KafkaClient:
@@ -80,6 +85,7 @@ class KafkaClient:
         self._client: Any = None
         self._owner: threading.Thread | None = None
         self.dead_letters = KafkaDeadLetters(settings)
+        self.commits = OffsetCommits(settings.consumer_name, self.tracker)
         self._commit_wanted = threading.Event()
         self._next_commit_attempt = 0.0
         self._revoking: set[PartitionKey] = set()
@@ -89,8 +95,7 @@ class KafkaClient:
         self._high_water: dict[PartitionKey, int] = {}
         #: Freshly assigned partitions whose previous owner's stop is not checked yet.
         self._unchecked: set[PartitionKey] = set()
-        #: Committed offsets of assigned partitions nothing was seen of (for the lag).
-        self._idle_committed: dict[PartitionKey, int] = {}
+        self._lag = PartitionLag()
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -111,7 +116,7 @@ class KafkaClient:
             ) from error
         self._client = client
         self._owner = threading.current_thread()
-        listener = _RebalanceListener(self)
+        listener = RebalanceListener(self)
         if settings.pattern is not None:
             client.subscribe(pattern=settings.pattern, listener=listener)
         else:
@@ -144,7 +149,7 @@ class KafkaClient:
                 assigned = {partition_key(tp) for tp in client.assignment() or ()}
                 offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
                 clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in assigned}
-                self._commit(client, {**clean, **offsets}, timeout, clean=set(clean))
+                self.commits.commit(client, {**clean, **offsets}, timeout, clean=set(clean))
             try:
                 client.close(autocommit=False, timeout_ms=int(timeout * 1000))
             except Exception as error:
@@ -264,23 +269,17 @@ class KafkaClient:
         """Before the first records of a fresh assignment: is the careful window needed?
 
         Not when the previous owner stopped gracefully (its last commit carries
-        ``CLEAN_STOP_METADATA``) nor when nobody ever committed (nothing can have died on
-        these records). Either way the start offset is first committed *without* the
-        marker, so a death from now on leaves a trace for the next owner; if that
-        commit fails, the window stays.
+        :data:`~mqdedup.kafka.clean_stop.CLEAN_STOP_METADATA`) nor when nobody ever
+        committed (nothing can have died on these records). Either way the start offset
+        is first committed *without* the marker, so a death from now on leaves a trace
+        for the next owner; if that commit fails, the window stays.
         """
         with self._rebalance_lock:
             self._unchecked.discard(key)
         client = self.client
-        try:
-            committed = client.committed(
-                topic_partition, metadata=True, timeout_ms=int(self.settings.commit_timeout * 1000)
-            )
-        except kafka_errors.KafkaError:
-            return  # unknown: keep the careful window
-        if committed is not None and committed.metadata != CLEAN_STOP_METADATA:
-            return  # the previous owner may have died on these records
-        if self._commit(client, {key: start}, self.settings.commit_timeout):
+        if not stopped_cleanly(client, topic_partition, self.settings.commit_timeout):
+            return  # the previous owner may have died on these records (or unknown)
+        if self.commits.commit(client, {key: start}, self.settings.commit_timeout):
             self.tracker.expect_clean(key)
 
     def current(self, deliveries: Iterable[Delivery[KafkaToken]]) -> list[Delivery[KafkaToken]]:
@@ -319,7 +318,7 @@ class KafkaClient:
         offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
         if not offsets:
             return True
-        ok = self._commit(
+        ok = self.commits.commit(
             self._client, offsets, self.settings.commit_timeout if timeout is None else timeout
         )
         self._next_commit_attempt = time.monotonic() + (
@@ -368,49 +367,9 @@ class KafkaClient:
         """Per-partition lag (high-water mark minus committed/consumed offset) into metrics."""
         if self._client is None:
             return self.metrics.lag
-        lag: dict[str, int] = {}
-        for topic_partition in self._client.assignment() or ():
-            key = partition_key(topic_partition)
-            try:
-                high_water = self._client.highwater(topic_partition)
-            except kafka_errors.KafkaError:
-                continue
-            if high_water is None:
-                continue
-            position = self.tracker.committed_offset(key)
-            if position is None:
-                position = self.tracker.next_offset(key)
-            if position is None:  # nothing seen yet (e.g. just assigned, all caught up)
-                position = self._untracked_position(key, topic_partition)
-            if position is None:
-                continue
-            lag[f"{key[0]}/{key[1]}"] = max(0, int(high_water) - position)
+        lag = self._lag.measure(self._client, self.tracker)
         self.metrics.lag = lag
         return lag
-
-    def _forget_idle(self, keys: Iterable[PartitionKey]) -> None:
-        for key in keys:
-            self._idle_committed.pop(key, None)
-
-    def _untracked_position(self, key: PartitionKey, topic_partition: Any) -> int | None:
-        """The group's committed offset of a partition this worker has seen nothing of.
-
-        Asked once per assignment (nobody else commits a partition we own) and only for
-        partitions with nothing tracked: a worker that joins a caught-up group still
-        reports their lag. kafka-python's own fetch position would not do: it can be
-        ahead of records already fetched but not yet polled.
-        """
-        assert self._client is not None
-        if key in self._idle_committed:
-            return self._idle_committed[key]
-        try:
-            committed = self._client.committed(topic_partition, timeout_ms=1000)
-        except kafka_errors.KafkaError:
-            return None
-        if committed is None:
-            return None  # nothing committed yet: the lag is known once records come
-        self._idle_committed[key] = int(committed)
-        return int(committed)
 
     # -- rebalances -----------------------------------------------------------------------
 
@@ -464,10 +423,10 @@ class KafkaClient:
         that is assigned again; its in-flight work must then be kept, not dropped.
         """
         wanted = set(keys)
-        self._forget_idle(keys)
+        self._lag.forget(keys)
         uncommitted = {k: v for k, v in self.tracker.to_commit().items() if k in wanted}
         clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in wanted}
-        self._commit_on_revoke({**clean, **uncommitted}, clean=set(clean))
+        self.commits.commit_on_revoke(self._client, {**clean, **uncommitted}, clean=set(clean))
         with self._rebalance_lock:
             self._revoking.update(keys)
         return uncommitted
@@ -480,7 +439,7 @@ class KafkaClient:
         kafka-python and here; any other assigned partition has a fresh fetch state
         (it starts at the committed offset), so it gets a new epoch.
         """
-        self._forget_idle(keys)
+        self._lag.forget(keys)
         with self._rebalance_lock:
             assigned = self._assigned_keys() | set(keys)
             revoking, self._revoking = self._revoking, set()
@@ -496,7 +455,7 @@ class KafkaClient:
 
     def _partitions_lost(self, keys: list[PartitionKey]) -> None:
         """Listener (IO thread): membership expired; nothing may be committed any more."""
-        self._forget_idle(keys)
+        self._lag.forget(keys)
         with self._rebalance_lock:
             self.tracker.revoke(keys)
             self._revoking.difference_update(keys)
@@ -505,124 +464,6 @@ class KafkaClient:
 
     def _on_owner_thread(self) -> bool:
         return self._owner is threading.current_thread()
-
-    def _commit(
-        self,
-        client: Any,
-        offsets: Mapping[PartitionKey, int],
-        timeout: float,
-        *,
-        clean: Collection[PartitionKey] = (),
-    ) -> bool:
-        if not offsets:
-            return True
-        request = {
-            TopicPartition(*key): OffsetAndMetadata(
-                offset, CLEAN_STOP_METADATA if key in clean else "", -1
-            )
-            for key, offset in offsets.items()
-        }
-        try:
-            client.commit(request, timeout_ms=int(timeout * 1000))
-        except (
-            kafka_errors.CommitFailedError,
-            kafka_errors.RebalanceInProgressError,
-            kafka_errors.IllegalGenerationError,
-            kafka_errors.UnknownMemberIdError,
-        ) as error:
-            log.warning(
-                "offset commit failed because of a rebalance; redeliveries will be deduplicated",
-                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
-            )
-            return False
-        except kafka_errors.KafkaError as error:
-            log.warning(
-                "offset commit failed; will retry",
-                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
-            )
-            return False
-        self.tracker.committed(dict(offsets))
-        return True
-
-    def _commit_on_revoke(
-        self, offsets: Mapping[PartitionKey, int], *, clean: Collection[PartitionKey] = ()
-    ) -> None:
-        """Best-effort commit from the rebalance listener (kafka-python's IO thread).
-
-        A blocking commit is not allowed there; the asynchronous commit is queued before
-        the group is re-joined, so the coordinator handles it while we still own them.
-        """
-        client = self._client
-        if client is None or not offsets:
-            return
-        request = {
-            TopicPartition(*key): OffsetAndMetadata(
-                offset, CLEAN_STOP_METADATA if key in clean else "", -1
-            )
-            for key, offset in offsets.items()
-        }
-        try:
-            client.commit_async(request, callback=self._revoke_commit_done)
-        except Exception as error:
-            log.warning(
-                "offset commit on revoke failed; redeliveries will be deduplicated",
-                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
-            )
-
-    def _revoke_commit_done(self, offsets: Any, response: Any) -> None:
-        if isinstance(response, Exception):
-            log.warning(
-                "offset commit on revoke failed; redeliveries will be deduplicated",
-                extra={"consumer": self.settings.consumer_name, "error": describe_error(response)},
-            )
-
-
-class _RebalanceListener(kafka.ConsumerRebalanceListener):  # type: ignore[misc]
-    """Keeps the offset tracker in step with kafka-python's assignment.
-
-    kafka-python 3 runs these callbacks on its IO thread; they only touch the
-    (thread-safe) offset tracker and queue an asynchronous commit.
-    """
-
-    def __init__(self, transport: KafkaClient) -> None:
-        self.transport = transport
-
-    def on_partitions_revoked(self, revoked: Any) -> None:
-        keys = [partition_key(tp) for tp in revoked]
-        uncommitted = self.transport._partitions_revoked(keys)
-        log.info(
-            "partitions revoked",
-            extra={
-                "consumer": self.transport.settings.consumer_name,
-                "partitions": _names(keys),
-                "committing": {f"{k[0]}/{k[1]}": v for k, v in uncommitted.items()},
-            },
-        )
-
-    def on_partitions_lost(self, lost: Any) -> None:
-        keys = [partition_key(tp) for tp in lost]
-        self.transport._partitions_lost(keys)
-        log.warning(
-            "partitions lost (group membership expired); their in-flight work is dropped",
-            extra={"consumer": self.transport.settings.consumer_name, "partitions": _names(keys)},
-        )
-
-    def on_partitions_assigned(self, assigned: Any) -> None:
-        keys = [partition_key(tp) for tp in assigned]
-        gone, fresh, kept = self.transport._partitions_assigned(keys)
-        log.info(
-            "partitions assigned",
-            extra={
-                "consumer": self.transport.settings.consumer_name,
-                "partitions": _names(fresh),
-                "kept": _names(kept),
-                "dropped": _names(gone),
-            },
-        )
-
-
-def _names(keys: Iterable[PartitionKey]) -> list[str]:
-    return [f"{topic}/{partition}" for topic, partition in sorted(keys)]
 
 
 def _retriable(error: BaseException) -> bool:
