@@ -26,7 +26,8 @@ through the producer and an admin client, never through the consumer.
 Its parts: the rebalance listener (:mod:`mqdedup.kafka.rebalance`), offset commits
 (:mod:`mqdedup.kafka.offset_commits`) with the clean-stop marker and the previous
 owner's check (:mod:`mqdedup.kafka.clean_stop`), the partitions' lag
-(:mod:`mqdedup.kafka.partition_lag`).
+(:mod:`mqdedup.kafka.partition_lag`), the assignment across rebalances
+(:mod:`mqdedup.kafka.assignment`), the group-join watchdog (:mod:`mqdedup.kafka.group_join`).
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ from typing import TYPE_CHECKING, Any
 
 import kafka
 import kafka.errors as kafka_errors
-from kafka.structs import MemberState
 
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.kafka.assignment import Assignment
 from mqdedup.kafka.clean_stop import stopped_cleanly
 from mqdedup.kafka.dead_letters import KafkaDeadLetters
+from mqdedup.kafka.group_join import JoinWatch
 from mqdedup.kafka.offset_commits import OffsetCommits
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
 from mqdedup.kafka.partition_lag import PartitionLag
@@ -57,11 +59,6 @@ if TYPE_CHECKING:
     from mqdedup.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
-
-#: Shortest poll while the group is (re)joining, so the join completes inside one call.
-REBALANCE_POLL = 1.0
-#: A join still not complete after this many seconds is started again.
-REJOIN_AFTER = 5.0
 
 
 class KafkaClient:
@@ -88,13 +85,10 @@ class KafkaClient:
         self.commits = OffsetCommits(settings.consumer_name, self.tracker)
         self._commit_wanted = threading.Event()
         self._next_commit_attempt = 0.0
-        self._revoking: set[PartitionKey] = set()
-        self._rebalance_lock = threading.Lock()
-        self._rebalancing_since: float | None = None
+        self._assignment = Assignment(self.tracker, self._assigned_keys)
+        self._join = JoinWatch(settings.consumer_name)
         self._closed = False
         self._high_water: dict[PartitionKey, int] = {}
-        #: Freshly assigned partitions whose previous owner's stop is not checked yet.
-        self._unchecked: set[PartitionKey] = set()
         self._lag = PartitionLag()
 
     # -- life cycle ----------------------------------------------------------------------
@@ -224,12 +218,12 @@ class KafkaClient:
     def poll(self, max_records: int, timeout: float) -> list[Delivery[KafkaToken]]:
         """One kafka-python poll; records become tracked deliveries (owner thread only).
 
-        While the group is (re)joining, the poll waits at least ``REBALANCE_POLL``
-        seconds so the join can complete inside the call (see :meth:`_watch_join`).
+        While the group is (re)joining, the poll waits at least
+        :data:`~mqdedup.kafka.group_join.REBALANCE_POLL` seconds so the join can complete
+        inside the call (see :class:`~mqdedup.kafka.group_join.JoinWatch`).
         """
         client = self.client
-        if self._watch_join():
-            timeout = max(timeout, REBALANCE_POLL)
+        timeout = self._join.poll_timeout(client, timeout)
         try:
             batches = client.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
         except kafka_errors.CommitFailedError as error:
@@ -246,11 +240,11 @@ class KafkaClient:
                 extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
             )
             return []
-        self._drop_unassigned()
+        self._assignment.drop_unassigned()
         deliveries: list[Delivery[KafkaToken]] = []
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
-            if key in self._unchecked and records:
+            if self._assignment.unchecked(key) and records:
                 self._check_previous_owner(key, topic_partition, records[0].offset)
             for record in records:
                 tracked = self.tracker.track_redelivered(key, record.offset)
@@ -274,8 +268,7 @@ class KafkaClient:
         is first committed *without* the marker, so a death from now on leaves a trace
         for the next owner; if that commit fails, the window stays.
         """
-        with self._rebalance_lock:
-            self._unchecked.discard(key)
+        self._assignment.checked(key)
         client = self.client
         if not stopped_cleanly(client, topic_partition, self.settings.commit_timeout):
             return  # the previous owner may have died on these records (or unknown)
@@ -373,47 +366,10 @@ class KafkaClient:
 
     # -- rebalances -----------------------------------------------------------------------
 
-    def _watch_join(self) -> bool:
-        """True while the member is not STABLE; repairs a join that never completes.
-
-        kafka-python 3.0 loses a completed JoinGroup/SyncGroup when the ``poll()`` that
-        started it timed out first and the rebalance was triggered by a metadata change
-        (e.g. a new topic's partitions): the member then stays ``REBALANCING`` with no
-        partitions for good. If that lasts ``REJOIN_AFTER`` seconds, ask the coordinator
-        to rejoin (harmless while a join is still in flight: it is awaited again).
-        """
-        state = getattr(self._client.group_metadata(), "state", None)
-        if state == MemberState.STABLE:
-            self._rebalancing_since = None
-            return False
-        now = time.monotonic()
-        if self._rebalancing_since is None:
-            self._rebalancing_since = now
-        elif now - self._rebalancing_since >= REJOIN_AFTER:
-            coordinator = getattr(self._client, "_coordinator", None)
-            request_rejoin = getattr(coordinator, "request_rejoin", None)
-            if callable(request_rejoin):
-                log.warning(
-                    "group join did not complete; rejoining",
-                    extra={"consumer": self.settings.consumer_name, "state": str(state)},
-                )
-                request_rejoin()
-            self._rebalancing_since = now
-        return True
-
     def _assigned_keys(self) -> set[PartitionKey]:
         if self._client is None:
             return set()
         return {partition_key(tp) for tp in self._client.assignment() or ()}
-
-    def _drop_unassigned(self) -> None:
-        """Forget partitions kafka-python no longer assigns (their work is dropped)."""
-        with self._rebalance_lock:
-            assigned = self._assigned_keys()
-            gone = [key for key in self.tracker.partitions if key not in assigned]
-            if gone:
-                self.tracker.revoke(gone)
-                self._revoking.difference_update(gone)
 
     def _partitions_revoked(self, keys: list[PartitionKey]) -> dict[PartitionKey, int]:
         """Listener (IO thread): commit what is settled; the drop waits for the assignment.
@@ -427,38 +383,18 @@ class KafkaClient:
         uncommitted = {k: v for k, v in self.tracker.to_commit().items() if k in wanted}
         clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in wanted}
         self.commits.commit_on_revoke(self._client, {**clean, **uncommitted}, clean=set(clean))
-        with self._rebalance_lock:
-            self._revoking.update(keys)
+        self._assignment.revoking(keys)
         return uncommitted
 
     def _partitions_assigned(self, keys: list[PartitionKey]) -> tuple[list[PartitionKey], ...]:
-        """Listener (IO thread): drop partitions really gone, start fresh ones afresh.
-
-        ``keys`` is the whole new assignment (eager) or the added partitions
-        (cooperative). A partition kept from the previous assignment keeps its state in
-        kafka-python and here; any other assigned partition has a fresh fetch state
-        (it starts at the committed offset), so it gets a new epoch.
-        """
+        """Listener (IO thread): see :meth:`Assignment.assigned`; ``(gone, fresh, kept)``."""
         self._lag.forget(keys)
-        with self._rebalance_lock:
-            assigned = self._assigned_keys() | set(keys)
-            revoking, self._revoking = self._revoking, set()
-            gone = sorted(revoking - assigned)
-            self.tracker.revoke(gone)
-            tracked = set(self.tracker.partitions)
-            fresh = sorted((set(keys) - revoking) | (assigned - tracked))
-            self.tracker.assign(fresh)
-            self._unchecked.difference_update(gone)
-            self._unchecked.update(fresh)
-        kept = sorted(assigned - set(fresh))
-        return gone, fresh, kept
+        return self._assignment.assigned(keys)
 
     def _partitions_lost(self, keys: list[PartitionKey]) -> None:
         """Listener (IO thread): membership expired; nothing may be committed any more."""
         self._lag.forget(keys)
-        with self._rebalance_lock:
-            self.tracker.revoke(keys)
-            self._revoking.difference_update(keys)
+        self._assignment.lost(keys)
 
     # -- internals -----------------------------------------------------------------------
 

@@ -364,11 +364,11 @@ def test_a_group_join_lost_by_kafka_python_is_started_again(
     """kafka-python 3.0 can lose a completed JoinGroup/SyncGroup when the poll that
     started it timed out first (here forced with 1 ms polls): without the watchdog the
     worker stays in the group with no partitions and never consumes anything."""
-    from mqdedup.kafka import client as kafka_client
+    from mqdedup.kafka import group_join as kafka_group_join
     from mqdedup.kafka import transport as kafka_transport
 
-    monkeypatch.setattr(kafka_client, "REBALANCE_POLL", 0.0)
-    monkeypatch.setattr(kafka_client, "REJOIN_AFTER", 2.0)
+    monkeypatch.setattr(kafka_group_join, "REBALANCE_POLL", 0.0)
+    monkeypatch.setattr(kafka_group_join, "REJOIN_AFTER", 2.0)
     monkeypatch.setattr(kafka_transport, "POLL_SLICE", 0.001)
     for attempt in range(3):
         topic = kafka_helper.create_topic(partitions=2)  # new topic: metadata arrives late
