@@ -27,7 +27,8 @@ Its parts: the rebalance listener (:mod:`mqdedup.kafka.rebalance`), offset commi
 (:mod:`mqdedup.kafka.offset_commits`) with the clean-stop marker and the previous
 owner's check (:mod:`mqdedup.kafka.clean_stop`), the partitions' lag
 (:mod:`mqdedup.kafka.partition_lag`), the assignment across rebalances
-(:mod:`mqdedup.kafka.assignment`), the group-join watchdog (:mod:`mqdedup.kafka.group_join`).
+(:mod:`mqdedup.kafka.assignment`), the group-join watchdog (:mod:`mqdedup.kafka.group_join`),
+giving deliveries back (:mod:`mqdedup.kafka.rewinds`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
 from mqdedup.kafka.partition_lag import PartitionLag
 from mqdedup.kafka.rebalance import RebalanceListener
 from mqdedup.kafka.records import KafkaToken, describe_error, partition_key, to_message
+from mqdedup.kafka.rewinds import request_rewinds, seek_rewinds
 
 if TYPE_CHECKING:
 
@@ -326,35 +328,12 @@ class KafkaClient:
         delivery's epoch is over: its partition moved or was given back already); the
         seek itself happens on the owner thread (:meth:`apply_rewinds`).
         """
-        first: dict[PartitionKey, KafkaToken] = {}
-        for delivery in deliveries:
-            token = delivery.token
-            seen = first.get(token.partition)
-            if seen is None or token.offset < seen.offset:
-                first[token.partition] = token
-        for token in first.values():
-            if self.tracker.request_rewind(token.partition, token.offset, token.epoch):
-                log.warning(
-                    "rewinding partition to an unsettled message",
-                    extra={
-                        "consumer": self.settings.consumer_name,
-                        "partition": f"{token.partition[0]}/{token.partition[1]}",
-                        "offset": token.offset,
-                    },
-                )
-        if first:
+        if request_rewinds(self.tracker, deliveries, self.settings.consumer_name):
             self._commit_wanted.set()  # wake the owner thread
 
     def apply_rewinds(self) -> None:
         """Seek partitions back to their first unsettled delivery (owner thread only)."""
-        rewinds = self.tracker.take_rewinds()
-        if not rewinds or self._client is None:
-            return
-        assigned = {partition_key(tp): tp for tp in self._client.assignment() or ()}
-        for rewind in rewinds:
-            topic_partition = assigned.get(rewind.partition)
-            if topic_partition is not None:
-                self._client.seek(topic_partition, rewind.offset)
+        seek_rewinds(self._client, self.tracker)
 
     def update_lag(self) -> dict[str, int]:
         """Per-partition lag (high-water mark minus committed/consumed offset) into metrics."""
