@@ -53,7 +53,13 @@ from mqdedup.kafka.offset_commits import OffsetCommits
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
 from mqdedup.kafka.partition_lag import PartitionLag
 from mqdedup.kafka.rebalance import RebalanceListener
-from mqdedup.kafka.records import KafkaToken, describe_error, partition_key, to_message
+from mqdedup.kafka.records import (
+    KafkaToken,
+    describe_error,
+    is_retriable,
+    partition_key,
+    to_message,
+)
 from mqdedup.kafka.rewinds import request_rewinds, seek_rewinds
 
 if TYPE_CHECKING:
@@ -85,12 +91,10 @@ class KafkaClient:
         self._owner: threading.Thread | None = None
         self.dead_letters = KafkaDeadLetters(settings)
         self.commits = OffsetCommits(settings.consumer_name, self.tracker)
-        self._commit_wanted = threading.Event()
         self._next_commit_attempt = 0.0
         self._assignment = Assignment(self.tracker, self._assigned_keys)
         self._join = JoinWatch(settings.consumer_name)
         self._closed = False
-        self._high_water: dict[PartitionKey, int] = {}
         self._lag = PartitionLag()
 
     # -- life cycle ----------------------------------------------------------------------
@@ -181,11 +185,8 @@ class KafkaClient:
             token = delivery.token
             if self.tracker.settle(token.partition, token.offset, token.epoch):
                 settled += 1
-        if settled:
-            if self._on_owner_thread():
-                self.commit_pending(force=True)
-            else:
-                self._commit_wanted.set()
+        if settled and self._on_owner_thread():
+            self.commit_pending(force=True)
 
     def dead_letter(self, delivery: Delivery[KafkaToken], record: DeadLetter) -> None:
         """Publish the original record with ``record``'s headers; wait for the broker's ack.
@@ -235,7 +236,7 @@ class KafkaClient:
             )
             return []
         except kafka_errors.KafkaError as error:
-            if not _retriable(error):
+            if not is_retriable(error):
                 raise
             log.warning(
                 "kafka poll failed; retrying",
@@ -304,7 +305,6 @@ class KafkaClient:
         and retried on a later call (after a short back-off). Neither is a risk: an
         offset not committed yet only means its messages may come again, deduplicated.
         """
-        self._commit_wanted.clear()
         if self._client is None:
             return True
         if not force and time.monotonic() < self._next_commit_attempt:
@@ -328,8 +328,7 @@ class KafkaClient:
         delivery's epoch is over: its partition moved or was given back already); the
         seek itself happens on the owner thread (:meth:`apply_rewinds`).
         """
-        if request_rewinds(self.tracker, deliveries, self.settings.consumer_name):
-            self._commit_wanted.set()  # wake the owner thread
+        request_rewinds(self.tracker, deliveries, self.settings.consumer_name)
 
     def apply_rewinds(self) -> None:
         """Seek partitions back to their first unsettled delivery (owner thread only)."""
@@ -380,11 +379,3 @@ class KafkaClient:
     def _on_owner_thread(self) -> bool:
         return self._owner is threading.current_thread()
 
-
-def _retriable(error: BaseException) -> bool:
-    return bool(getattr(error, "retriable", False)) or isinstance(
-        error,
-        kafka_errors.KafkaConnectionError
-        | kafka_errors.KafkaTimeoutError
-        | kafka_errors.NodeNotReadyError,
-    )

@@ -29,7 +29,13 @@ from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.kafka.dead_letters import KafkaDeadLetters
 from mqdedup.kafka.offsets import PartitionKey
-from mqdedup.kafka.records import KafkaToken, partition_key, to_message
+from mqdedup.kafka.records import (
+    KafkaToken,
+    describe_error,
+    is_retriable,
+    partition_key,
+    to_message,
+)
 from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
@@ -119,7 +125,7 @@ class KafkaRangeTransport:
             except Exception as error:
                 log.warning(
                     "kafka consumer did not close cleanly",
-                    extra={"consumer": self.settings.consumer_name, "error": str(error)},
+                    extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
                 )
         if self._dead_letters is not None:
             self._dead_letters.close(10.0)
@@ -252,11 +258,11 @@ class KafkaRangeTransport:
         try:
             batches = client.poll(timeout_ms=int(timeout * 1000), max_records=max_messages)
         except kafka_errors.KafkaError as error:
-            if not _retriable(error):
+            if not is_retriable(error):
                 raise
             log.warning(
                 "kafka poll failed; retrying",
-                extra={"consumer": self.settings.consumer_name, "error": str(error)},
+                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
             )
             return []
         deliveries: list[Delivery[KafkaToken]] = []
@@ -283,12 +289,3 @@ def _position(delivery: Delivery[KafkaToken]) -> tuple[PartitionKey, int]:
 
 def _by_key(offsets: Any) -> dict[PartitionKey, int]:
     return {partition_key(tp): int(offset) for tp, offset in offsets.items()}
-
-
-def _retriable(error: BaseException) -> bool:
-    return bool(getattr(error, "retriable", False)) or isinstance(
-        error,
-        kafka_errors.KafkaConnectionError
-        | kafka_errors.KafkaTimeoutError
-        | kafka_errors.NodeNotReadyError,
-    )

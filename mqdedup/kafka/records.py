@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from kafka import errors as kafka_errors
+
 from mqdedup.consumers.transport import DeadLetter
 from mqdedup.kafka.offsets import PartitionKey
 from mqdedup.message import HeaderValue, Message
@@ -83,3 +85,13 @@ def describe_error(error: BaseException) -> str:
     """``ClassName: first line`` of an error (kafka-python errors never carry secrets)."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def is_retriable(error: BaseException) -> bool:
+    """A kafka-python error that a later poll may not see again (connection, timeout)."""
+    return bool(getattr(error, "retriable", False)) or isinstance(
+        error,
+        kafka_errors.KafkaConnectionError
+        | kafka_errors.KafkaTimeoutError
+        | kafka_errors.NodeNotReadyError,
+    )
