@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+
+from mqdedup.bridge import in_bridge, sleep
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +35,20 @@ class StopToken:
         self._event.set()
 
     def wait(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``; return True early if a stop is requested."""
-        return self._event.wait(seconds)
+        """Sleep up to ``seconds``; return True early if a stop is requested.
+
+        Inside the asyncio bridge (async consumers) the event loop keeps running while
+        waiting: the stop flag is checked every 50 ms between loop sleeps.
+        """
+        if not in_bridge():
+            return self._event.wait(seconds)
+        deadline = time.monotonic() + seconds
+        while not self._event.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            sleep(min(remaining, 0.05))
+        return True
 
 
 @contextmanager

@@ -1,0 +1,1 @@
+"""Django integration (placeholder; see issue #14)."""

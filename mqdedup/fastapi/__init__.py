@@ -1,0 +1,1 @@
+"""FastAPI integration (placeholder; see issue #13)."""
