@@ -455,12 +455,42 @@ class AioKafkaKit(KafkaKit):
             self.loop.close()
 
 
+class AioPikaKit(RabbitMQKit):
+    name = "aio-pika"
+
+    def __init__(self, url: str) -> None:
+        self.loop = LoopThread()
+        super().__init__(url)
+
+    def consumer_class(self, **attributes: Any) -> type[ContractOrders]:
+        from mqdedup.rabbitmq import AsyncRabbitMQConsumer
+
+        namespace = {
+            "queue": self.queue,
+            "url": self.url,
+            "prefetch": 200,
+            "connection_name": f"mqdedup-contract:{self.queue}",
+            **attributes,
+        }
+        return type("AioRabbitOrders", (ContractOrders, AsyncRabbitMQConsumer), namespace)
+
+    def _open(self, consumer: ContractOrders) -> Transport:
+        return BridgedTransport(self.loop, self.loop.call(consumer.create_transport))
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.loop.close()
+
+
 @pytest.fixture(
     params=[
         "memory",
         pytest.param("kafka", marks=pytest.mark.integration),
         pytest.param("rabbitmq", marks=pytest.mark.integration),
         pytest.param("aiokafka", marks=pytest.mark.integration),
+        pytest.param("aio-pika", marks=pytest.mark.integration),
     ]
 )
 def transport_kit(request: pytest.FixtureRequest) -> Iterator[TransportKit]:
@@ -473,6 +503,8 @@ def transport_kit(request: pytest.FixtureRequest) -> Iterator[TransportKit]:
         kit = KafkaKit(request.getfixturevalue("kafka_helper"))
     elif request.param == "aiokafka":
         kit = AioKafkaKit(request.getfixturevalue("kafka_helper"))
+    elif request.param == "aio-pika":
+        kit = AioPikaKit(request.getfixturevalue("rabbitmq_url"))
     else:
         kit = RabbitMQKit(request.getfixturevalue("rabbitmq_url"))
     try:
