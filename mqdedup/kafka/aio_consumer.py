@@ -26,6 +26,7 @@ import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from mqdedup.consumers.async_consumer import AsyncConsumer
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.aio_settings import AioKafkaSettings
@@ -58,8 +59,14 @@ _SHARED_KEYS = frozenset(
 )
 
 
-class AsyncKafkaConsumer(KafkaConsumer):
-    """A Kafka consumer run on an asyncio event loop through aiokafka (see the module docs)."""
+class AsyncKafkaConsumer(AsyncConsumer, KafkaConsumer):
+    """A Kafka consumer run on an asyncio event loop through aiokafka (see the module docs).
+
+    ``async def handle`` / ``handle_batch`` get a guarded ``AsyncSession``
+    (:class:`~mqdedup.consumers.async_consumer.AsyncConsumer`); ``run`` (what
+    ``mqdedup worker`` calls) runs an event loop of its own, ``await run_async(...)``
+    runs on yours.
+    """
 
     #: aiokafka-only ``AIOKafkaConsumer`` settings (e.g. ``ssl_context``); applied last.
     aiokafka_config: ClassVar[Mapping[str, Any]] = {}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from mqdedup.consumers.async_consumer import AsyncConsumer
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import ConfigurationError
 from mqdedup.rabbitmq.consumer import RabbitMQConsumer
@@ -30,8 +31,14 @@ if TYPE_CHECKING:
     from mqdedup.rabbitmq.aio_transport import AioPikaTransport
 
 
-class AsyncRabbitMQConsumer(RabbitMQConsumer):
-    """A RabbitMQ consumer run on an asyncio event loop through aio-pika."""
+class AsyncRabbitMQConsumer(AsyncConsumer, RabbitMQConsumer):
+    """A RabbitMQ consumer run on an asyncio event loop through aio-pika.
+
+    ``async def handle`` / ``handle_batch`` get a guarded ``AsyncSession``
+    (:class:`~mqdedup.consumers.async_consumer.AsyncConsumer`); ``run`` (what
+    ``mqdedup worker`` calls) runs an event loop of its own, ``await run_async(...)``
+    runs on yours.
+    """
 
     #: Seconds between reconnect attempts of the robust connection (at most
     #: ``reconnect_backoff_max``).

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 import pytest
 from sqlalchemy import Table, insert
 
-from mqdedup import Consumer, Context, Message
+from mqdedup import AsyncConsumer, Consumer, Context, Message
 from mqdedup.bridge import run_bridged
 from mqdedup.consumers.memory import InMemoryBroker
 from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
@@ -125,6 +125,22 @@ class ContractOrders(Consumer):
         if message.id in self.fail_ids:
             raise ValueError(f"cannot handle {message.id}")
         ctx.session.execute(insert(type(self).orders).values(message_id=message.id))
+        return None
+
+
+class AsyncContractOrders(AsyncConsumer):
+    """:class:`ContractOrders` with ``async def handle`` (the asyncio kits' consumers)."""
+
+    orders: ClassVar[Table]
+    fail_ids: ClassVar[frozenset[str]] = frozenset()
+    batch_size = 100
+    poll_timeout = 0.2
+
+    async def handle(self, message: Message, ctx: Any) -> Any:
+        assert message.id is not None
+        if message.id in self.fail_ids:
+            raise ValueError(f"cannot handle {message.id}")
+        await ctx.session.execute(insert(type(self).orders).values(message_id=message.id))
         return None
 
 
@@ -443,7 +459,7 @@ class AioKafkaKit(KafkaKit):
             "commit_interval": 0.0,
             **attributes,
         }
-        return type("AioKafkaOrders", (ContractOrders, AsyncKafkaConsumer), namespace)
+        return type("AioKafkaOrders", (AsyncContractOrders, AsyncKafkaConsumer), namespace)
 
     def _open(self, consumer: ContractOrders) -> Transport:
         return BridgedTransport(self.loop, self.loop.call(consumer.create_transport))
@@ -472,7 +488,7 @@ class AioPikaKit(RabbitMQKit):
             "connection_name": f"mqdedup-contract:{self.queue}",
             **attributes,
         }
-        return type("AioRabbitOrders", (ContractOrders, AsyncRabbitMQConsumer), namespace)
+        return type("AioRabbitOrders", (AsyncContractOrders, AsyncRabbitMQConsumer), namespace)
 
     def _open(self, consumer: ContractOrders) -> Transport:
         return BridgedTransport(self.loop, self.loop.call(consumer.create_transport))
