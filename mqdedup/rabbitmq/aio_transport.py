@@ -58,6 +58,12 @@ log = logging.getLogger(__name__)
 WAIT_SLICE = 0.25
 #: Seconds to wait for the broker's answer to a command (declare, cancel, close).
 COMMAND_TIMEOUT = 30.0
+#: What a lost or closed channel / connection raises (the broker then redelivers).
+CHANNEL_FAILURES: tuple[type[BaseException], ...] = (
+    aio_errors.AMQPError,
+    aio_errors.ChannelInvalidStateError,
+    OSError,
+)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -330,7 +336,7 @@ class AioPikaTransport:
             for tag in plan.singles:
                 await live.basic_ack(tag)
                 self._outstanding.discard(tag)
-        except (aio_errors.AMQPError, OSError) as error:
+        except CHANNEL_FAILURES as error:
             log.warning(
                 "settling failed; the deliveries will be redelivered and skipped as duplicates",
                 extra={"queue": self.queue, "error": describe_error(error)},
@@ -357,7 +363,7 @@ class AioPikaTransport:
             for tag in tags:
                 await channel.basic_nack(tag, requeue=True)
                 self._outstanding.discard(tag)
-        except (aio_errors.AMQPError, OSError) as error:
+        except CHANNEL_FAILURES as error:
             log.warning(
                 "returning deliveries failed; the broker requeues them with the channel",
                 extra={"queue": self.queue, "error": describe_error(error)},
@@ -368,7 +374,7 @@ class AioPikaTransport:
         tag, self._consumer_tag = self._consumer_tag, None
         if tag is None or self._queue is None:
             return
-        with contextlib.suppress(aio_errors.AMQPError, OSError, TimeoutError):
+        with contextlib.suppress(*CHANNEL_FAILURES, TimeoutError):
             await asyncio.wait_for(self._queue.cancel(tag), COMMAND_TIMEOUT)
         live = await self._current_channel()
         unfetched = [d.token.delivery_tag for d in self._buffer if d.token.channel is live]
