@@ -24,15 +24,18 @@ from mqdedup.consumers.async_context import AsyncBatchContext
 from mqdedup.consumers.base import RetryPolicy
 from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.replay import ReplayReport, ReplayRun
 from mqdedup.consumers.transport import Transport
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.async_engine import create_async_engine
+from mqdedup.db.engine import session_factory
 from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError
 from mqdedup.outbox.writer import OutboxWriter, outgoing_message_id
 from mqdedup.stopping import StopToken
 from mqdedup.testing import ConsumerHarness, assert_effectively_once
 from tests.support import orders
+from tests.unit.test_replay_run import ListRange
 
 QUEUE = "async-orders"
 
@@ -364,3 +367,30 @@ def test_mixed_up_handler_styles_and_sessions_get_clear_answers(tmp_path: Path) 
         await engine.dispose()
 
     asyncio.run(misuse())
+
+
+def test_a_replay_runs_an_async_consumer_over_a_range(sqlite_engine: Engine) -> None:
+    """``mqdedup replay``'s run: a synchronous range transport, the Worker bridged on an
+    event loop of its own, the consumer's async handler on the replay's session."""
+    messages = [
+        Message(body=f'{{"order": {n}}}'.encode(), headers={"message-id": f"order-{n}"})
+        for n in range(8)
+    ]
+
+    def replay(*, dry_run: bool = False) -> ReplayReport:
+        transport = ListRange([*messages, messages[2]])
+        run = ReplayRun(AsyncOrders(), session_factory(sqlite_engine), transport, dry_run=dry_run)
+        report = run.run()
+        assert transport.closed
+        return report
+
+    dry = replay(dry_run=True)
+    assert (dry.new, dry.duplicates) == (8, 1) and order_counts(sqlite_engine) == {}
+    first = replay()
+    assert (first.new, first.duplicates, first.dead_lettered) == (8, 1, 0)
+    assert order_counts(sqlite_engine) == {f"order-{n}": 1 for n in range(8)}
+    again = replay()
+    assert (again.new, again.duplicates) == (0, 9)
+    assert outbox_ids(sqlite_engine) == {
+        outgoing_message_id(AsyncOrders.name, f"order-{n}", 0) for n in range(8)
+    }
