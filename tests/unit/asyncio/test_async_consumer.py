@@ -394,3 +394,38 @@ def test_a_replay_runs_an_async_consumer_over_a_range(sqlite_engine: Engine) -> 
     assert outbox_ids(sqlite_engine) == {
         outgoing_message_id(AsyncOrders.name, f"order-{n}", 0) for n in range(8)
     }
+
+
+def test_a_sync_consumer_runs_bridged_on_an_async_engine(sqlite_engine: Engine) -> None:
+    """A plain consumer given an ``AsyncEngine``: the Worker runs it inside the bridge."""
+    from tests.support import OrderConsumer
+
+    broker = InMemoryBroker()
+    for n in range(5):
+        broker.publish(QUEUE, f'{{"order": {n}}}', message_id=f"order-{n}")
+
+    async def scenario() -> Metrics:
+        engine = create_async_engine(sqlite_engine)
+        try:
+            return await Worker(OrderConsumer(), broker.transport(QUEUE), engine).run_async(
+                until_idle=True
+            )
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(scenario()).processed == 5
+    assert order_counts(sqlite_engine) == {f"order-{n}": 1 for n in range(5)}
+
+
+def test_the_processor_refuses_an_async_consumer_outside_the_bridge(
+    sqlite_engine: Engine,
+) -> None:
+    from mqdedup.consumers.processor import Processor
+
+    broker = InMemoryBroker()
+    broker.publish(QUEUE, b'{"order": 1}', message_id="order-1")
+    transport = broker.transport(QUEUE)
+    processor = Processor(AsyncOrders(), session_factory(sqlite_engine), transport)
+    with pytest.raises(NotInBridgeError, match=r"is an AsyncConsumer"):
+        processor.process(transport.fetch(10, 0.1))
+    assert not broker.dead_letters  # a programming error, never the message's fault
