@@ -9,6 +9,7 @@ and what the broker settled, and that the event loop kept running meanwhile.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -367,6 +368,10 @@ def test_mixed_up_handler_styles_and_sessions_get_clear_answers(tmp_path: Path) 
         await engine.dispose()
 
     asyncio.run(misuse())
+    assert create_async_engine("postgresql://u:pw@db/shop").dialect.is_async  # psycopg 3
+    if importlib.util.find_spec("aiomysql") is None:
+        with pytest.raises(ConfigurationError, match=r"needs the aiomysql driver.*pip install"):
+            create_async_engine("mysql+pymysql://u:secret@db/shop")
 
 
 def test_a_replay_runs_an_async_consumer_over_a_range(sqlite_engine: Engine) -> None:
