@@ -434,3 +434,26 @@ def test_the_processor_refuses_an_async_consumer_outside_the_bridge(
     with pytest.raises(NotInBridgeError, match=r"is an AsyncConsumer"):
         processor.process(transport.fetch(10, 0.1))
     assert not broker.dead_letters  # a programming error, never the message's fault
+
+
+@pytest.mark.parametrize("isolation", ["auto", "savepoint", "rerun", "transaction"])
+def test_every_failure_isolation_mode_fails_the_culprit_alone(
+    sqlite_engine: Engine, isolation: str
+) -> None:
+    class Isolated(AsyncOrders):
+        failure_isolation = isolation  # type: ignore[assignment]
+        retry_policy = RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.01)
+        fail_ids = frozenset({"order-4"})
+
+    broker = InMemoryBroker()
+    ids = publish_orders(broker, range(10))
+    consumer = Isolated()
+
+    asyncio.run(work(consumer, broker.transport(QUEUE), sqlite_engine, Ticker()))
+
+    assert order_counts(sqlite_engine) == {i: 1 for i in ids if i != "order-4"}
+    assert outbox_ids(sqlite_engine) == {
+        outgoing_message_id(consumer.name, i, 0) for i in ids if i != "order-4"
+    }
+    assert [d.message.headers["message-id"] for d in broker.dead_letters[QUEUE]] == ["order-4"]
+    assert broker.settled_count[QUEUE] == 10
