@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -457,3 +459,43 @@ def test_every_failure_isolation_mode_fails_the_culprit_alone(
     }
     assert [d.message.headers["message-id"] for d in broker.dead_letters[QUEUE]] == ["order-4"]
     assert broker.settled_count[QUEUE] == 10
+
+
+WITHOUT_GREENLET = """
+import sys, tempfile
+sys.modules["greenlet"] = None  # "not installed": the asyncio extra is optional
+from mqdedup import AsyncConsumer, ConfigurationError, InMemoryBroker, create_engine
+from mqdedup import run_until_idle
+from tests.support import OrderConsumer, order_counts, reset_database
+
+engine = create_engine(f"sqlite:///{tempfile.mkdtemp()}/x.db")
+reset_database(engine)
+broker = InMemoryBroker()
+broker.publish("q", '{"order": 1}', message_id="m1")
+assert run_until_idle(OrderConsumer(), broker.transport("q"), engine).processed == 1
+assert "sqlalchemy.ext.asyncio" not in sys.modules
+
+class Orders(AsyncConsumer):
+    async def handle(self, message, ctx): ...
+    def create_transport(self, **_): return broker.transport("q")
+
+try:
+    Orders().run(engine)
+except ConfigurationError as error:
+    print(error)
+"""
+
+
+def test_without_the_asyncio_extra_sync_consumers_work_and_async_ones_say_why() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_GREENLET],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).parents[3],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == (
+        "async consumers need greenlet, which is not installed: pip install 'mqdedup[asyncio]'"
+    )
