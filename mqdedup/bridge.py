@@ -81,8 +81,7 @@ def _require_greenlet() -> None:
         import greenlet  # type: ignore[import-untyped]  # noqa: F401  the asyncio extra
     except ImportError:
         raise ConfigurationError(
-            "async consumers need greenlet, which is not installed: "
-            "pip install 'mqdedup[asyncio]'"
+            "async consumers need greenlet, which is not installed: pip install 'mqdedup[asyncio]'"
         ) from None
 
 
