@@ -12,19 +12,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from sqlalchemy import Engine
-from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.bridge import in_bridge, run_blocking
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchAbandonedError, BatchReport, Processor
+from mqdedup.db.async_engine import sync_engine_of
 from mqdedup.db.engine import session_factory
 from mqdedup.stopping import StopToken, run_stoppable
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
     from mqdedup.consumers.base import Consumer
     from mqdedup.consumers.transport import Delivery, Transport
 
@@ -51,8 +53,9 @@ class Worker:
     An async consumer (:class:`~mqdedup.consumers.async_consumer.AsyncConsumer`) runs
     the same loop on an event loop, inside the bridge: ``await worker.run_async()``, or
     ``run()``, which starts an event loop of its own when called outside one.
-    ``database`` may then be an ``AsyncEngine`` (its ``sync_engine`` backs the
-    sessions, awaiting the asyncio driver).
+    ``database`` may be an ``AsyncEngine`` (its ``sync_engine`` backs the sessions,
+    awaiting the asyncio driver), for synchronous consumers too: the loop then runs
+    bridged the same way.
     """
 
     def __init__(
@@ -70,9 +73,15 @@ class Worker:
         self.transport = transport
         self.stop = stop or StopToken()
         self.metrics = metrics or Metrics()
-        if isinstance(database, AsyncEngine):
-            database = database.sync_engine  # used inside the bridge: awaits its driver
-        sessions = session_factory(database) if isinstance(database, Engine) else database
+        #: Runs inside the bridge: an async consumer, or any consumer on an AsyncEngine.
+        behind_async = sync_engine_of(database)  # used inside the bridge: awaits its driver
+        self.bridged = consumer.asynchronous or behind_async is not None
+        engine = behind_async or (database if isinstance(database, Engine) else None)
+        sessions = (
+            session_factory(engine)
+            if engine is not None
+            else cast("sessionmaker[Session] | None", database)  # not an engine of any kind
+        )
         self.processor: BatchProcessor = processor or Processor(
             consumer, sessions, transport, metrics=self.metrics, stop=self.stop
         )
@@ -88,7 +97,7 @@ class Worker:
         end (closing the transport returns them), so one message that cannot be settled
         does not keep the run from ever becoming idle.
         """
-        if self.consumer.asynchronous and not in_bridge():
+        if self.bridged and not in_bridge():
             return run_blocking(self.run, until_idle=until_idle, max_batches=max_batches)
         batches = 0
         log.info("worker started", extra={"consumer": self.consumer.consumer_name})
