@@ -58,12 +58,15 @@ log = logging.getLogger(__name__)
 WAIT_SLICE = 0.25
 #: Seconds to wait for the broker's answer to a command (declare, cancel, close).
 COMMAND_TIMEOUT = 30.0
+#: Seconds between two reads of the queue's depth (``Metrics.lag``).
+LAG_INTERVAL = 15.0
 #: What a lost or closed channel / connection raises (the broker then redelivers).
 CHANNEL_FAILURES: tuple[type[BaseException], ...] = (
     aio_errors.AMQPError,
     aio_errors.ChannelInvalidStateError,
     OSError,
 )
+LAG_FAILURES: tuple[type[BaseException], ...] = (*CHANNEL_FAILURES, TimeoutError)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -107,6 +110,8 @@ class AioPikaTransport:
         self.prefetch = prefetch
         self.metrics = metrics if metrics is not None else Metrics()
         self.metrics.consumer_attached = False
+        self.metrics.lag.setdefault(self.queue, 0)
+        self._next_lag = 0.0
         self._url = url
         self._masked_url = mask_url(url)
         self._stop = stop
@@ -283,6 +288,8 @@ class AioPikaTransport:
     async def _fetch(self, max_messages: int, timeout: float) -> list[Delivery[AioAmqpToken]]:
         assert self._arrived is not None
         deadline = time.monotonic() + timeout
+        if time.monotonic() >= self._next_lag:
+            await self._update_lag()
         while True:
             if self._stopping():
                 await self._cancel_consuming()
@@ -386,6 +393,24 @@ class AioPikaTransport:
             "stopped consuming; finishing the batch in flight",
             extra={"queue": self.queue, "returned": len(unfetched)},
         )
+
+    async def _update_lag(self) -> None:
+        """Ready messages in the queue into ``Metrics.lag`` (a passive declare)."""
+        self._next_lag = time.monotonic() + LAG_INTERVAL
+        channel = await self._current_channel()
+        if channel is None:
+            return
+        try:
+            declared = await asyncio.wait_for(
+                channel.queue_declare(self.queue, passive=True), COMMAND_TIMEOUT
+            )
+        except LAG_FAILURES as error:
+            log.warning(
+                "queue depth unavailable",
+                extra={"queue": self.queue, "error": describe_error(error)},
+            )
+            return
+        self.metrics.lag[self.queue] = int(declared.message_count or 0)
 
     # -- the robust connection's callbacks -------------------------------------------------
 
