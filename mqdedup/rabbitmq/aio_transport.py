@@ -268,8 +268,9 @@ class AioPikaTransport:
         await self.dead_letters.close()
 
     async def _on_message(self, incoming: Any) -> None:
-        channel = await self._current_channel()
-        if channel is None:
+        try:
+            channel = incoming.channel  # the AMQP channel it came on (raises once closed)
+        except CHANNEL_FAILURES:
             return  # the channel is closing: the broker redelivers it
         if channel is not self._outstanding_channel:
             self._outstanding_channel = channel
