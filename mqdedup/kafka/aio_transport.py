@@ -337,8 +337,11 @@ class AioKafkaTransport:
     async def _take_in(self, batches: Mapping[Any, Sequence[Any]]) -> None:
         """Track polled records as deliveries and buffer them."""
         added = 0
+        assigned = self._assigned() if batches else set()
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
+            if key not in assigned:
+                continue  # revoked while this poll was answered: the next owner's
             if key in self._unchecked and records:
                 await self._check_previous_owner(key, topic_partition, records[0].offset)
             for record in records:
