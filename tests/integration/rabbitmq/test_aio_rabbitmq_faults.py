@@ -8,7 +8,9 @@
   message in the dead-letter queue with its reason;
 * the broker closes the worker's connection while a batch is in flight, three times:
   the robust connection comes back, the batch commits, its acks are not sent on the new
-  channel, the broker redelivers it and the dedup skips it: each effect once.
+  channel, the broker redelivers it and the dedup skips it: each effect once;
+* a dead letter the broker refuses (publisher nack) is kept in the database with the
+  reason, and its batch-mates go on.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from typing import Any, ClassVar
 
 import pytest
 from sqlalchemy import insert
+from sqlalchemy.orm import Session
 
 from mqdedup import AsyncContext, Message, RetryPolicy
+from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.rabbitmq import AsyncRabbitMQConsumer
 from mqdedup.stopping import StopToken
 from mqdedup.testing.brokers import RabbitMQHarness
@@ -173,3 +177,54 @@ def test_aio_pika_broker_closing_the_connection_mid_batch_loses_and_doubles_noth
     # Copies still unhandled at the stop went back to the queue; they are duplicates only.
     left = {properties.message_id for properties, _ in broker.peek_all(queue)}
     assert left <= set(ids)
+
+
+def test_aio_pika_dead_letter_refused_by_the_broker_is_kept_in_the_database(
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
+) -> None:
+    """A dead-letter queue that refuses publishes (``x-max-length`` 0, ``reject-publish``)
+    nacks the copy: it is parked in the database with the reason; the rest goes on."""
+    good = [f"a-{n}" for n in range(30)]
+    consumer = type(
+        "AioRabbitRefused",
+        (AioRabbitOrders,),
+        {
+            "queue": queue,
+            "url": rabbitmq_url,
+            "table_prefix": db.prefix,
+            "poll_timeout": 0.2,
+            "dead_letter_queue_arguments": {"x-max-length": 0, "x-overflow": "reject-publish"},
+        },
+    )()
+    broker.declare(consumer)
+    broker.publish(queue, good[:15])
+    broker.publish(queue, [POISON], body=lambda _id: b'{"poison": true}')
+    broker.publish(queue, good[15:])
+    parked_table = DeadLetterTable(db.prefix)
+
+    def parked() -> list[Any]:
+        with Session(db.engine) as session:
+            return parked_table.list(session)
+
+    stop = StopToken()
+    outcome: list[Any] = []
+    runner = threading.Thread(
+        target=lambda: outcome.append(consumer.run(db.engine, stop=stop)), daemon=True
+    )
+    runner.start()
+    try:
+        wait_for(
+            lambda: len(parked()) == 1 and len(row_counts(db.engine, db.prefix)) == len(good),
+            60,
+            "the good messages written and the refused dead letter parked",
+        )
+    finally:
+        stop.request()
+        runner.join(60)
+    assert not runner.is_alive() and len(outcome) == 1, outcome
+    [kept] = parked()
+    assert kept.message.id == POISON and kept.message.body == b'{"poison": true}'
+    assert "refused" in kept.refusal and f"{queue}.dlq" in kept.refusal
+    assert row_counts(db.engine, db.prefix) == dict.fromkeys(good, 1)
+    assert outcome[0].dead_letters_parked == 1
+    assert broker.depth(queue) == 0 and broker.depth(f"{queue}.dlq") == 0
