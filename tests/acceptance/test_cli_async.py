@@ -42,7 +42,7 @@ from tests.services import (
 )
 from tests.support import orders_table
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 COUNT = 150
 
@@ -155,7 +155,6 @@ def test_mqdedup_worker_runs_an_async_consumer_and_drains_on_sigterm(
     assert kafka_helper.committed(group, topic) == ends  # the live group's offsets untouched
 
 
-@pytest.mark.slow
 def test_async_workers_killed_after_commit_before_ack_apply_each_effect_once(
     mqdedup_rabbitmq_harness: Callable[..., RabbitMQHarness], pg_url: str
 ) -> None:
