@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, String, func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from mqdedup import AsyncConsumer, AsyncContext, Consumer, Context, InMemoryBroker, Message
 from mqdedup.bridge import NotInBridgeError
@@ -499,3 +500,48 @@ def test_without_the_asyncio_extra_sync_consumers_work_and_async_ones_say_why() 
     assert done.stdout.strip() == (
         "async consumers need greenlet, which is not installed: pip install 'mqdedup[asyncio]'"
     )
+
+
+class OrmBase(DeclarativeBase):
+    pass
+
+
+class Shipment(OrmBase):
+    __tablename__ = "async_shipments"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    message_id: Mapped[str] = mapped_column(String(64), unique=True)
+
+
+class OrmShipments(AsyncConsumer):
+    """The AsyncSession API a handler uses: ORM add/flush/get, scalar, connection, run_sync."""
+
+    name = "orm-shipments"
+    poll_timeout = 0.05
+
+    async def handle(self, message: Message, ctx: AsyncContext) -> Any:
+        shipment = Shipment(message_id=str(message.id))
+        ctx.session.add(shipment)
+        await ctx.session.flush()
+        assert (await ctx.session.get(Shipment, shipment.id)) is shipment
+        count = await ctx.session.scalar(select(func.count()).select_from(Shipment))
+        connection = await ctx.session.connection()
+        assert (await connection.execute(text("SELECT 1"))).scalar() == 1
+        written = await ctx.session.run_sync(
+            lambda session: OutboxWriter(session).publish({"n": count}, topic="shipped")
+        )
+        return {"seen": count, "event": written}
+
+
+def test_the_async_session_api_works_in_the_message_transaction(sqlite_engine: Engine) -> None:
+    OrmBase.metadata.create_all(sqlite_engine)
+    broker = InMemoryBroker()
+    for n in range(3):
+        broker.publish(QUEUE, b"{}", message_id=f"ship-{n}")
+
+    metrics = asyncio.run(work(OrmShipments(), broker.transport(QUEUE), sqlite_engine, Ticker()))
+
+    assert metrics.processed == 3 and not broker.dead_letters
+    with sqlite_engine.connect() as connection:
+        shipped = connection.execute(select(Shipment.message_id)).scalars().all()
+    assert sorted(shipped) == ["ship-0", "ship-1", "ship-2"]
+    assert len(outbox_ids(sqlite_engine)) == 3
