@@ -253,23 +253,24 @@ class BulkAsyncOrders(AsyncConsumer):
 
 
 def test_harness_kit_runs_async_consumers_effectively_once(sqlite_engine: Engine) -> None:
-    for consumer_class in (AsyncOrders, BulkAsyncOrders):
-        consumer_class.batch_size = 5  # type: ignore[misc]
-    try:
-        for consumer_class, queue in ((AsyncOrders, "kit"), (BulkAsyncOrders, "kit-bulk")):
-            harness = ConsumerHarness(consumer_class, sqlite_engine, queue=queue)
-            for n in range(30):
-                harness.publish({"order": n}, message_id=f"{queue}-{n}")
-            harness.deliver_each_twice()
-            harness.run_crashing_after_commit(times=3)
-            harness.run_crashing_mid_batch(after_messages=3)
-            harness.run()
-            assert harness.crashes == 4
-            counts = {k: v for k, v in order_counts(sqlite_engine).items() if k in harness.ids}
-            assert_effectively_once(counts, harness.ids)
-            assert harness.broker.pending(queue) == 0
-    finally:
-        AsyncOrders.batch_size = BulkAsyncOrders.batch_size = 100  # type: ignore[misc]
+    class SmallBatches(AsyncOrders):
+        batch_size = 5
+
+    class SmallBulkBatches(BulkAsyncOrders):
+        batch_size = 5
+
+    for consumer_class, queue in ((SmallBatches, "kit"), (SmallBulkBatches, "kit-bulk")):
+        harness = ConsumerHarness(consumer_class, sqlite_engine, queue=queue)
+        for n in range(30):
+            harness.publish({"order": n}, message_id=f"{queue}-{n}")
+        harness.deliver_each_twice()
+        harness.run_crashing_after_commit(times=3)
+        harness.run_crashing_mid_batch(after_messages=3)
+        harness.run()
+        assert harness.crashes == 4
+        counts = {k: v for k, v in order_counts(sqlite_engine).items() if k in harness.ids}
+        assert_effectively_once(counts, harness.ids)
+        assert harness.broker.pending(queue) == 0
 
 
 class Gated(AsyncConsumer):
