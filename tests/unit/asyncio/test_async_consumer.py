@@ -37,7 +37,7 @@ from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError
 from mqdedup.outbox.writer import OutboxWriter, outgoing_message_id
 from mqdedup.stopping import StopToken
-from mqdedup.testing import ConsumerHarness, assert_effectively_once
+from mqdedup.testing import ConsumerHarness, EffectivelyOnceError, assert_effectively_once
 from tests.support import orders
 from tests.unit.test_replay_run import ListRange
 
@@ -271,6 +271,20 @@ def test_harness_kit_runs_async_consumers_effectively_once(sqlite_engine: Engine
         counts = {k: v for k, v in order_counts(sqlite_engine).items() if k in harness.ids}
         assert_effectively_once(counts, harness.ids)
         assert harness.broker.pending(queue) == 0
+
+    class WithoutDedup(SmallBulkBatches):  # the control: the same faults, no claims
+        name = "no-dedup"
+        deduplicate = False
+
+    harness = ConsumerHarness(WithoutDedup, sqlite_engine, queue="control")
+    for n in range(30):
+        harness.publish({"order": n}, message_id=f"control-{n}")
+    harness.deliver_each_twice()
+    harness.run_crashing_after_commit(times=3)
+    harness.run()
+    counts = {k: v for k, v in order_counts(sqlite_engine).items() if k in harness.ids}
+    with pytest.raises(EffectivelyOnceError):
+        assert_effectively_once(counts, harness.ids)
 
 
 class Gated(AsyncConsumer):
