@@ -307,8 +307,9 @@ def claim_key_nowait(session: Session, table: Table, consumer: str, key: str, no
 
     * PostgreSQL: ``pg_try_advisory_xact_lock`` on a 64-bit hash of the key first (held
       until the transaction ends; every claim of the key takes it), so the claim never
-      meets an uncommitted row of another transaction. No error, the transaction stays
-      usable.
+      meets an uncommitted row of another transaction. When the lock is taken, a
+      committed row means ``taken`` (the holder is another repeat), none ``busy``. No
+      error, the transaction stays usable.
     * MariaDB: the claim with ``innodb_lock_wait_timeout=0`` for that statement only
       (``SET STATEMENT … FOR``); a lock wait is error 1205 → ``busy``. MySQL (no
       ``SET STATEMENT``) waits like a message claim.
@@ -323,7 +324,14 @@ def claim_key_nowait(session: Session, table: Table, consumer: str, key: str, no
             {"lock": int.from_bytes(lock, "big", signed=True)},
         ).scalar_one()
         if not taken:
-            return "busy"
+            # Held by a transaction in flight: the first request, or a repeat of a key
+            # already committed (which only reads it).
+            committed = session.execute(
+                select(table.c.message_id).where(
+                    table.c.consumer_name == consumer, table.c.message_id == key
+                )
+            ).first()
+            return "busy" if committed is None else "taken"
     elif family == "mysql" and getattr(session.get_bind().dialect, "is_mariadb", False):
         _check_mysql_key(consumer, [key])
         # For this statement only: a key held by a transaction in flight is error 1205 at once.
