@@ -10,12 +10,12 @@ Two parts, used together::
     router = APIRouter(route_class=IdempotentRoute)
 
     @router.post("/orders", status_code=201)
-    async def place_order(order: OrderIn, session: AsyncSession = idempotency.session()):
+    async def place_order(order: OrderIn, session: AsyncSession = idempotency.session):
         session.add(Order(...))                       # the endpoint's writes
         await AsyncOutboxWriter(session).publish(...)  # and its events, same transaction
         return {"id": ...}
 
-* :meth:`Idempotency.session` is the endpoint's dependency: it reads the key (400 when
+* :attr:`Idempotency.session` is the endpoint's dependency: it reads the key (400 when
   missing or malformed), opens the session's transaction, claims the key as its first
   statement (:mod:`mqdedup.dedup.request_keys`), and hands the endpoint the session.
   A repeat never reaches the endpoint: it gets the stored response, a 409 (the first
@@ -133,15 +133,10 @@ class Idempotency:
         self.sessions = sessions
         self.required = required
         self.keys = RequestKeys(prefix, stored_headers)
-        self._depends = Depends(self._dependency(caller or _anonymous), scope="function")
-
-    def session(self) -> Any:
-        """The endpoint parameter's default: ``session: AsyncSession = idempotency.session()``.
-
-        The session is in a transaction that begins with the key's claim and commits
-        after the endpoint (with the stored response), or rolls back.
-        """
-        return self._depends
+        #: The endpoint parameter's default: ``session: AsyncSession = idempotency.session``.
+        #: A session in a transaction that begins with the key's claim and commits after
+        #: the endpoint (with the stored response), or rolls back.
+        self.session: Any = Depends(self._dependency(caller or _anonymous), scope="function")
 
     def _dependency(self, caller: Caller) -> Callable[..., AsyncIterator[AsyncSession]]:
         async def keyed_session(
@@ -149,7 +144,7 @@ class Idempotency:
         ) -> AsyncIterator[AsyncSession]:
             if not request.scope.get(_ROUTED):
                 raise ConfigurationError(
-                    f"{request.url.path}: an endpoint using Idempotency.session() needs "
+                    f"{request.url.path}: an endpoint using Idempotency.session needs "
                     "route_class=IdempotentRoute on its router (else no response is stored)"
                 )
             try:
@@ -207,7 +202,7 @@ def _to_response(stored: StoredResponse) -> Response:
 
 
 class IdempotentRoute(APIRoute):
-    """The route class of routers with ``Idempotency.session()`` endpoints.
+    """The route class of routers with ``Idempotency.session`` endpoints.
 
     Stores the endpoint's response in its transaction before the dependency commits,
     and sends the stored response / 400 / 409 / 422 of repeats. Routes without the

@@ -67,7 +67,7 @@ def build_app(prefix: str, orders: Table, engine: AsyncEngine, release: asyncio.
 
     @router.post("/orders", status_code=201)
     async def place_order(
-        order: OrderIn, session: AsyncSession = idempotency.session()
+        order: OrderIn, session: AsyncSession = idempotency.session
     ) -> JSONResponse:
         row = await session.execute(
             insert(orders).values(item=order.item, amount=order.amount).returning(orders.c.id)
