@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup.bridge import call_hook
+from mqdedup.bridge import NotInBridgeError, call_hook, in_bridge
 from mqdedup.consumers.careful import WORKER_DIED, CarefulRuns, RunsAlone
 from mqdedup.consumers.dead_lettering import DeadLettering
 from mqdedup.consumers.handling import Handlers
@@ -141,6 +141,12 @@ class Processor:
 
     def process(self, deliveries: Sequence[Delivery[Any]]) -> BatchReport:
         """Process and settle one batch; returns where each delivery ended."""
+        if self.consumer.asynchronous and not in_bridge():  # before any handler runs
+            raise NotInBridgeError(
+                f"{type(self.consumer).__name__} is an AsyncConsumer: run it with "
+                "`await consumer.run_async(engine)` or Worker(...).run(), which run the "
+                "Processor on an event loop"
+            )
         started = time.monotonic()
         self.metrics.delivered += len(deliveries)
         report = BatchReport()

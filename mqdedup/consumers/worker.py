@@ -51,8 +51,9 @@ class Worker:
     An async consumer (:class:`~mqdedup.consumers.async_consumer.AsyncConsumer`) runs
     the same loop on an event loop, inside the bridge: ``await worker.run_async()``, or
     ``run()``, which starts an event loop of its own when called outside one.
-    ``database`` may then be an ``AsyncEngine`` (its ``sync_engine`` backs the
-    sessions, awaiting the asyncio driver).
+    ``database`` may be an ``AsyncEngine`` (its ``sync_engine`` backs the sessions,
+    awaiting the asyncio driver), for synchronous consumers too: the loop then runs
+    bridged the same way.
     """
 
     def __init__(
@@ -70,6 +71,8 @@ class Worker:
         self.transport = transport
         self.stop = stop or StopToken()
         self.metrics = metrics or Metrics()
+        #: Runs inside the bridge: an async consumer, or any consumer on an AsyncEngine.
+        self.bridged = consumer.asynchronous or isinstance(database, AsyncEngine)
         if isinstance(database, AsyncEngine):
             database = database.sync_engine  # used inside the bridge: awaits its driver
         sessions = session_factory(database) if isinstance(database, Engine) else database
@@ -88,7 +91,7 @@ class Worker:
         end (closing the transport returns them), so one message that cannot be settled
         does not keep the run from ever becoming idle.
         """
-        if self.consumer.asynchronous and not in_bridge():
+        if self.bridged and not in_bridge():
             return run_blocking(self.run, until_idle=until_idle, max_batches=max_batches)
         batches = 0
         log.info("worker started", extra={"consumer": self.consumer.consumer_name})

@@ -30,8 +30,8 @@ _ASYNC_DRIVERS = {
     "mariadb": "mariadb+aiomysql",
     "mariadb+pymysql": "mariadb+aiomysql",
 }
-#: The extra of mqdedup that installs each asyncio driver.
-_DRIVER_EXTRAS = {"aiosqlite": "asyncio", "greenlet": "asyncio", "aiomysql": "mysql,asyncio"}
+#: How to install each asyncio driver (aiomysql is not part of mqdedup's extras).
+_DRIVER_INSTALLS = {"aiomysql": "pip install aiomysql"}
 
 
 def async_url(url: str | URL | None = None) -> URL:
@@ -52,10 +52,10 @@ def create_async_engine(url: str | URL | Engine | None = None, **options: Any) -
     try:
         engine = sa_create_async_engine(parsed, **options)
     except ModuleNotFoundError as exc:
-        extra = _DRIVER_EXTRAS.get(str(exc.name), "asyncio")
+        install = _DRIVER_INSTALLS.get(str(exc.name), "pip install 'mqdedup[asyncio]'")
         raise ConfigurationError(
             f"database URL {mask_url(parsed)!r} needs the {exc.name} driver for asyncio, "
-            f"which is not installed: pip install 'mqdedup[{extra}]'"
+            f"which is not installed: {install}"
         ) from None
     except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, sa_exc.InvalidRequestError) as exc:
         raise ConfigurationError(

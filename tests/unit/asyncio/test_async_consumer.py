@@ -9,6 +9,7 @@ and what the broker settled, and that the event loop kept running meanwhile.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,15 +25,18 @@ from mqdedup.consumers.async_context import AsyncBatchContext
 from mqdedup.consumers.base import RetryPolicy
 from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.replay import ReplayReport, ReplayRun
 from mqdedup.consumers.transport import Transport
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.async_engine import create_async_engine
+from mqdedup.db.engine import session_factory
 from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError
 from mqdedup.outbox.writer import OutboxWriter, outgoing_message_id
 from mqdedup.stopping import StopToken
 from mqdedup.testing import ConsumerHarness, assert_effectively_once
 from tests.support import orders
+from tests.unit.test_replay_run import ListRange
 
 QUEUE = "async-orders"
 
@@ -364,3 +368,92 @@ def test_mixed_up_handler_styles_and_sessions_get_clear_answers(tmp_path: Path) 
         await engine.dispose()
 
     asyncio.run(misuse())
+    assert create_async_engine("postgresql://u:pw@db/shop").dialect.is_async  # psycopg 3
+    if importlib.util.find_spec("aiomysql") is None:
+        with pytest.raises(ConfigurationError, match=r"needs the aiomysql driver.*pip install"):
+            create_async_engine("mysql+pymysql://u:secret@db/shop")
+
+
+def test_a_replay_runs_an_async_consumer_over_a_range(sqlite_engine: Engine) -> None:
+    """``mqdedup replay``'s run: a synchronous range transport, the Worker bridged on an
+    event loop of its own, the consumer's async handler on the replay's session."""
+    messages = [
+        Message(body=f'{{"order": {n}}}'.encode(), headers={"message-id": f"order-{n}"})
+        for n in range(8)
+    ]
+
+    def replay(*, dry_run: bool = False) -> ReplayReport:
+        transport = ListRange([*messages, messages[2]])
+        run = ReplayRun(AsyncOrders(), session_factory(sqlite_engine), transport, dry_run=dry_run)
+        report = run.run()
+        assert transport.closed
+        return report
+
+    dry = replay(dry_run=True)
+    assert (dry.new, dry.duplicates) == (8, 1) and order_counts(sqlite_engine) == {}
+    first = replay()
+    assert (first.new, first.duplicates, first.dead_lettered) == (8, 1, 0)
+    assert order_counts(sqlite_engine) == {f"order-{n}": 1 for n in range(8)}
+    again = replay()
+    assert (again.new, again.duplicates) == (0, 9)
+    assert outbox_ids(sqlite_engine) == {
+        outgoing_message_id(AsyncOrders.name, f"order-{n}", 0) for n in range(8)
+    }
+
+
+def test_a_sync_consumer_runs_bridged_on_an_async_engine(sqlite_engine: Engine) -> None:
+    """A plain consumer given an ``AsyncEngine``: the Worker runs it inside the bridge."""
+    from tests.support import OrderConsumer
+
+    broker = InMemoryBroker()
+    for n in range(5):
+        broker.publish(QUEUE, f'{{"order": {n}}}', message_id=f"order-{n}")
+
+    async def scenario() -> Metrics:
+        engine = create_async_engine(sqlite_engine)
+        try:
+            return await Worker(OrderConsumer(), broker.transport(QUEUE), engine).run_async(
+                until_idle=True
+            )
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(scenario()).processed == 5
+    assert order_counts(sqlite_engine) == {f"order-{n}": 1 for n in range(5)}
+
+
+def test_the_processor_refuses_an_async_consumer_outside_the_bridge(
+    sqlite_engine: Engine,
+) -> None:
+    from mqdedup.consumers.processor import Processor
+
+    broker = InMemoryBroker()
+    broker.publish(QUEUE, b'{"order": 1}', message_id="order-1")
+    transport = broker.transport(QUEUE)
+    processor = Processor(AsyncOrders(), session_factory(sqlite_engine), transport)
+    with pytest.raises(NotInBridgeError, match=r"is an AsyncConsumer"):
+        processor.process(transport.fetch(10, 0.1))
+    assert not broker.dead_letters  # a programming error, never the message's fault
+
+
+@pytest.mark.parametrize("isolation", ["auto", "savepoint", "rerun", "transaction"])
+def test_every_failure_isolation_mode_fails_the_culprit_alone(
+    sqlite_engine: Engine, isolation: str
+) -> None:
+    class Isolated(AsyncOrders):
+        failure_isolation = isolation  # type: ignore[assignment]
+        retry_policy = RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.01)
+        fail_ids = frozenset({"order-4"})
+
+    broker = InMemoryBroker()
+    ids = publish_orders(broker, range(10))
+    consumer = Isolated()
+
+    asyncio.run(work(consumer, broker.transport(QUEUE), sqlite_engine, Ticker()))
+
+    assert order_counts(sqlite_engine) == {i: 1 for i in ids if i != "order-4"}
+    assert outbox_ids(sqlite_engine) == {
+        outgoing_message_id(consumer.name, i, 0) for i in ids if i != "order-4"
+    }
+    assert [d.message.headers["message-id"] for d in broker.dead_letters[QUEUE]] == ["order-4"]
+    assert broker.settled_count[QUEUE] == 10
