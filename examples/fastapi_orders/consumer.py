@@ -13,19 +13,18 @@ from sqlalchemy import insert
 
 from examples import settings
 from examples.fastapi_orders import config
-from mqdedup import AsyncConsumer, AsyncContext, Message, MessageError
-from mqdedup.kafka import KafkaConsumer
+from mqdedup import AsyncContext, Message, MessageError
+from mqdedup.kafka import AsyncKafkaConsumer
 
 
-class Shipping(AsyncConsumer, KafkaConsumer):
+class Shipping(AsyncKafkaConsumer):
     """Writes one shipment per placed order: claim, shipment row, commit, offset commit."""
 
     topics = (config.events_topic(),)
     group_id = config.shipping_group()
     table_prefix = settings.mqdedup_prefix()
     batch_size = 100
-    # The Kafka transport waits for records on the app's loop in short slices.
-    poll_timeout = 0.05
+    poll_timeout = 0.5
 
     async def handle(self, message: Message, ctx: AsyncContext) -> Any:
         """Insert the order's shipment; return its order id (stored with the claim)."""
