@@ -7,6 +7,9 @@ request twice at the same moment; a client answered 409 (its first request still
 flight) waits and asks again. Then it waits until ``mqdedup relay`` (started beside it)
 published every event and the consumer shipped every order, and prints the report.
 Exit 1 if an order was placed or shipped twice, or a client got no order.
+
+``--relay`` starts ``mqdedup relay`` beside the clients (a subprocess with the same
+environment) and stops it at the end; without it, run ``mqdedup relay`` yourself.
 """
 
 from __future__ import annotations
@@ -14,11 +17,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from sqlalchemy import func, select
@@ -149,6 +159,26 @@ async def _count(engine: object, statement: object) -> int:
         return int((await connection.execute(statement)).scalar_one())
 
 
+@contextmanager
+def relay(wanted: bool) -> Iterator[None]:
+    """``mqdedup relay`` in a subprocess while the clients run (when ``wanted``)."""
+    if not wanted:
+        yield
+        return
+    command = shutil.which("mqdedup") or str(Path(sys.executable).parent / "mqdedup")
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen([command, "relay"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield
+        finally:
+            process.send_signal(signal.SIGTERM)
+            code = process.wait(timeout=30)
+            if code != 0:
+                log.seek(0)
+                print(log.read().decode(errors="replace")[-2000:], file=sys.stderr)
+                print(f"mqdedup relay exited {code}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the options and run the clients."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -166,8 +196,11 @@ def main(argv: list[str] | None = None) -> None:
         help="share of clients that send their request twice at the same moment",
     )
     parser.add_argument("--parallel", type=int, default=20, help="clients at the same time")
+    parser.add_argument("--relay", action="store_true", help="run mqdedup relay beside them")
     args = parser.parse_args(argv)
-    sys.exit(asyncio.run(run(args.orders, args.retries, args.concurrent, args.parallel)))
+    with relay(args.relay):
+        code = asyncio.run(run(args.orders, args.retries, args.concurrent, args.parallel))
+    sys.exit(code)
 
 
 if __name__ == "__main__":

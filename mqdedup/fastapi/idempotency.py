@@ -105,7 +105,7 @@ class _Pending:
         self.failed = not self.stored
 
 
-def _anonymous() -> str:
+async def _anonymous() -> str:
     return "anonymous"
 
 
