@@ -22,6 +22,8 @@ from typing import Any, TypeVar, cast
 
 from sqlalchemy.util.concurrency import await_, greenlet_spawn, in_greenlet
 
+from mqdedup.errors import ConfigurationError
+
 T = TypeVar("T")
 
 
@@ -32,7 +34,7 @@ class NotInBridgeError(RuntimeError):
 def in_bridge() -> bool:
     """True when running inside :func:`run_bridged` (on an event loop's greenlet)."""
     # Without greenlet loaded (the asyncio extra not installed or unused) there is no bridge.
-    return "greenlet" in sys.modules and in_greenlet()
+    return sys.modules.get("greenlet") is not None and in_greenlet()
 
 
 def wait_for(awaitable: Awaitable[T]) -> T:
@@ -70,7 +72,17 @@ def call_hook(hook: Callable[..., object], *args: Any) -> None:
 
 async def run_bridged(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run the synchronous ``fn`` on the running event loop, inside the bridge."""
+    _require_greenlet()
     return await greenlet_spawn(fn, *args, **kwargs)
+
+
+def _require_greenlet() -> None:
+    try:
+        import greenlet  # type: ignore[import-untyped]  # noqa: F401  the asyncio extra
+    except ImportError:
+        raise ConfigurationError(
+            "async consumers need greenlet, which is not installed: pip install 'mqdedup[asyncio]'"
+        ) from None
 
 
 def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

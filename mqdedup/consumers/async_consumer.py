@@ -22,8 +22,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import Engine
-from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.bridge import in_bridge, run_blocking, wait_for
 from mqdedup.consumers.async_context import AsyncBatchContext, AsyncContext
@@ -33,9 +31,12 @@ from mqdedup.db.async_engine import create_async_engine
 from mqdedup.stopping import StopToken, run_stoppable
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+    from sqlalchemy.orm import Session, sessionmaker
+
     from mqdedup.message import Message
 
-Database = Engine | AsyncEngine | sessionmaker[Session] | None
+    Database = Engine | AsyncEngine | sessionmaker[Session] | None
 
 
 class AsyncConsumer(Consumer):

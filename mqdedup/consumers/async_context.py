@@ -15,15 +15,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from mqdedup.consumers.context import BatchContext, Context, NoTransactionError
+from mqdedup.consumers.context import NoTransactionError
 from mqdedup.outbox.async_writer import AsyncOutboxWriter
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
     from mqdedup.consumers.base import Consumer
     from mqdedup.message import Message
 
@@ -37,10 +38,12 @@ def async_proxy(session: Session) -> AsyncSession:
     """
     proxy = session.info.get(_PROXY_KEY)
     if proxy is None:
+        from sqlalchemy.ext.asyncio import AsyncSession  # the asyncio extra (greenlet)
+
         # The "session class" may be any callable: here one returning the existing session.
         proxy = AsyncSession(sync_session_class=lambda **_: session)  # type: ignore[arg-type]
         session.info[_PROXY_KEY] = proxy
-    return cast(AsyncSession, proxy)
+    return cast("AsyncSession", proxy)
 
 
 class AsyncContext:
@@ -107,10 +110,3 @@ class AsyncBatchContext(AsyncContext):
     ) -> None:
         super().__init__(session, consumer, messages[0])
         self.messages = messages
-
-
-def context_types(consumer: Consumer) -> tuple[type[Any], type[Any]]:
-    """The (per-message, batch) context classes the handlers of ``consumer`` get."""
-    if consumer.asynchronous:
-        return AsyncContext, AsyncBatchContext
-    return Context, BatchContext

@@ -10,8 +10,7 @@ from sqlalchemy.orm import Session
 
 from mqdedup import tracing
 from mqdedup.bridge import resolve, wait_for
-from mqdedup.consumers.async_context import context_types
-from mqdedup.consumers.context import InvalidResultError
+from mqdedup.consumers.context import BatchContext, Context, InvalidResultError
 
 if TYPE_CHECKING:
     from mqdedup.consumers.base import Consumer
@@ -34,7 +33,7 @@ class Handlers:
         self.metrics = metrics
         self.name = consumer.consumer_name
         # Async consumers: AsyncSession contexts; their coroutines are awaited (bridge).
-        self._context, self._batch_context = context_types(consumer)
+        self._context, self._batch_context = _context_types(consumer)
         self._awaits = consumer.asynchronous
 
     def call(self, session: Session | None, delivery: Delivery[Any]) -> Any:
@@ -71,6 +70,16 @@ class Handlers:
         for value in clean.values():
             ensure_json(value)
         return clean
+
+
+def _context_types(consumer: Consumer) -> tuple[type[Any], type[Any]]:
+    """The (per-message, batch) context classes the handlers of ``consumer`` get."""
+    if not consumer.asynchronous:
+        return Context, BatchContext
+    # The asyncio extra (greenlet) is loaded for async consumers only.
+    from mqdedup.consumers.async_context import AsyncBatchContext, AsyncContext
+
+    return AsyncContext, AsyncBatchContext
 
 
 def ensure_json(result: Any) -> None:

@@ -21,6 +21,7 @@ then plays the supervisor, starting a fresh worker after each crash::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import threading
@@ -135,7 +136,8 @@ class InMemoryBroker:
         """Wake every waiting fetch (called with the lock held)."""
         self._lock.notify_all()
         for loop, waiter in self._waiters:
-            loop.call_soon_threadsafe(_resolve, waiter)
+            with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits there
+                loop.call_soon_threadsafe(_resolve, waiter)
         self._waiters.clear()
 
     def _take(self, queue: str, max_messages: int, timeout: float) -> list[Message]:

@@ -12,19 +12,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from sqlalchemy import Engine
-from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.bridge import in_bridge, run_blocking
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchAbandonedError, BatchReport, Processor
+from mqdedup.db.async_engine import sync_engine_of
 from mqdedup.db.engine import session_factory
 from mqdedup.stopping import StopToken, run_stoppable
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
     from mqdedup.consumers.base import Consumer
     from mqdedup.consumers.transport import Delivery, Transport
 
@@ -72,10 +74,14 @@ class Worker:
         self.stop = stop or StopToken()
         self.metrics = metrics or Metrics()
         #: Runs inside the bridge: an async consumer, or any consumer on an AsyncEngine.
-        self.bridged = consumer.asynchronous or isinstance(database, AsyncEngine)
-        if isinstance(database, AsyncEngine):
-            database = database.sync_engine  # used inside the bridge: awaits its driver
-        sessions = session_factory(database) if isinstance(database, Engine) else database
+        behind_async = sync_engine_of(database)  # used inside the bridge: awaits its driver
+        self.bridged = consumer.asynchronous or behind_async is not None
+        engine = behind_async or (database if isinstance(database, Engine) else None)
+        sessions = (
+            session_factory(engine)
+            if engine is not None
+            else cast("sessionmaker[Session] | None", database)  # not an engine of any kind
+        )
         self.processor: BatchProcessor = processor or Processor(
             consumer, sessions, transport, metrics=self.metrics, stop=self.stop
         )

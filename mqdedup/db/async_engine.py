@@ -8,18 +8,20 @@ per-connection setup is the synchronous engine's (SQLite: WAL, ``BEGIN IMMEDIATE
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.ext.asyncio import create_async_engine as sa_create_async_engine
 
 from mqdedup.db import dialects
 from mqdedup.db.engine import database_url_from_env, mask_url, parse_url
 from mqdedup.errors import ConfigurationError
 from mqdedup.masking import mask_text
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 #: Synchronous drivers and their asyncio twins (psycopg 3 is both).
 _ASYNC_DRIVERS = {
@@ -49,6 +51,12 @@ def create_async_engine(url: str | URL | Engine | None = None, **options: Any) -
     """
     parsed = async_url(url.url if isinstance(url, Engine) else url)
     dialects.connect_defaults(parsed.get_backend_name(), options)
+    try:  # the asyncio extra (greenlet) is needed from here on only
+        from sqlalchemy.ext.asyncio import create_async_engine as sa_create_async_engine
+    except ImportError:
+        raise ConfigurationError(
+            "asyncio needs greenlet, which is not installed: pip install 'mqdedup[asyncio]'"
+        ) from None
     try:
         engine = sa_create_async_engine(parsed, **options)
     except ModuleNotFoundError as exc:
@@ -64,3 +72,15 @@ def create_async_engine(url: str | URL | Engine | None = None, **options: Any) -
         ) from None
     dialects.configure_engine(engine.sync_engine)
     return engine
+
+
+def sync_engine_of(database: object) -> Engine | None:
+    """The synchronous engine behind an ``AsyncEngine``; None for anything else.
+
+    Without the asyncio extension loaded no ``AsyncEngine`` exists, and none is imported.
+    """
+    if "sqlalchemy.ext.asyncio" not in sys.modules:
+        return None
+    from sqlalchemy.ext.asyncio import AsyncEngine  # loaded already (see above)
+
+    return database.sync_engine if isinstance(database, AsyncEngine) else None

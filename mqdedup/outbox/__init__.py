@@ -12,6 +12,7 @@ The Kafka and RabbitMQ publishers live in the adapter packages (``mqdedup.kafka`
 ``mqdedup.rabbitmq``): this package never imports them, nor ``kafka`` or ``pika``.
 """
 
+from mqdedup.outbox.async_writer import AsyncOutboxWriter
 from mqdedup.outbox.memory import MemoryPublisher
 from mqdedup.outbox.publishers import OutboxRecord, Outcome, Publisher, PublishResult
 from mqdedup.outbox.relay import Relay
@@ -26,6 +27,7 @@ from mqdedup.outbox.writer import (
 )
 
 __all__ = [
+    "AsyncOutboxWriter",
     "DestinationStatus",
     "InvalidOutgoingMessageError",
     "MemoryPublisher",

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from mqdedup.db.schema import DEFAULT_PREFIX
 from mqdedup.message import Message
 from mqdedup.outbox.writer import HeaderInput, OutboxWriter, OutgoingMessage
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
 
 
 class AsyncOutboxWriter:
@@ -48,6 +50,8 @@ class AsyncOutboxWriter:
         prefix: str = DEFAULT_PREFIX,
         message: Message | None = None,
     ) -> None:
+        from sqlalchemy.ext.asyncio import AsyncSession  # the asyncio extra (greenlet)
+
         if not isinstance(session, AsyncSession):
             raise TypeError(
                 f"AsyncOutboxWriter needs an AsyncSession, not {type(session).__name__}; "

@@ -19,11 +19,15 @@ from typing import Any
 import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, insert, select
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from mqdedup import AsyncConsumer, AsyncContext, InMemoryBroker, Message, RetryPolicy, StopToken
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.schema import schema
+from mqdedup.outbox import AsyncOutboxWriter, Relay, RelayConfig
+from mqdedup.outbox.memory import MemoryPublisher
 from tests.services import TestDatabase, prefixed_database, table_prefix
 
 pytestmark = pytest.mark.integration
@@ -219,3 +223,48 @@ def test_database_outage_pauses_the_async_worker_and_it_resumes_without_loss(
     assert row_counts(db) == dict.fromkeys(ids, 1)
     assert not broker.dead_letters
     assert broker.settled_count[QUEUE] == 400
+
+
+def test_an_endpoint_style_async_transaction_writes_its_event_and_the_relay_publishes_it(
+    db: TestDatabase,
+) -> None:
+    """``AsyncOutboxWriter`` on a plain ``AsyncSession`` (what a FastAPI endpoint has):
+    the order and its event commit together (or not at all), and the relay publishes
+    the committed event."""
+    table = orders_with_unique_numbers(db.prefix)
+
+    async def place(session: AsyncSession, number: int) -> str:
+        async with session.begin():
+            await session.execute(insert(table).values(message_id=f"req-{number}", order_no=number))
+            return await AsyncOutboxWriter(session, prefix=db.prefix).publish(
+                {"order_no": number}, topic="order-placed", key=str(number)
+            )
+
+    async def scenario() -> str:
+        engine = create_async_engine(db.url)
+        try:
+            async with AsyncSession(engine) as session:
+                event_id = await place(session, 1)
+            async with AsyncSession(engine) as session:
+                with pytest.raises(IntegrityError):
+                    await place(session, 1)  # the same order number again: nothing commits
+            return event_id
+        finally:
+            await engine.dispose()
+
+    event_id = asyncio.run(scenario())
+
+    assert row_counts(db) == {"req-1": 1}
+    assert outbox_rows(db) == 1  # the failed transaction's event rolled back with it
+    publisher = MemoryPublisher()
+    relay = Relay(
+        db.engine,
+        {"kafka": publisher},
+        prefix=db.prefix,
+        config=RelayConfig(poll_interval=0.05, listen=False),
+    )
+    try:
+        relay.drain(30)
+    finally:
+        relay.close()
+    assert [record.message_id for record in publisher.published] == [event_id]

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, String, func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from mqdedup import AsyncConsumer, AsyncContext, Consumer, Context, InMemoryBroker, Message
 from mqdedup.bridge import NotInBridgeError
@@ -457,3 +460,88 @@ def test_every_failure_isolation_mode_fails_the_culprit_alone(
     }
     assert [d.message.headers["message-id"] for d in broker.dead_letters[QUEUE]] == ["order-4"]
     assert broker.settled_count[QUEUE] == 10
+
+
+WITHOUT_GREENLET = """
+import sys, tempfile
+sys.modules["greenlet"] = None  # "not installed": the asyncio extra is optional
+from mqdedup import AsyncConsumer, ConfigurationError, InMemoryBroker, create_engine
+from mqdedup import run_until_idle
+from tests.support import OrderConsumer, order_counts, reset_database
+
+engine = create_engine(f"sqlite:///{tempfile.mkdtemp()}/x.db")
+reset_database(engine)
+broker = InMemoryBroker()
+broker.publish("q", '{"order": 1}', message_id="m1")
+assert run_until_idle(OrderConsumer(), broker.transport("q"), engine).processed == 1
+assert "sqlalchemy.ext.asyncio" not in sys.modules
+
+class Orders(AsyncConsumer):
+    async def handle(self, message, ctx): ...
+    def create_transport(self, **_): return broker.transport("q")
+
+try:
+    Orders().run(engine)
+except ConfigurationError as error:
+    print(error)
+"""
+
+
+def test_without_the_asyncio_extra_sync_consumers_work_and_async_ones_say_why() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_GREENLET],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).parents[3],
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == (
+        "async consumers need greenlet, which is not installed: pip install 'mqdedup[asyncio]'"
+    )
+
+
+class OrmBase(DeclarativeBase):
+    pass
+
+
+class Shipment(OrmBase):
+    __tablename__ = "async_shipments"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    message_id: Mapped[str] = mapped_column(String(64), unique=True)
+
+
+class OrmShipments(AsyncConsumer):
+    """The AsyncSession API a handler uses: ORM add/flush/get, scalar, connection, run_sync."""
+
+    name = "orm-shipments"
+    poll_timeout = 0.05
+
+    async def handle(self, message: Message, ctx: AsyncContext) -> Any:
+        shipment = Shipment(message_id=str(message.id))
+        ctx.session.add(shipment)
+        await ctx.session.flush()
+        assert (await ctx.session.get(Shipment, shipment.id)) is shipment
+        count = await ctx.session.scalar(select(func.count()).select_from(Shipment))
+        connection = await ctx.session.connection()
+        assert (await connection.execute(text("SELECT 1"))).scalar() == 1
+        written = await ctx.session.run_sync(
+            lambda session: OutboxWriter(session).publish({"n": count}, topic="shipped")
+        )
+        return {"seen": count, "event": written}
+
+
+def test_the_async_session_api_works_in_the_message_transaction(sqlite_engine: Engine) -> None:
+    OrmBase.metadata.create_all(sqlite_engine)
+    broker = InMemoryBroker()
+    for n in range(3):
+        broker.publish(QUEUE, b"{}", message_id=f"ship-{n}")
+
+    metrics = asyncio.run(work(OrmShipments(), broker.transport(QUEUE), sqlite_engine, Ticker()))
+
+    assert metrics.processed == 3 and not broker.dead_letters
+    with sqlite_engine.connect() as connection:
+        shipped = connection.execute(select(Shipment.message_id)).scalars().all()
+    assert sorted(shipped) == ["ship-0", "ship-1", "ship-2"]
+    assert len(outbox_ids(sqlite_engine)) == 3
