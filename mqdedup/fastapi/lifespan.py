@@ -27,16 +27,19 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from mqdedup.cli.health import snapshot_ready
-from mqdedup.consumers.async_consumer import AsyncConsumer, Database
+from mqdedup.consumers.async_consumer import AsyncConsumer
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import ConfigurationError
 from mqdedup.stopping import StopToken
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.async_consumer import Database
 
 log = logging.getLogger(__name__)
 
