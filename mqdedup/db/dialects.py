@@ -307,9 +307,9 @@ def claim_key_nowait(session: Session, table: Table, consumer: str, key: str, no
 
     * PostgreSQL: ``pg_try_advisory_xact_lock`` on a 64-bit hash of the key first (held
       until the transaction ends; every claim of the key takes it), so the claim never
-      meets an uncommitted row of another transaction. When the lock is taken, a
-      committed row means ``taken`` (the holder is another repeat), none ``busy``. No
-      error, the transaction stays usable.
+      meets an uncommitted row of another transaction. When another transaction holds
+      the lock, a committed row means ``taken`` (the holder is another repeat), none
+      ``busy``. One statement (a CTE), no error: the transaction stays usable.
     * MariaDB: the claim with ``innodb_lock_wait_timeout=0`` for that statement only
       (``SET STATEMENT … FOR``); a lock wait is error 1205 → ``busy``. MySQL (no
       ``SET STATEMENT``) waits like a message claim.
@@ -319,19 +319,20 @@ def claim_key_nowait(session: Session, table: Table, consumer: str, key: str, no
     family = traits(session.get_bind()).family
     if family == "postgresql":
         lock = hashlib.sha256(f"{table.name}\x00{consumer}\x00{key}".encode()).digest()[:8]
-        taken = session.execute(
-            text("SELECT pg_try_advisory_xact_lock(:lock)"),
-            {"lock": int.from_bytes(lock, "big", signed=True)},
-        ).scalar_one()
+        row = (
+            session.connection()
+            .exec_driver_sql(
+                _pg_claim_key_sql(table.name),
+                (int.from_bytes(lock, "big", signed=True), consumer, key, now, consumer, key),
+            )
+            .one()
+        )
+        taken, inserted, committed = row
         if not taken:
             # Held by a transaction in flight: the first request, or a repeat of a key
             # already committed (which only reads it).
-            committed = session.execute(
-                select(table.c.message_id).where(
-                    table.c.consumer_name == consumer, table.c.message_id == key
-                )
-            ).first()
-            return "busy" if committed is None else "taken"
+            return "taken" if committed else "busy"
+        return "new" if inserted else "taken"
     elif family == "mysql" and getattr(session.get_bind().dialect, "is_mariadb", False):
         _check_mysql_key(consumer, [key])
         # For this statement only: a key held by a transaction in flight is error 1205 at once.
@@ -349,6 +350,19 @@ def claim_key_nowait(session: Session, table: Table, consumer: str, key: str, no
             raise
         return "new" if inserted == 1 else "taken"
     return "new" if claim_ids(session, table, consumer, [key], now) else "taken"
+
+
+@functools.cache
+def _pg_claim_key_sql(table_name: str) -> str:
+    """One round trip: the key's advisory lock, the claim if locked, a committed row?"""
+    return (
+        "WITH lock AS (SELECT pg_try_advisory_xact_lock(%s) AS taken), "
+        f"claimed AS (INSERT INTO {table_name} (consumer_name, message_id, processed_at) "
+        "SELECT %s, %s, %s FROM lock WHERE taken "
+        "ON CONFLICT (consumer_name, message_id) DO NOTHING RETURNING 1) "
+        "SELECT (SELECT taken FROM lock), EXISTS (SELECT 1 FROM claimed), "
+        f"EXISTS (SELECT 1 FROM {table_name} WHERE consumer_name = %s AND message_id = %s)"
+    )
 
 
 def _mysql_code(error: sa_exc.DBAPIError) -> Any:
