@@ -26,8 +26,9 @@ from tests.acceptance.test_examples import kafka_records, run, scalar
 from tests.services import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-#: Clients; with the retries and the doubled requests about 1,000 HTTP requests.
-CLIENTS = 750
+#: Clients; with the retries and the doubled requests (the seeded demo) 1,000 HTTP requests
+#: before the repeats of 409 answers.
+CLIENTS = 700
 
 
 @pytest.fixture
