@@ -6,12 +6,18 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from mqdedup.dedup.request_keys import KeyedRequest, KeyState, RequestKeys, StoredResponse
 from tests.services import TestDatabase, prefixed_database
 
 pytestmark = pytest.mark.integration
+BOUNDED_WAIT = {
+    "postgresql": "SET LOCAL lock_timeout = '2s'",
+    "mysql": "SET SESSION innodb_lock_wait_timeout = 2",
+    "mariadb": "SET SESSION innodb_lock_wait_timeout = 2",
+}
 
 
 @pytest.fixture(params=["postgresql", "mariadb"])
@@ -36,6 +42,8 @@ def test_in_flight_is_409_at_once_and_concurrent_repeats_replay(database: TestDa
         in_flight = Session(database.engine)
         repeats.append(in_flight)
         in_flight.begin()
+        # Bounded: were the claim to wait for the first transaction, it fails in 2 s.
+        in_flight.execute(text(BOUNDED_WAIT[database.engine.dialect.name]))
         started = time.monotonic()
         claim = keys.claim(in_flight, request)
         assert claim.state is KeyState.IN_FLIGHT
