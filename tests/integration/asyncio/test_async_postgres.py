@@ -11,7 +11,6 @@ while the worker leaves the loop free (every database wait is awaited).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +27,7 @@ from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.schema import schema
 from mqdedup.outbox import AsyncOutboxWriter, Relay, RelayConfig
 from mqdedup.outbox.memory import MemoryPublisher
+from tests.integration.asyncio.proxy import CuttableProxy
 from tests.services import TestDatabase, prefixed_database, table_prefix
 
 pytestmark = pytest.mark.integration
@@ -126,48 +126,6 @@ def test_30pct_duplicates_once_each_and_a_constraint_violation_fails_alone(
     assert all("UniqueViolation" in letter.record.reason for letter in letters)
     assert broker.pending(QUEUE) == 0
     assert broker.settled_count[QUEUE] == 300 + copies
-
-
-class CuttableProxy:
-    """A TCP proxy to PostgreSQL on the running event loop; ``cut`` drops everything."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.listen_port = 0
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-        self._pipes: set[asyncio.Task[Any]] = set()
-
-    async def open(self) -> None:
-        self._server = await asyncio.start_server(
-            self._serve, "127.0.0.1", self.listen_port, reuse_address=True
-        )
-        self.listen_port = self._server.sockets[0].getsockname()[1]
-
-    async def cut(self) -> None:
-        """The database 'stops': new connections refused, live ones aborted."""
-        assert self._server is not None
-        self._server.close()
-        for writer in self._writers:
-            writer.transport.abort()
-        self._writers.clear()
-        await asyncio.gather(*self._pipes, return_exceptions=True)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        upstream_reader, upstream_writer = await asyncio.open_connection(self.host, self.port)
-        self._writers += [writer, upstream_writer]
-        for pipe in (self._pipe(reader, upstream_writer), self._pipe(upstream_reader, writer)):
-            task = asyncio.create_task(pipe)
-            self._pipes.add(task)
-            task.add_done_callback(self._pipes.discard)
-
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
 
 
 async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -26,18 +26,19 @@ from mqdedup import AsyncConsumer, AsyncContext, Consumer, Context, InMemoryBrok
 from mqdedup.bridge import NotInBridgeError
 from mqdedup.consumers.async_context import AsyncBatchContext
 from mqdedup.consumers.base import RetryPolicy
-from mqdedup.consumers.memory import MemoryTransport
+from mqdedup.consumers.memory import MemoryTransport, run_until_idle_restarting
 from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.processor import WORKER_DIED
 from mqdedup.consumers.replay import ReplayReport, ReplayRun
 from mqdedup.consumers.transport import Transport
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.engine import session_factory
 from mqdedup.db.schema import schema
-from mqdedup.errors import ConfigurationError
+from mqdedup.errors import ConfigurationError, SimulatedCrash
 from mqdedup.outbox.writer import OutboxWriter, outgoing_message_id
 from mqdedup.stopping import StopToken
-from mqdedup.testing import ConsumerHarness, assert_effectively_once
+from mqdedup.testing import ConsumerHarness, EffectivelyOnceError, assert_effectively_once
 from tests.support import orders
 from tests.unit.test_replay_run import ListRange
 
@@ -253,23 +254,38 @@ class BulkAsyncOrders(AsyncConsumer):
 
 
 def test_harness_kit_runs_async_consumers_effectively_once(sqlite_engine: Engine) -> None:
-    for consumer_class in (AsyncOrders, BulkAsyncOrders):
-        consumer_class.batch_size = 5  # type: ignore[misc]
-    try:
-        for consumer_class, queue in ((AsyncOrders, "kit"), (BulkAsyncOrders, "kit-bulk")):
-            harness = ConsumerHarness(consumer_class, sqlite_engine, queue=queue)
-            for n in range(30):
-                harness.publish({"order": n}, message_id=f"{queue}-{n}")
-            harness.deliver_each_twice()
-            harness.run_crashing_after_commit(times=3)
-            harness.run_crashing_mid_batch(after_messages=3)
-            harness.run()
-            assert harness.crashes == 4
-            counts = {k: v for k, v in order_counts(sqlite_engine).items() if k in harness.ids}
-            assert_effectively_once(counts, harness.ids)
-            assert harness.broker.pending(queue) == 0
-    finally:
-        AsyncOrders.batch_size = BulkAsyncOrders.batch_size = 100  # type: ignore[misc]
+    class SmallBatches(AsyncOrders):
+        batch_size = 5
+
+    class SmallBulkBatches(BulkAsyncOrders):
+        batch_size = 5
+
+    for consumer_class, queue in ((SmallBatches, "kit"), (SmallBulkBatches, "kit-bulk")):
+        harness = ConsumerHarness(consumer_class, sqlite_engine, queue=queue)
+        for n in range(30):
+            harness.publish({"order": n}, message_id=f"{queue}-{n}")
+        harness.deliver_each_twice()
+        harness.run_crashing_after_commit(times=3)
+        harness.run_crashing_mid_batch(after_messages=3)
+        harness.run()
+        assert harness.crashes == 4
+        counts = {k: v for k, v in order_counts(sqlite_engine).items() if k in harness.ids}
+        assert_effectively_once(counts, harness.ids)
+        assert harness.broker.pending(queue) == 0
+
+    class WithoutDedup(SmallBulkBatches):  # the control: the same faults, no claims
+        name = "no-dedup"
+        deduplicate = False
+
+    harness = ConsumerHarness(WithoutDedup, sqlite_engine, queue="control")
+    for n in range(30):
+        harness.publish({"order": n}, message_id=f"control-{n}")
+    harness.deliver_each_twice()
+    harness.run_crashing_after_commit(times=3)
+    harness.run()
+    counts = {k: v for k, v in order_counts(sqlite_engine).items() if k in harness.ids}
+    with pytest.raises(EffectivelyOnceError):
+        assert_effectively_once(counts, harness.ids)
 
 
 class Gated(AsyncConsumer):
@@ -545,3 +561,31 @@ def test_the_async_session_api_works_in_the_message_transaction(sqlite_engine: E
         shipped = connection.execute(select(Shipment.message_id)).scalars().all()
     assert sorted(shipped) == ["ship-0", "ship-1", "ship-2"]
     assert len(outbox_ids(sqlite_engine)) == 3
+
+
+class Killer(AsyncOrders):
+    """``order-2``'s handler kills its worker (as ``os._exit`` would) every time."""
+
+    name = "killer"
+    batch_size = 4
+    retry_policy = RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.01)
+
+    async def handle(self, message: Message, ctx: AsyncContext) -> Any:
+        if message.id == "order-2":
+            raise SimulatedCrash("the process died")
+        return await super().handle(message, ctx)
+
+
+def test_a_message_that_kills_its_async_worker_is_dead_lettered_in_careful_mode(
+    sqlite_engine: Engine,
+) -> None:
+    broker = InMemoryBroker()
+    ids = publish_orders(broker, range(8))
+
+    run = run_until_idle_restarting(Killer(), broker, QUEUE, sqlite_engine)
+
+    assert run.crashes == 3  # its first batch, then once per attempt in careful mode
+    assert order_counts(sqlite_engine) == {i: 1 for i in ids if i != "order-2"}
+    (letter,) = broker.dead_letters[QUEUE]
+    assert letter.message.headers["message-id"] == "order-2"
+    assert letter.record.reason.startswith(WORKER_DIED)
