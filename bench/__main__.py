@@ -9,7 +9,9 @@ Measures side by side, medians over several runs, on the real services of
 * relay: the outbox relay against a raw publish loop, per broker, and the
   commit-to-publish latency (p50/p99) with NOTIFY and with polling;
 * claim: claim cost with 0 / 1M / 10M rows in the dedup table, and purge speed;
-* memory: peak RSS of a worker subprocess over 1,000,000 messages (in-memory broker).
+* memory: peak RSS of a worker subprocess over 1,000,000 messages (in-memory broker);
+* async (``--only async``): asyncio consumers (aiokafka, aio-pika, ``AsyncSession``)
+  next to the synchronous ones, bulk and per-message (``bench/suite_async.py``).
 
 Writes ``bench/results/results.md``, ``results.json`` and PNG charts, and in full mode
 (all suites) ``docs/benchmarks.md``. ``--quick`` is a smoke run of the same suites (one
@@ -35,6 +37,8 @@ from bench.suite_common import FULL, QUICK, Section, Settings, Sizes, fmt, progr
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = ("kafka", "rabbitmq", "relay", "claim", "memory")
+#: Suites run only when named in ``--only`` (not part of the default full / quick run).
+OPTIONAL = ("async",)
 
 
 NEEDS = {
@@ -43,6 +47,7 @@ NEEDS = {
     "relay": ("postgres", "kafka", "rabbitmq"),
     "claim": ("postgres",),
     "memory": ("postgres",),
+    "async": ("postgres", "kafka", "rabbitmq"),
 }
 
 
@@ -72,6 +77,7 @@ def unreachable(names: Sequence[str], settings: Settings) -> list[str]:
 
 
 def run_suites(names: Sequence[str], settings: Settings, sizes: Sizes) -> list[Section]:
+    from bench.suite_async import async_suite
     from bench.suite_consumers import kafka_suite, rabbitmq_suite
     from bench.suite_dedup import dedup_suite
     from bench.suite_memory import memory_suite
@@ -83,6 +89,7 @@ def run_suites(names: Sequence[str], settings: Settings, sizes: Sizes) -> list[S
         "relay": (lambda: relay_suite(settings, sizes), ("relay", "latency")),
         "claim": (lambda: dedup_suite(settings, sizes), ("claim", "purge")),
         "memory": (lambda: memory_suite(settings, sizes), ("memory",)),
+        "async": (lambda: async_suite(settings, sizes), ("async",)),
     }
     sections: list[Section] = []
     for name in names:
@@ -225,7 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="smoke run: one run, small sizes, ~30 s; results to a temporary folder",
     )
     parser.add_argument(
-        "--only", default=",".join(SUITES), help=f"comma-separated suites: {','.join(SUITES)}"
+        "--only",
+        default=",".join(SUITES),
+        help=f"comma-separated suites: {','.join(SUITES + OPTIONAL)} (default: all but async)",
     )
     parser.add_argument("--runs", type=int, default=None, help="runs per measurement")
     parser.add_argument(
@@ -237,9 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = sorted(set(names) - set(SUITES))
+    unknown = sorted(set(names) - set(SUITES) - set(OPTIONAL))
     if unknown:
-        parser.error(f"unknown suite(s): {', '.join(unknown)} (choose from {', '.join(SUITES)})")
+        choices = ", ".join(SUITES + OPTIONAL)
+        parser.error(f"unknown suite(s): {', '.join(unknown)} (choose from {choices})")
     sizes = QUICK if args.quick else FULL
     if args.runs is not None:
         if args.runs < 1:

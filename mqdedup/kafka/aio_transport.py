@@ -40,15 +40,14 @@ from typing import Any, TypeVar
 import aiokafka  # type: ignore[import-untyped]
 import aiokafka.errors as aio_errors  # type: ignore[import-untyped]
 from aiokafka.abc import ConsumerRebalanceListener  # type: ignore[import-untyped]
-from aiokafka.structs import TopicPartition  # type: ignore[import-untyped]
 
 from mqdedup.bridge import in_bridge, wait_for
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.kafka.aio_commits import AioOffsetCommits
 from mqdedup.kafka.aio_dead_letters import AioKafkaDeadLetters
 from mqdedup.kafka.aio_settings import AioKafkaSettings
-from mqdedup.kafka.clean_stop import CLEAN_STOP_METADATA
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
 from mqdedup.kafka.records import KafkaToken, describe_error, partition_key, to_message
 from mqdedup.kafka.rewinds import request_rewinds, seek_rewinds
@@ -66,14 +65,6 @@ LAG_INTERVAL = 1.0
 CLOSE_TIMEOUT = 10.0
 #: Pause of the poll task after a retriable error.
 RETRY_PAUSE = 0.5
-
-_REBALANCE_ERRORS: tuple[type[BaseException], ...] = (
-    aio_errors.CommitFailedError,
-    aio_errors.RebalanceInProgressError,
-    aio_errors.IllegalGenerationError,
-    aio_errors.UnknownMemberIdError,
-    aio_errors.IllegalStateError,
-)
 
 
 def require_bridge(operation: str) -> None:
@@ -112,8 +103,7 @@ class AioKafkaTransport:
         self._buffer: deque[Delivery[KafkaToken]] = deque()
         self._arrived: asyncio.Event | None = None
         self._poll_task: asyncio.Task[None] | None = None
-        self._commit_lock: asyncio.Lock | None = None
-        self._next_commit = 0.0
+        self.commits = AioOffsetCommits(settings, self.tracker)
         #: Freshly assigned partitions whose previous owner's stop is not checked yet.
         self._unchecked: set[PartitionKey] = set()
         self._failure: BaseException | None = None
@@ -174,8 +164,8 @@ class AioKafkaTransport:
             token = delivery.token
             if self.tracker.settle(token.partition, token.offset, token.epoch):
                 settled += 1
-        if settled and time.monotonic() >= self._next_commit:
-            wait_for(self._commit_pending())
+        if settled and self.commits.due:
+            wait_for(self.commits.commit_pending())
 
     def give_back(self, deliveries: Sequence[Delivery[KafkaToken]]) -> None:
         """Fetch these unsettled deliveries again: their partition seeks back to the first.
@@ -205,7 +195,6 @@ class AioKafkaTransport:
     async def _start(self) -> None:
         settings = self.settings
         self._arrived = asyncio.Event()
-        self._commit_lock = asyncio.Lock()
         try:
             consumer = aiokafka.AIOKafkaConsumer(**settings.consumer)
         except (TypeError, ValueError, aio_errors.KafkaError) as error:
@@ -224,6 +213,7 @@ class AioKafkaTransport:
                 f"{describe_error(error)}"
             ) from error
         self._consumer = consumer
+        self.commits.consumer = consumer
         self._poll_task = asyncio.get_running_loop().create_task(
             self._poll_loop(), name=f"mqdedup-aiokafka-poll[{settings.consumer_name}]"
         )
@@ -247,10 +237,7 @@ class AioKafkaTransport:
         consumer = self._consumer
         if consumer is not None:
             if self._failure is None:
-                assigned = self._assigned()
-                offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
-                clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in assigned}
-                await self._commit({**clean, **offsets}, CLOSE_TIMEOUT, clean=set(clean))
+                await self.commits.commit_on_stop(CLOSE_TIMEOUT)
             self._buffer.clear()
             await _quietly(consumer.stop())
         await self.dead_letters.close()
@@ -288,8 +275,8 @@ class AioKafkaTransport:
         next_lag = time.monotonic()
         while not self._closing:
             try:
-                if time.monotonic() >= self._next_commit:
-                    await self._commit_pending()
+                if self.commits.due:
+                    await self.commits.commit_pending()
                 seek_rewinds(consumer, self.tracker)
                 if self._stop.requested:
                     # Stopping: hand out nothing more, stay in the group until close.
@@ -337,10 +324,14 @@ class AioKafkaTransport:
     async def _take_in(self, batches: Mapping[Any, Sequence[Any]]) -> None:
         """Track polled records as deliveries and buffer them."""
         added = 0
+        assigned = self.commits.assigned() if batches else set()
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
+            if key not in assigned:
+                continue  # revoked while this poll was answered: the next owner's
             if key in self._unchecked and records:
-                await self._check_previous_owner(key, topic_partition, records[0].offset)
+                self._unchecked.discard(key)
+                await self.commits.check_previous_owner(key, topic_partition, records[0].offset)
             for record in records:
                 tracked = self.tracker.track_redelivered(key, record.offset)
                 if tracked is None:
@@ -356,79 +347,6 @@ class AioKafkaTransport:
         if added:
             self._wake()
 
-    async def _check_previous_owner(
-        self, key: PartitionKey, topic_partition: Any, start: int
-    ) -> None:
-        """Before the first records of a fresh assignment: is the careful window needed?
-
-        Not when the previous owner stopped gracefully (its last commit carries the
-        clean-stop marker) nor when nobody ever committed. Either way the start offset is
-        first committed without the marker, so a death from now on leaves a trace.
-        """
-        self._unchecked.discard(key)
-        try:
-            # aiokafka's public committed() drops the metadata; its coordinator has it.
-            answer = await asyncio.wait_for(
-                self._consumer._coordinator.fetch_committed_offsets([topic_partition]),
-                self.settings.base.commit_timeout,
-            )
-        except Exception:
-            return  # unknown: keep the careful window
-        committed = answer.get(topic_partition)
-        clean = (
-            committed is None or committed.offset < 0 or committed.metadata == CLEAN_STOP_METADATA
-        )
-        if clean and await self._commit({key: start}, self.settings.base.commit_timeout):
-            self.tracker.expect_clean(key)
-
-    async def _commit_pending(self) -> bool:
-        """Commit settled offsets not committed yet; True when nothing is left to commit."""
-        assigned = self._assigned()
-        offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
-        if not offsets:
-            return True
-        ok = await self._commit(offsets, self.settings.base.commit_timeout)
-        interval = self.settings.base.commit_interval
-        self._next_commit = time.monotonic() + (interval if ok else max(1.0, interval))
-        return ok
-
-    async def _commit(
-        self,
-        offsets: Mapping[PartitionKey, int],
-        timeout: float,
-        *,
-        clean: Collection[PartitionKey] = (),
-    ) -> bool:
-        """Commit ``offsets`` (``clean``: with the clean-stop marker); True when committed.
-
-        A failed commit is logged, never fatal: its messages may come again, deduplicated.
-        """
-        if not offsets or self._consumer is None:
-            return True
-        assert self._commit_lock is not None
-        request = {
-            TopicPartition(*key): (offset, CLEAN_STOP_METADATA if key in clean else "")
-            for key, offset in offsets.items()
-        }
-        async with self._commit_lock:
-            try:
-                await asyncio.wait_for(self._consumer.commit(request), timeout)
-            except _REBALANCE_ERRORS as error:
-                log.warning(
-                    "offset commit failed because of a rebalance; redeliveries will be "
-                    "deduplicated",
-                    extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
-                )
-                return False
-            except (aio_errors.KafkaError, TimeoutError, OSError) as error:
-                log.warning(
-                    "offset commit failed; will retry",
-                    extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
-                )
-                return False
-        self.tracker.committed(dict(offsets))
-        return True
-
     # -- rebalances (called by the listener, awaited by aiokafka) --------------------------
 
     async def _revoked(self, keys: list[PartitionKey]) -> None:
@@ -441,7 +359,7 @@ class AioKafkaTransport:
         uncommitted = {k: v for k, v in self.tracker.to_commit().items() if k in wanted}
         clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in wanted}
         if self._failure is None and not self._closed:
-            await self._commit(
+            await self.commits.commit(
                 {**clean, **uncommitted}, self.settings.base.commit_timeout, clean=set(clean)
             )
         self.tracker.revoke(keys)
@@ -457,11 +375,6 @@ class AioKafkaTransport:
                 "committing": {f"{k[0]}/{k[1]}": v for k, v in uncommitted.items()},
             },
         )
-
-    def _assigned(self) -> set[PartitionKey]:
-        if self._consumer is None:
-            return set()
-        return {partition_key(tp) for tp in self._consumer.assignment() or ()}
 
     def _partitions_assigned(self, keys: list[PartitionKey]) -> None:
         self.tracker.assign(keys)

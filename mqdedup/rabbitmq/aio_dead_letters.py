@@ -76,7 +76,12 @@ class AioDeadLetterPublisher:
                 raise DeadLetterRefusedError(
                     f"RabbitMQ refused the dead letter: {describe_error(error)}"
                 ) from error
-            except (aio_errors.AMQPError, OSError, TimeoutError) as error:
+            except (
+                aio_errors.AMQPError,
+                aio_errors.ChannelInvalidStateError,
+                OSError,
+                TimeoutError,
+            ) as error:
                 await self.close()
                 if attempt == 2:
                     raise BrokerUnavailableError(
@@ -103,7 +108,12 @@ class AioDeadLetterPublisher:
                     ),
                     self._timeout,
                 )
-            except (aio_errors.AMQPError, OSError, TimeoutError) as error:
+            except (
+                aio_errors.AMQPError,
+                aio_errors.ChannelInvalidStateError,
+                OSError,
+                TimeoutError,
+            ) as error:
                 raise BrokerUnavailableError(
                     f"cannot open the dead-letter connection: {describe_error(error)}"
                 ) from error
@@ -113,7 +123,7 @@ class AioDeadLetterPublisher:
                 self._channel = await self._connection.channel(
                     publisher_confirms=True, on_return_raises=True
                 )
-            except (aio_errors.AMQPError, OSError) as error:
+            except (aio_errors.AMQPError, aio_errors.ChannelInvalidStateError, OSError) as error:
                 await self.close()
                 raise BrokerUnavailableError(
                     f"cannot open a dead-letter channel: {describe_error(error)}"

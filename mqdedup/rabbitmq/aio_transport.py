@@ -58,6 +58,15 @@ log = logging.getLogger(__name__)
 WAIT_SLICE = 0.25
 #: Seconds to wait for the broker's answer to a command (declare, cancel, close).
 COMMAND_TIMEOUT = 30.0
+#: Seconds between two reads of the queue's depth (``Metrics.lag``).
+LAG_INTERVAL = 15.0
+#: What a lost or closed channel / connection raises (the broker then redelivers).
+CHANNEL_FAILURES: tuple[type[BaseException], ...] = (
+    aio_errors.AMQPError,
+    aio_errors.ChannelInvalidStateError,
+    OSError,
+)
+LAG_FAILURES: tuple[type[BaseException], ...] = (*CHANNEL_FAILURES, TimeoutError)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -101,6 +110,8 @@ class AioPikaTransport:
         self.prefetch = prefetch
         self.metrics = metrics if metrics is not None else Metrics()
         self.metrics.consumer_attached = False
+        self.metrics.lag.setdefault(self.queue, 0)
+        self._next_lag = 0.0
         self._url = url
         self._masked_url = mask_url(url)
         self._stop = stop
@@ -257,8 +268,9 @@ class AioPikaTransport:
         await self.dead_letters.close()
 
     async def _on_message(self, incoming: Any) -> None:
-        channel = await self._current_channel()
-        if channel is None:
+        try:
+            channel = incoming.channel  # the AMQP channel it came on (raises once closed)
+        except CHANNEL_FAILURES:
             return  # the channel is closing: the broker redelivers it
         if channel is not self._outstanding_channel:
             self._outstanding_channel = channel
@@ -277,6 +289,8 @@ class AioPikaTransport:
     async def _fetch(self, max_messages: int, timeout: float) -> list[Delivery[AioAmqpToken]]:
         assert self._arrived is not None
         deadline = time.monotonic() + timeout
+        if time.monotonic() >= self._next_lag:
+            await self._update_lag()
         while True:
             if self._stopping():
                 await self._cancel_consuming()
@@ -330,7 +344,7 @@ class AioPikaTransport:
             for tag in plan.singles:
                 await live.basic_ack(tag)
                 self._outstanding.discard(tag)
-        except (aio_errors.AMQPError, OSError) as error:
+        except CHANNEL_FAILURES as error:
             log.warning(
                 "settling failed; the deliveries will be redelivered and skipped as duplicates",
                 extra={"queue": self.queue, "error": describe_error(error)},
@@ -357,7 +371,7 @@ class AioPikaTransport:
             for tag in tags:
                 await channel.basic_nack(tag, requeue=True)
                 self._outstanding.discard(tag)
-        except (aio_errors.AMQPError, OSError) as error:
+        except CHANNEL_FAILURES as error:
             log.warning(
                 "returning deliveries failed; the broker requeues them with the channel",
                 extra={"queue": self.queue, "error": describe_error(error)},
@@ -368,7 +382,7 @@ class AioPikaTransport:
         tag, self._consumer_tag = self._consumer_tag, None
         if tag is None or self._queue is None:
             return
-        with contextlib.suppress(aio_errors.AMQPError, OSError, TimeoutError):
+        with contextlib.suppress(*CHANNEL_FAILURES, TimeoutError):
             await asyncio.wait_for(self._queue.cancel(tag), COMMAND_TIMEOUT)
         live = await self._current_channel()
         unfetched = [d.token.delivery_tag for d in self._buffer if d.token.channel is live]
@@ -380,6 +394,24 @@ class AioPikaTransport:
             "stopped consuming; finishing the batch in flight",
             extra={"queue": self.queue, "returned": len(unfetched)},
         )
+
+    async def _update_lag(self) -> None:
+        """Ready messages in the queue into ``Metrics.lag`` (a passive declare)."""
+        self._next_lag = time.monotonic() + LAG_INTERVAL
+        channel = await self._current_channel()
+        if channel is None:
+            return
+        try:
+            declared = await asyncio.wait_for(
+                channel.queue_declare(self.queue, passive=True), COMMAND_TIMEOUT
+            )
+        except LAG_FAILURES as error:
+            log.warning(
+                "queue depth unavailable",
+                extra={"queue": self.queue, "error": describe_error(error)},
+            )
+            return
+        self.metrics.lag[self.queue] = int(declared.message_count or 0)
 
     # -- the robust connection's callbacks -------------------------------------------------
 

@@ -8,26 +8,40 @@
   the offset commit, a poison message: a rerun drains the topic, each effect once, the
   poison message in the dead-letter topic with its reason;
 * a rebalance: a second worker joins while the first holds a committed batch whose
-  offsets are not committed: each effect once.
+  offsets are not committed: each effect once;
+* a dead letter the broker refuses (too large for the DLT) is kept in the database with
+  the broker's reason, and its batch-mates go on.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from sqlalchemy import insert
+from sqlalchemy.orm import Session
 
-from mqdedup import AsyncContext, Message, RetryPolicy
+from mqdedup import AsyncContext, Message, RetryPolicy, StopToken
+from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.kafka import AsyncKafkaConsumer
 from mqdedup.testing.brokers import KafkaHarness
+from tests.integration.kafka.consumers import FAST_GROUP
 from tests.integration.kafka.helpers import row_counts
-from tests.services import KafkaHelper, kafka_headers
+from tests.services import (
+    KafkaHelper,
+    Outgoing,
+    TestDatabase,
+    kafka_headers,
+    unique_name,
+    wait_for,
+)
 from tests.support import orders_table
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration]
 
 POISON = "poison-1"
 
@@ -62,6 +76,7 @@ def publish_with_duplicates(harness: KafkaHarness, count: int) -> list[str]:
     return ids
 
 
+@pytest.mark.slow
 def test_aiokafka_workers_killed_after_commit_with_duplicates_and_a_poison_message(
     mqdedup_kafka_harness: Callable[..., KafkaHarness], pg_url: str, kafka_helper: KafkaHelper
 ) -> None:
@@ -88,6 +103,7 @@ def test_aiokafka_workers_killed_after_commit_with_duplicates_and_a_poison_messa
         orders.drop(harness.engine, checkfirst=True)
 
 
+@pytest.mark.slow
 def test_aiokafka_rebalance_while_a_committed_batch_is_unsettled_applies_each_once(
     mqdedup_kafka_harness: Callable[..., KafkaHarness], pg_url: str
 ) -> None:
@@ -106,3 +122,62 @@ def test_aiokafka_rebalance_while_a_committed_batch_is_unsettled_applies_each_on
         assert row_counts(harness.engine, harness.prefix) == dict.fromkeys(ids, 1)
     finally:
         orders.drop(harness.engine, checkfirst=True)
+
+
+def test_aiokafka_dead_letter_refused_by_the_broker_is_kept_in_the_database(
+    kafka_helper: KafkaHelper, db: TestDatabase
+) -> None:
+    """An oversized poison message the DLT refuses (``max.message.bytes``) is parked in
+    the database with the broker's reason; the rest of its partition goes on."""
+    topic = kafka_helper.create_topic(partitions=1)
+    kafka_helper.admin.create_topics(
+        {f"{topic}.DLT": {"num_partitions": 1, "configs": {"max.message.bytes": "1000"}}},
+        wait_for_metadata=True,
+    )
+    good = [f"a-{n}" for n in range(30)]
+    big = json.dumps({"poison": True, "pad": "x" * 5_000}).encode()
+    kafka_helper.produce(
+        topic,
+        [Outgoing(i, b"{}") for i in good[:15]]
+        + [Outgoing(POISON, big)]
+        + [Outgoing(i, b"{}") for i in good[15:]],
+    )
+    consumer = type(
+        "AioKafkaRefused",
+        (AioKafkaOrders,),
+        {
+            "topics": (topic,),
+            "group_id": unique_name("group"),
+            "bootstrap_servers": kafka_helper.bootstrap,
+            "table_prefix": db.prefix,
+            "kafka_config": FAST_GROUP,
+            "poll_timeout": 0.2,
+        },
+    )()
+    parked_table = DeadLetterTable(db.prefix)
+
+    def parked() -> list[Any]:
+        with Session(db.engine) as session:
+            return parked_table.list(session)
+
+    stop = StopToken()
+    outcome: list[Any] = []
+    runner = threading.Thread(
+        target=lambda: outcome.append(consumer.run(db.engine, stop=stop)), daemon=True
+    )
+    runner.start()
+    try:
+        wait_for(
+            lambda: len(parked()) == 1 and len(row_counts(db.engine, db.prefix)) == len(good),
+            60,
+            "the good messages written and the refused dead letter parked",
+        )
+    finally:
+        stop.request()
+        runner.join(60)
+    assert not runner.is_alive() and len(outcome) == 1, outcome
+    [kept] = parked()
+    assert kept.message.id == POISON and kept.message.body == big
+    assert "TooLarge" in kept.refusal and f"{topic}.DLT" in kept.refusal
+    assert row_counts(db.engine, db.prefix) == dict.fromkeys(good, 1)
+    assert outcome[0].dead_letters_parked == 1
