@@ -2,8 +2,9 @@
 
 Two parts, used together::
 
-    from fastapi import APIRouter, Depends
-    from sqlalchemy.ext.asyncio import AsyncSession, AsyncSessionTransaction, async_sessionmaker
+    from fastapi import APIRouter
+    from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+    from mqdedup import AsyncOutboxWriter
     from mqdedup.fastapi import Idempotency, IdempotentRoute
 
     idempotency = Idempotency(async_sessionmaker(engine), caller=current_user_id)
@@ -27,7 +28,8 @@ Two parts, used together::
   a client never sees a success that did not commit.
 
 The dependency uses FastAPI's ``Depends(..., scope="function")``: its exit (the commit)
-runs after the endpoint and before the response is sent.
+runs after the endpoint and before the response is sent. Semantics and the per-database
+details: ``docs/http-idempotency.md``.
 """
 
 from __future__ import annotations
