@@ -51,3 +51,30 @@ def database_alias(using: str | None = None) -> str:
 def table_prefix() -> str:
     """``MQDEDUP["TABLE_PREFIX"]``, else mqdedup's default prefix."""
     return validate_prefix(str(_settings().get("TABLE_PREFIX") or DEFAULT_PREFIX))
+
+
+def database_url(using: str | None = None) -> str:
+    """The SQLAlchemy URL of a Django alias (for the relay and the CLI's own checks,
+    which open connections of their own); the password included, never log it."""
+    from sqlalchemy.engine import URL
+
+    alias = database_alias(using)
+    config = settings.DATABASES[alias]
+    engine = str(config.get("ENGINE", ""))
+    if engine.endswith(".sqlite3"):
+        return f"sqlite:///{config['NAME']}"
+    if not engine.endswith(".postgresql"):
+        raise ConfigurationError(
+            f"database {alias!r} uses {engine}; mqdedup.django supports the postgresql "
+            "and sqlite3 backends"
+        )
+    port = config.get("PORT")
+    url = URL.create(
+        "postgresql+psycopg",
+        username=config.get("USER") or None,
+        password=config.get("PASSWORD") or None,
+        host=config.get("HOST") or None,
+        port=int(port) if port else None,
+        database=config.get("NAME") or None,
+    )
+    return url.render_as_string(hide_password=False)
