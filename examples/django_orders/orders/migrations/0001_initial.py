@@ -4,7 +4,9 @@ from django.db import migrations, models
 
 
 def _id() -> Any:
-    return models.BigAutoField(auto_created=True, primary_key=True, serialize=False)
+    return models.BigAutoField(
+        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+    )
 
 
 class Migration(migrations.Migration):
