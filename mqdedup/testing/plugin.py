@@ -41,6 +41,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.context import Context
@@ -80,9 +81,13 @@ class ConsumerHarness:
         queue: str = "harness",
         seed: int = 0,
         broker: InMemoryBroker | None = None,
+        sessions: sessionmaker[Session] | None = None,
     ) -> None:
         self.consumer_factory = consumer_factory
         self.engine = engine
+        #: What the consumer runs with (default: sessions of ``engine``); mqdedup.django
+        #: passes sessions on Django's connection.
+        self.database: Engine | sessionmaker[Session] = sessions or engine
         self.queue = queue
         #: The in-memory broker (pass your own to hand it to your consumer, e.g. for a
         #: handler that publishes directly).
@@ -117,7 +122,7 @@ class ConsumerHarness:
         """Process until the queue is empty (or ``max_batches``)."""
         consumer = self.consumer_factory()
         worker = Worker(
-            consumer, self.broker.transport(self.queue), self.engine, metrics=self.metrics
+            consumer, self.broker.transport(self.queue), self.database, metrics=self.metrics
         )
         return worker.run(until_idle=max_batches is None, max_batches=max_batches)
 
@@ -135,7 +140,7 @@ class ConsumerHarness:
 
     def _run_until_crash(self, consumer: Consumer) -> None:
         worker = Worker(
-            consumer, self.broker.transport(self.queue), self.engine, metrics=self.metrics
+            consumer, self.broker.transport(self.queue), self.database, metrics=self.metrics
         )
         try:
             worker.run(until_idle=True)

@@ -1,0 +1,75 @@
+"""The example's own tests: pytest-django's test database, mqdedup's test kit.
+
+Run from this folder: ``pytest --ds=orders_project.settings tests``.
+"""
+
+import pytest
+from django.db import connection, transaction
+from django.test import Client
+
+from mqdedup import Context, Message, RetryPolicy
+from mqdedup.django import outbox
+from mqdedup.django.conf import table_prefix
+from orders.consumers import RabbitShipments
+from orders.models import Order, Shipment
+
+
+def count(table: str) -> int:
+    """Rows of one of mqdedup's tables (``outbox``, ``processed_messages``)."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {table_prefix()}{table}")
+        return int(cursor.fetchone()[0])
+
+
+def test_an_order_and_its_events_commit_together(db: None) -> None:
+    response = Client().post(
+        "/orders/", {"customer": "ada", "total": "12.50"}, content_type="application/json"
+    )
+    assert response.status_code == 201
+    assert Order.objects.count() == 1
+    assert count("outbox") == 2  # the Kafka and the RabbitMQ copy of order-placed
+
+
+def test_an_order_rolled_back_leaves_no_event(db: None) -> None:
+    with pytest.raises(RuntimeError), transaction.atomic():
+        Order.objects.create(customer="bob", total=1)
+        outbox().publish({"order": 0}, topic="order-placed")
+        raise RuntimeError("payment declined")
+    assert Order.objects.count() == 0
+    assert count("outbox") == 0
+
+
+class SmallBatches(RabbitShipments):
+    batch_size = 5
+
+
+def test_each_event_ships_once_through_duplicates_and_crashes(mqdedup_django_harness) -> None:
+    harness = mqdedup_django_harness(SmallBatches)
+    for order in range(20):
+        harness.publish({"event": "order-placed", "order": order}, message_id=f"order-{order}")
+    harness.deliver_each_twice()
+    harness.run_crashing_after_commit(times=3)  # committed, then died before the ack
+    harness.run()
+    shipped = sorted(Shipment.objects.values_list("order_id", flat=True))
+    assert shipped == list(range(20))
+    assert count("processed_messages") == 20
+    assert count("outbox") == 20  # one shipment-created event each
+    assert harness.crashes == 3
+
+
+class FailingShipments(RabbitShipments):
+    retry_policy = RetryPolicy(max_attempts=2, initial_backoff=0.0)
+
+    def handle(self, message: Message, ctx: Context) -> None:
+        super().handle(message, ctx)  # a Shipment row and an outbox row...
+        raise RuntimeError("label printer on fire")  # ...then the handler fails
+
+
+def test_a_failing_handler_leaves_no_row_no_claim_no_event(mqdedup_django_harness) -> None:
+    harness = mqdedup_django_harness(FailingShipments)
+    harness.publish({"event": "order-placed", "order": 7}, message_id="order-7")
+    harness.run()
+    assert len(harness.dead_letters) == 1
+    assert Shipment.objects.count() == 0
+    assert count("processed_messages") == 0
+    assert count("outbox") == 0
