@@ -6,12 +6,12 @@ Run from this folder: ``pytest --ds=orders_project.settings tests``.
 import pytest
 from django.db import connection, transaction
 from django.test import Client
+from orders.consumers import RabbitShipments
+from orders.models import Order, Shipment
 
 from mqdedup import Context, Message, RetryPolicy
 from mqdedup.django import outbox
 from mqdedup.django.conf import table_prefix
-from orders.consumers import RabbitShipments
-from orders.models import Order, Shipment
 
 
 def count(table: str) -> int:
