@@ -33,7 +33,7 @@ from django.db import Error as DjangoDatabaseError  # type: ignore[import-untype
 from django.db import connections, transaction
 from sqlalchemy import Engine, event
 from sqlalchemy import create_engine as sa_create_engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 from sqlalchemy.pool import QueuePool
 
 from mqdedup.db.dialects import is_data_error
@@ -177,13 +177,23 @@ def _sqlalchemy_cursor(raw: Any) -> Any:
 
 
 class DjangoSession(Session):
-    """The processor's session on a Django alias: a broken transaction fails the handler.
+    """The processor's session on a Django alias: savepoints that cover ORM writes, and
+    a broken transaction fails the handler.
 
+    The processor's per-handler savepoints (``begin_nested``) are emitted before the
+    handler runs, so rolling one back undoes the handler's ORM writes too.
     After each handler the processor flushes; if Django marked the transaction for
     rollback meanwhile (an ORM error caught without a savepoint), the flush raises
     :class:`TransactionBrokenError`, so that message fails alone instead of the whole
     transaction being rolled back silently at commit.
     """
+
+    def begin_nested(self) -> SessionTransaction:
+        """A savepoint, emitted at once (SQLAlchemy would wait for the session's next
+        statement, which may come after the handler's ORM writes or never)."""
+        savepoint = super().begin_nested()
+        self.connection()
+        return savepoint
 
     def flush(self, objects: Sequence[Any] | None = None) -> None:
         super().flush(objects)

@@ -138,13 +138,14 @@ def main() -> int:
     logging.getLogger("pika").setLevel(logging.WARNING)
     # ``sessions``: ``module:function`` giving the database from the URL (mqdedup.django's
     # runs the consumer on Django's connection); default: an engine of the URL.
+    # First: it may set up what the consumer's module needs to import (Django's apps).
     sessions = config.get("sessions")
-    consumer = build_consumer_class(config)()
     database = (
         _load_object(str(sessions))(str(config["database_url"]))
         if sessions
         else create_engine(str(config["database_url"]))
     )
+    consumer = build_consumer_class(config)()
     stop = StopToken()
     _touch(Path(str(config["folder"])) / f"{config['label']}.started", str(os.getpid()))
     try:

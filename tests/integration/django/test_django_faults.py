@@ -1,0 +1,55 @@
+"""The Django integration on real PostgreSQL, Kafka and RabbitMQ, under faults.
+
+The scenarios (``scenarios.py``) need Django set up, which this process never does:
+they run in a pytest of their own, with the example project's settings, against a fresh
+database migrated with ``manage.py migrate``:
+
+* Kafka: 30% duplicates and ``kill -9`` after commit before the offset commit, three
+  times: each ORM effect (a ``Shipment`` row) exactly once;
+* RabbitMQ: 30% duplicates: each ORM effect once;
+* ``CONN_MAX_AGE=None`` (persistent connections) and the worker's database connection
+  terminated mid-run (``pg_terminate_backend``, the shared server is never restarted):
+  the worker reconnects and finishes, nothing lost or dead-lettered;
+* a handler that raises, or swallows an ORM error (Django marks the transaction for
+  rollback): no model row, no claim, no outbox row; its batch-mates commit all three.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.django.support import PYTHON, example_env, fresh_database, migrated, run
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+SCENARIOS = Path(__file__).with_name("scenarios.py")
+
+
+def test_django_consumers_under_duplicates_kills_and_lost_connections(
+    pg_url: str, kafka_bootstrap: str, rabbitmq_url: str
+) -> None:
+    with fresh_database(pg_url) as database_url:
+        env = example_env(
+            database_url,
+            MQDEDUP_KAFKA_BOOTSTRAP=kafka_bootstrap,
+            MQDEDUP_RABBITMQ_URL=rabbitmq_url,
+        )
+        migrated(database_url, env)
+        result = run(
+            PYTHON,
+            "-m",
+            "pytest",
+            str(SCENARIOS),
+            "-p",
+            "no:django",  # Django is set up by the module itself, on the real database
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-x",
+            "--durations=0",
+            env=env,
+            timeout=280,
+        )
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+        assert "5 passed" in result.stdout, result.stdout[-3000:]
