@@ -22,16 +22,18 @@ def create_shipment(message: Message, ctx: Context) -> dict[str, Any]:
     shipment = Shipment.objects.create(order_id=int(event["order"]), message_id=message.id)
     ctx.outbox.publish(
         {"event": "shipment-created", "order": event["order"], "shipment": shipment.pk},
-        topic="shipments",
+        topic=settings.SHIPMENTS_TOPIC,
         key=str(event["order"]),
     )
     return {"shipment": shipment.pk}
 
 
 class KafkaShipments(KafkaConsumer):
+    table_prefix = settings.MQDEDUP["TABLE_PREFIX"]  # where migrate created mqdedup's tables
     topics = (settings.ORDERS_TOPIC,)
     group_id = "shipments"
     batch_size = 100
+    poll_timeout = 0.2
     kafka_config: ClassVar[dict[str, Any]] = {
         "session_timeout_ms": 6000,
         "heartbeat_interval_ms": 1000,
@@ -42,8 +44,10 @@ class KafkaShipments(KafkaConsumer):
 
 
 class RabbitShipments(RabbitMQConsumer):
+    table_prefix = settings.MQDEDUP["TABLE_PREFIX"]
     queue = settings.ORDERS_QUEUE
     batch_size = 100
+    poll_timeout = 0.2
 
     def handle(self, message: Message, ctx: Context) -> Any:
         return create_shipment(message, ctx)

@@ -5,7 +5,8 @@
 * ``ORDERS_CONN_MAX_AGE``: seconds a connection is kept (default 600; ``none``: forever);
 * ``ORDERS_TABLE_PREFIX``: mqdedup's table prefix (default ``mqdedup_``);
 * ``ORDERS_TOPIC`` / ``ORDERS_QUEUE``: where the ``order-placed`` events go and where the
-  shipment consumers read them (Kafka topic / RabbitMQ queue).
+  shipment consumers read them (Kafka topic / RabbitMQ queue); ``SHIPMENTS_TOPIC``:
+  where the consumers' ``shipment-created`` events go (Kafka).
 """
 
 import os
@@ -57,3 +58,4 @@ MQDEDUP = {"DATABASE": "default", "TABLE_PREFIX": os.environ.get("ORDERS_TABLE_P
 
 ORDERS_TOPIC = os.environ.get("ORDERS_TOPIC", "order-placed")
 ORDERS_QUEUE = os.environ.get("ORDERS_QUEUE", "order-placed")
+SHIPMENTS_TOPIC = os.environ.get("SHIPMENTS_TOPIC", "shipments")
