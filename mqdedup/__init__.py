@@ -5,6 +5,8 @@ the handler's business writes and outbox rows; the broker is settled only after 
 """
 
 from mqdedup.consumers import (
+    AsyncConsumer,
+    AsyncContext,
     Consumer,
     Context,
     DeadLetter,
@@ -22,6 +24,7 @@ from mqdedup.consumers.context import (
     InvalidResultError,
     NoTransactionError,
 )
+from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.engine import create_engine, init_schema
 from mqdedup.dedup import ClaimStore, DedupStore, RedisDedup, SqlDedup, ids
 from mqdedup.dedup.ids import InvalidMessageIdError
@@ -34,10 +37,14 @@ from mqdedup.errors import (
     UndecodableMessageError,
 )
 from mqdedup.message import Message
+from mqdedup.outbox.async_writer import AsyncOutboxWriter
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncConsumer",
+    "AsyncContext",
+    "AsyncOutboxWriter",
     "ClaimStore",
     "ConfigurationError",
     "Consumer",
@@ -64,6 +71,7 @@ __all__ = [
     "UndecodableMessageError",
     "Worker",
     "__version__",
+    "create_async_engine",
     "create_engine",
     "ids",
     "init_schema",

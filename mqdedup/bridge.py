@@ -14,14 +14,19 @@ Code that must not block the loop (transports, waits) checks :func:`in_bridge`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from sqlalchemy.util.concurrency import await_, greenlet_spawn, in_greenlet
 
 T = TypeVar("T")
+
+
+class NotInBridgeError(RuntimeError):
+    """:func:`wait_for` was called outside :func:`run_bridged` (no event loop to await on)."""
 
 
 def in_bridge() -> bool:
@@ -34,14 +39,60 @@ def wait_for(awaitable: Awaitable[T]) -> T:
     """Await ``awaitable`` from synchronous code running inside :func:`run_bridged`.
 
     The greenlet is suspended and the event loop runs (other tasks, heartbeats) until
-    the awaitable completes; its result is returned, its exception raised.
+    the awaitable completes; its result is returned, its exception raised. Outside the
+    bridge it raises :class:`NotInBridgeError` (the awaitable is closed, never run).
     """
+    if not in_bridge():
+        close = getattr(awaitable, "close", None)
+        if close is not None:  # a coroutine: no "never awaited" warning on top
+            close()
+        raise NotInBridgeError(
+            "async code (an async consumer's handler, an async transport) must run on an "
+            "event loop inside the bridge: use `await consumer.run_async(engine)`, "
+            "`consumer.run(engine)` or `Worker(...).run()`, not the Processor directly"
+        )
     return await_(awaitable)
+
+
+def resolve(value: Awaitable[T] | T) -> T:
+    """``value``, or what it resolves to when it is awaitable (an async handler's result)."""
+    if inspect.isawaitable(value):
+        return cast(T, wait_for(value))
+    return value
+
+
+def call_hook(hook: Callable[..., object], *args: Any) -> None:
+    """Call a consumer's hook; an async consumer's (a coroutine) is awaited in the bridge."""
+    result = hook(*args)
+    if inspect.isawaitable(result):
+        wait_for(result)
 
 
 async def run_bridged(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run the synchronous ``fn`` on the running event loop, inside the bridge."""
     return await greenlet_spawn(fn, *args, **kwargs)
+
+
+def run_blocking(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run the synchronous ``fn`` inside the bridge on a new event loop; block until done.
+
+    For async code started from synchronous code (``consumer.run(...)``, a test). Inside
+    a running event loop this is refused: await :func:`run_bridged` there instead.
+    """
+    if not _loop_running():
+        return asyncio.run(run_bridged(fn, *args, **kwargs))
+    raise NotInBridgeError(
+        "an async consumer cannot be run synchronously from inside a running event loop: "
+        "use `await consumer.run_async(engine)` / `await worker.run_async()`"
+    )
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def sleep(seconds: float) -> None:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any, TypeVar
 
-from mqdedup.bridge import in_bridge, sleep
+from mqdedup.bridge import in_bridge, run_bridged, sleep
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +79,23 @@ def graceful_signals(stop: StopToken) -> Iterator[StopToken]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+async def run_stoppable(stop: StopToken, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """Run the synchronous ``fn`` (a worker loop watching ``stop``) inside the bridge.
+
+    Cancelling the task awaiting this requests a graceful stop instead of interrupting
+    ``fn``: it is awaited to its end (the batch in flight committed and settled, the
+    transport closed), then ``CancelledError`` propagates. A second cancel while
+    draining is passed on to ``fn``: it stops at its next await, settling nothing more.
+    """
+    inner = asyncio.ensure_future(run_bridged(fn, *args, **kwargs))
+    try:
+        return await asyncio.shield(inner)
+    except asyncio.CancelledError:
+        if inner.done():
+            raise
+        log.info("task cancelled: finishing the batch in flight")
+        stop.request()
+        await inner  # cancelling us again cancels ``inner`` (an immediate stop)
+        raise

@@ -26,6 +26,8 @@ def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> No
     engine = create_engine(spec.options["database_url"])
     try:
         check_connection(engine)
+        if consumer.asynchronous:  # it runs on an AsyncEngine of the same URL: no idle pool
+            engine.dispose()
         consumer.run(engine, stop=stop, metrics=metrics.source)
     finally:
         engine.dispose()

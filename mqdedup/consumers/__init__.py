@@ -1,5 +1,7 @@
 """Consumers: the base class to subclass, the processing core and the transports."""
 
+from mqdedup.consumers.async_consumer import AsyncConsumer
+from mqdedup.consumers.async_context import AsyncBatchContext, AsyncContext
 from mqdedup.consumers.base import Consumer, RetryPolicy
 from mqdedup.consumers.context import BatchContext, Context
 from mqdedup.consumers.memory import InMemoryBroker, MemoryTransport
@@ -10,6 +12,9 @@ from mqdedup.consumers.worker import Worker, run_until_idle
 from mqdedup.stopping import StopToken, graceful_signals
 
 __all__ = [
+    "AsyncBatchContext",
+    "AsyncConsumer",
+    "AsyncContext",
     "BatchContext",
     "BatchReport",
     "Consumer",

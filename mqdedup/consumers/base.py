@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
+    from sqlalchemy.ext.asyncio import AsyncEngine
     from sqlalchemy.orm import sessionmaker
 
     from mqdedup.consumers.context import BatchContext, Context
@@ -102,6 +104,9 @@ class Consumer:
     dedup: ClassVar[Dedup] = SqlDedup()
     #: Seconds between the worker's periodic ``consumer metrics`` log lines.
     metrics_interval: ClassVar[float] = 30.0
+    #: True for :class:`~mqdedup.consumers.async_consumer.AsyncConsumer`: its handlers and
+    #: hooks are coroutines, awaited by the pipeline running on an event loop (the bridge).
+    asynchronous: ClassVar[bool] = False
 
     @property
     def consumer_name(self) -> str:
@@ -158,7 +163,7 @@ class Consumer:
 
     def run(
         self,
-        database: Engine | sessionmaker[Session] | None,
+        database: Engine | AsyncEngine | sessionmaker[Session] | None,
         *,
         stop: StopToken | None = None,
         metrics: Metrics | None = None,
@@ -219,6 +224,29 @@ class Consumer:
         problem = consumer_name_problem(self.consumer_name)
         if problem:
             raise ConfigurationError(f"{type(self).__name__}: the consumer name {problem}")
+        problem = handler_style_problem(self)
+        if problem:
+            raise ConfigurationError(problem)
+
+
+#: The methods a consumer overrides that the pipeline calls (async in an AsyncConsumer).
+HANDLER_METHODS = ("handle", "handle_batch", "on_duplicate", "after_commit")
+
+
+def handler_style_problem(consumer: Consumer) -> str | None:
+    """Why ``consumer``'s handlers cannot run: ``async def`` in a synchronous consumer,
+    or plain ``def`` in an async one."""
+    name = type(consumer).__name__
+    for method in HANDLER_METHODS:
+        is_async = inspect.iscoroutinefunction(getattr(type(consumer), method))
+        if is_async and not consumer.asynchronous:
+            return (
+                f"{name}.{method} is `async def`: subclass mqdedup.AsyncConsumer for async "
+                "handlers (Consumer runs plain `def` handlers)"
+            )
+        if consumer.asynchronous and not is_async:
+            return f"{name}.{method} must be `async def` in an AsyncConsumer"
+    return None
 
 
 def consumer_name_problem(name: object) -> str | None:

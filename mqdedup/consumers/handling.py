@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from mqdedup import tracing
-from mqdedup.consumers.context import BatchContext, Context, InvalidResultError
+from mqdedup.bridge import resolve, wait_for
+from mqdedup.consumers.async_context import context_types
+from mqdedup.consumers.context import InvalidResultError
 
 if TYPE_CHECKING:
     from mqdedup.consumers.base import Consumer
@@ -31,15 +33,20 @@ class Handlers:
         self.consumer = consumer
         self.metrics = metrics
         self.name = consumer.consumer_name
+        # Async consumers: AsyncSession contexts; their coroutines are awaited (bridge).
+        self._context, self._batch_context = context_types(consumer)
+        self._awaits = consumer.asynchronous
 
     def call(self, session: Session | None, delivery: Delivery[Any]) -> Any:
         """One message's handler; its (checked) result."""
         if not self.consumer.has_single_handler:
             return self.call_batch(session, [delivery]).get(str(delivery.message.id))
-        context = Context(session, self.consumer, delivery.message)
+        context = self._context(session, self.consumer, delivery.message)
         started = time.monotonic()
         with tracing.consume_span(self.name, delivery.message):
             result = self.consumer.handle(delivery.message, context)
+            if self._awaits:
+                result = wait_for(result)
         self.metrics.histograms.observe("handler_seconds", time.monotonic() - started)
         ensure_json(result)
         return result
@@ -50,8 +57,10 @@ class Handlers:
         started = time.monotonic()
         with tracing.batch_span(self.name, messages):
             results = self.consumer.handle_batch(
-                messages, BatchContext(session, self.consumer, messages)
+                messages, self._batch_context(session, self.consumer, messages)
             )
+            if self._awaits:
+                results = resolve(results)
         self.metrics.histograms.observe("handler_seconds", time.monotonic() - started)
         if not results:
             return {}

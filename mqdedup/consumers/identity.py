@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from mqdedup.bridge import call_hook
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.dedup.ids import InvalidMessageIdError, check_message_id
 from mqdedup.errors import MessageError
@@ -82,7 +83,7 @@ def resolve_repeats(
             report.duplicates.append(repeat)
             metrics.duplicates += 1
             if consumer.wants_duplicate_results:
-                consumer.on_duplicate(repeat.message, report.results.get(message_id))
+                call_hook(consumer.on_duplicate, repeat.message, report.results.get(message_id))
         elif isinstance(outcome, DeadLetter):
             report.dead_lettered.append((repeat, outcome))
         else:

@@ -20,6 +20,7 @@ then plays the supervisor, starting a fresh worker after each crash::
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 import threading
@@ -29,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from mqdedup.bridge import in_bridge, wait_for
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.consumers.worker import Worker
 from mqdedup.errors import SimulatedCrash
@@ -51,10 +53,16 @@ class DeadLetteredMessage:
 
 
 class InMemoryBroker:
-    """Named queues of messages; thread-safe."""
+    """Named queues of messages; thread-safe.
+
+    Async consumers use it too: inside the bridge a fetch waiting for messages awaits
+    on the event loop (other tasks keep running) instead of blocking its thread.
+    """
 
     def __init__(self, seed: int | None = None) -> None:
         self._lock = threading.Condition()
+        #: Event loops' futures waiting for a message (fetches inside the bridge).
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._queues: dict[str, deque[Message]] = {}
         self._offsets: dict[str, itertools.count[int]] = {}
         self._random = random.Random(seed)
@@ -89,7 +97,7 @@ class InMemoryBroker:
                 offset=offset,
             )
             self._queues.setdefault(queue, deque()).append(message)
-            self._lock.notify_all()
+            self._wake()
         return message
 
     def inject_duplicates(self, queue: str, rate: float) -> int:
@@ -123,8 +131,17 @@ class InMemoryBroker:
 
     # -- used by MemoryTransport ---------------------------------------------------------
 
+    def _wake(self) -> None:
+        """Wake every waiting fetch (called with the lock held)."""
+        self._lock.notify_all()
+        for loop, waiter in self._waiters:
+            loop.call_soon_threadsafe(_resolve, waiter)
+        self._waiters.clear()
+
     def _take(self, queue: str, max_messages: int, timeout: float) -> list[Message]:
         deadline = time.monotonic() + timeout
+        if in_bridge():
+            return self._take_on_loop(queue, max_messages, deadline)
         with self._lock:
             waiting = self._queues[queue]
             while not waiting:
@@ -134,12 +151,32 @@ class InMemoryBroker:
                 self._lock.wait(remaining)
             return [waiting.popleft() for _ in range(min(max_messages, len(waiting)))]
 
+    def _take_on_loop(self, queue: str, max_messages: int, deadline: float) -> list[Message]:
+        """:meth:`_take` inside the bridge: wait on the event loop, not on the lock."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                waiting = self._queues[queue]
+                if waiting:
+                    return [waiting.popleft() for _ in range(min(max_messages, len(waiting)))]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                waiter: asyncio.Future[None] = loop.create_future()
+                self._waiters.append((loop, waiter))
+            try:
+                wait_for(asyncio.wait([waiter], timeout=remaining))
+            finally:
+                with self._lock:
+                    if (loop, waiter) in self._waiters:  # timed out (or cancelled)
+                        self._waiters.remove((loop, waiter))
+
     def _return(self, queue: str, messages: Sequence[Message]) -> None:
         with self._lock:
             waiting = self._queues[queue]
             for message in reversed(messages):
                 waiting.appendleft(replace(message, redelivered=True, attempt=message.attempt + 1))
-            self._lock.notify_all()
+            self._wake()
 
     def _settled(self, queue: str, count: int) -> None:
         with self._lock:
@@ -148,6 +185,11 @@ class InMemoryBroker:
     def _dead_letter(self, queue: str, message: Message, record: DeadLetter) -> None:
         with self._lock:
             self.dead_letters.setdefault(queue, []).append(DeadLetteredMessage(message, record))
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class MemoryTransport:

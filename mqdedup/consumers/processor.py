@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from mqdedup.bridge import NotInBridgeError, call_hook, in_bridge
 from mqdedup.consumers.careful import WORKER_DIED, CarefulRuns, RunsAlone
 from mqdedup.consumers.dead_lettering import DeadLettering
 from mqdedup.consumers.handling import Handlers
@@ -140,6 +141,12 @@ class Processor:
 
     def process(self, deliveries: Sequence[Delivery[Any]]) -> BatchReport:
         """Process and settle one batch; returns where each delivery ended."""
+        if self.consumer.asynchronous and not in_bridge():  # before any handler runs
+            raise NotInBridgeError(
+                f"{type(self.consumer).__name__} is an AsyncConsumer: run it with "
+                "`await consumer.run_async(engine)` or Worker(...).run(), which run the "
+                "Processor on an event loop"
+            )
         started = time.monotonic()
         self.metrics.delivered += len(deliveries)
         report = BatchReport()
@@ -179,12 +186,15 @@ class Processor:
         report.results.update(outcome.results)
         self.metrics.processed += len(outcome.processed)
         self.metrics.duplicates += len(outcome.duplicates)
+        # call_hook: an async consumer's hooks are coroutines, awaited in the bridge.
         if outcome.processed:
-            self.consumer.after_commit([d.message for d in outcome.processed])
+            call_hook(self.consumer.after_commit, [d.message for d in outcome.processed])
         if self.consumer.wants_duplicate_results:
             for delivery in outcome.duplicates:
-                self.consumer.on_duplicate(
-                    delivery.message, outcome.stored_results.get(str(delivery.message.id))
+                call_hook(
+                    self.consumer.on_duplicate,
+                    delivery.message,
+                    outcome.stored_results.get(str(delivery.message.id)),
                 )
 
     def log_failure(self, delivery: Delivery[Any] | None, error: Exception) -> None:

@@ -15,12 +15,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session, sessionmaker
 
+from mqdedup.bridge import in_bridge, run_blocking
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchAbandonedError, BatchReport, Processor
 from mqdedup.db.engine import session_factory
-from mqdedup.stopping import StopToken
+from mqdedup.stopping import StopToken, run_stoppable
 
 if TYPE_CHECKING:
     from mqdedup.consumers.base import Consumer
@@ -45,13 +47,20 @@ class Worker:
     in flight), or with ``until_idle=True`` when a fetch comes back empty. The
     transport is closed on the way out, which returns unsettled deliveries (also when
     :class:`~mqdedup.stopping.ImmediateStop` or an error ends the run).
+
+    An async consumer (:class:`~mqdedup.consumers.async_consumer.AsyncConsumer`) runs
+    the same loop on an event loop, inside the bridge: ``await worker.run_async()``, or
+    ``run()``, which starts an event loop of its own when called outside one.
+    ``database`` may be an ``AsyncEngine`` (its ``sync_engine`` backs the sessions,
+    awaiting the asyncio driver), for synchronous consumers too: the loop then runs
+    bridged the same way.
     """
 
     def __init__(
         self,
         consumer: Consumer,
         transport: Transport[Any],
-        database: Engine | sessionmaker[Session] | None,
+        database: Engine | AsyncEngine | sessionmaker[Session] | None,
         *,
         stop: StopToken | None = None,
         metrics: Metrics | None = None,
@@ -62,6 +71,10 @@ class Worker:
         self.transport = transport
         self.stop = stop or StopToken()
         self.metrics = metrics or Metrics()
+        #: Runs inside the bridge: an async consumer, or any consumer on an AsyncEngine.
+        self.bridged = consumer.asynchronous or isinstance(database, AsyncEngine)
+        if isinstance(database, AsyncEngine):
+            database = database.sync_engine  # used inside the bridge: awaits its driver
         sessions = session_factory(database) if isinstance(database, Engine) else database
         self.processor: BatchProcessor = processor or Processor(
             consumer, sessions, transport, metrics=self.metrics, stop=self.stop
@@ -78,6 +91,8 @@ class Worker:
         end (closing the transport returns them), so one message that cannot be settled
         does not keep the run from ever becoming idle.
         """
+        if self.bridged and not in_bridge():
+            return run_blocking(self.run, until_idle=until_idle, max_batches=max_batches)
         batches = 0
         log.info("worker started", extra={"consumer": self.consumer.consumer_name})
         try:
@@ -115,6 +130,19 @@ class Worker:
             },
         )
         return self.metrics
+
+    async def run_async(
+        self, *, until_idle: bool = False, max_batches: int | None = None
+    ) -> Metrics:
+        """:meth:`run` on the running event loop (inside the bridge); awaitable.
+
+        Cancelling the task awaiting it is a graceful stop: the batch in flight is
+        finished and settled, the transport closed, then ``CancelledError`` propagates.
+        A second cancel stops at once (nothing more is settled; the transport is closed).
+        """
+        return await run_stoppable(
+            self.stop, self.run, until_idle=until_idle, max_batches=max_batches
+        )
 
     def _give_back(self, report: BatchReport) -> None:
         """Return what the batch left unsettled to the transport: it is fetched again.

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -69,6 +70,7 @@ _SQLITE_TRANSIENT_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED
 # too many connections, server shutdown, connection killed (MariaDB 1927, MySQL 4031).
 _MYSQL_TRANSIENT_CODES = frozenset({1205, 1213, 2002, 2003, 2006, 2013, 1040, 1053, 1927, 4031})
 _MYSQL_DUPLICATE_KEY = 1062  # ER_DUP_ENTRY
+_MYSQL_LOCK_WAIT_TIMEOUT = 1205  # ER_LOCK_WAIT_TIMEOUT
 _PG_UNIQUE_VIOLATION = "23505"
 # SQLITE_CONSTRAINT_PRIMARYKEY, SQLITE_CONSTRAINT_UNIQUE (extended result codes).
 _SQLITE_UNIQUE_CODES = frozenset({1555, 2067})
@@ -302,6 +304,65 @@ def _claim_ids_mysql_rowcount(
         if session.execute(insert_ignore.values(row)).rowcount == 1:  # type: ignore[attr-defined]
             new.add(str(row["message_id"]))
     return new
+
+
+def claim_key_nowait(session: Session, table: Table, consumer: str, key: str, now: datetime) -> str:
+    """Claim one key without waiting for a transaction in flight that holds it.
+
+    Returns ``"new"`` (claimed now), ``"taken"`` (claimed by a committed transaction) or
+    ``"busy"`` (held by a transaction still in flight; nothing was written). For HTTP
+    idempotency keys (:mod:`mqdedup.dedup.request_keys`), where a repeat in flight is
+    answered 409 at once instead of waiting on the unique index like a message claim.
+
+    * PostgreSQL: ``pg_try_advisory_xact_lock`` on a 64-bit hash of the key first (held
+      until the transaction ends; every claim of the key takes it), so the claim never
+      meets an uncommitted row of another transaction. When the lock is taken, a
+      committed row means ``taken`` (the holder is another repeat), none ``busy``. No
+      error, the transaction stays usable.
+    * MariaDB: the claim with ``innodb_lock_wait_timeout=0`` for that statement only
+      (``SET STATEMENT … FOR``); a lock wait is error 1205 → ``busy``. MySQL (no
+      ``SET STATEMENT``) waits like a message claim.
+    * SQLite: writers are serialised (``BEGIN IMMEDIATE``), so a key is never held by
+      another transaction: the repeat waited for the first one at ``BEGIN``.
+    """
+    family = traits(session.get_bind()).family
+    if family == "postgresql":
+        lock = hashlib.sha256(f"{table.name}\x00{consumer}\x00{key}".encode()).digest()[:8]
+        taken = session.execute(
+            text("SELECT pg_try_advisory_xact_lock(:lock)"),
+            {"lock": int.from_bytes(lock, "big", signed=True)},
+        ).scalar_one()
+        if not taken:
+            # Held by a transaction in flight: the first request, or a repeat of a key
+            # already committed (which only reads it).
+            committed = session.execute(
+                select(table.c.message_id).where(
+                    table.c.consumer_name == consumer, table.c.message_id == key
+                )
+            ).first()
+            return "busy" if committed is None else "taken"
+    elif family == "mysql" and getattr(session.get_bind().dialect, "is_mariadb", False):
+        _check_mysql_key(consumer, [key])
+        # For this statement only: a key held by a transaction in flight is error 1205 at once.
+        statement = text(
+            "SET STATEMENT innodb_lock_wait_timeout=0 FOR "
+            f"INSERT IGNORE INTO {table.name} (consumer_name, message_id, processed_at) "
+            "VALUES (:consumer, :key, :now)"
+        )
+        try:
+            result = session.execute(statement, {"consumer": consumer, "key": key, "now": now})
+            inserted = result.rowcount  # type: ignore[attr-defined]
+        except sa_exc.OperationalError as error:
+            if _mysql_code(error) == _MYSQL_LOCK_WAIT_TIMEOUT:
+                return "busy"
+            raise
+        return "new" if inserted == 1 else "taken"
+    return "new" if claim_ids(session, table, consumer, [key], now) else "taken"
+
+
+def _mysql_code(error: sa_exc.DBAPIError) -> Any:
+    args: tuple[Any, ...] = tuple(getattr(error.orig, "args", ()))
+    return args[0] if args else None
 
 
 def _check_mysql_key(consumer: str, ids: Sequence[str]) -> None:

@@ -1,1 +1,19 @@
-"""FastAPI integration (placeholder; see issue #13)."""
+"""FastAPI integration: ``Idempotency-Key`` endpoints and consumers in the app's lifespan.
+
+* :class:`Idempotency` + :class:`IdempotentRoute`: an endpoint's writes, its outbox rows
+  and its response commit with the request's key; repeats get the stored response
+  (see ``docs/http-idempotency.md``).
+* :func:`consumers_lifespan` / :class:`ConsumerTasks` + :func:`consumers_health`: async
+  consumers as tasks of the app's event loop, stopped gracefully on shutdown.
+"""
+
+from mqdedup.fastapi.idempotency import Idempotency, IdempotentRoute
+from mqdedup.fastapi.lifespan import ConsumerTasks, consumers_health, consumers_lifespan
+
+__all__ = [
+    "ConsumerTasks",
+    "Idempotency",
+    "IdempotentRoute",
+    "consumers_health",
+    "consumers_lifespan",
+]

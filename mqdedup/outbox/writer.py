@@ -142,6 +142,12 @@ class OutboxWriter:
         prefix: str = DEFAULT_PREFIX,
         message: Message | None = None,
     ) -> None:
+        if hasattr(session, "sync_session"):  # sqlalchemy.ext.asyncio.AsyncSession
+            raise TypeError(
+                "OutboxWriter needs a synchronous Session, not an AsyncSession: use "
+                "`await AsyncOutboxWriter(session).publish(...)` "
+                "(from mqdedup.outbox.async_writer import AsyncOutboxWriter)"
+            )
         self.session = session
         self.consumer_name = consumer_name
         self.causation_id = causation_id

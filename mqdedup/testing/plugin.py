@@ -20,6 +20,10 @@ Example::
         harness.run()
         assert_effectively_once(count_orders_by_message_id(mqdedup_engine), harness.ids)
 
+Async consumers (``AsyncConsumer``) use the same harness and fixtures: each run starts
+an event loop with an ``AsyncEngine`` on the test database (aiosqlite / psycopg 3
+async), as ``mqdedup worker`` does; call the harness from plain (sync) tests.
+
 The same consumer class runs on real brokers, in real worker processes that are killed
 with ``kill -9``, through ``mqdedup_kafka_harness`` / ``mqdedup_rabbitmq_harness``
 (:mod:`mqdedup.testing.brokers`); see docs/testing.md.
@@ -32,6 +36,7 @@ for it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import tempfile
@@ -43,11 +48,13 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from mqdedup.bridge import call_hook
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.context import Context
-from mqdedup.consumers.memory import InMemoryBroker
+from mqdedup.consumers.memory import InMemoryBroker, MemoryTransport
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.worker import Worker
+from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.engine import create_engine, init_schema
 from mqdedup.db.schema import schema
 from mqdedup.errors import SimulatedCrash
@@ -120,11 +127,9 @@ class ConsumerHarness:
 
     def run(self, max_batches: int | None = None) -> Metrics:
         """Process until the queue is empty (or ``max_batches``)."""
-        consumer = self.consumer_factory()
-        worker = Worker(
-            consumer, self.broker.transport(self.queue), self.database, metrics=self.metrics
+        return self._work(
+            self.consumer_factory(), until_idle=max_batches is None, max_batches=max_batches
         )
-        return worker.run(until_idle=max_batches is None, max_batches=max_batches)
 
     def run_crashing_after_commit(self, times: int = 1) -> None:
         """Let ``times`` batches commit and then 'die' before the broker is settled."""
@@ -139,13 +144,31 @@ class ConsumerHarness:
             self._run_until_crash(_crash_mid_batch(self.consumer_factory(), after_messages))
 
     def _run_until_crash(self, consumer: Consumer) -> None:
-        worker = Worker(
-            consumer, self.broker.transport(self.queue), self.database, metrics=self.metrics
-        )
         try:
-            worker.run(until_idle=True)
+            self._work(consumer, until_idle=True)
         except SimulatedCrash:
             self.crashes += 1  # the transport was closed: unsettled deliveries are back
+
+    def _work(self, consumer: Consumer, **run: Any) -> Metrics:
+        """One worker over the harness queue (``run``: ``Worker.run``'s arguments).
+
+        An async consumer runs as in production: on an event loop of its own, with an
+        ``AsyncEngine`` on the harness database's URL (aiosqlite, psycopg 3 async).
+        """
+        transport = self.broker.transport(self.queue)
+        if not consumer.asynchronous:
+            return Worker(consumer, transport, self.database, metrics=self.metrics).run(**run)
+        return asyncio.run(self._work_async(consumer, transport, run))
+
+    async def _work_async(
+        self, consumer: Consumer, transport: MemoryTransport, run: dict[str, Any]
+    ) -> Metrics:
+        engine = create_async_engine(self.engine)
+        try:
+            worker = Worker(consumer, transport, engine, metrics=self.metrics)
+            return await worker.run_async(**run)
+        finally:
+            await engine.dispose()
 
     def run_relay(self, timeout: float = 60.0) -> int:
         """Publish the committed outbox rows with the real relay into the in-memory
@@ -184,7 +207,7 @@ def _crash_after_commit(consumer: Consumer) -> Consumer:
     original = consumer.after_commit
 
     def after_commit(messages: Sequence[Message]) -> None:
-        original(messages)
+        call_hook(original, messages)  # an async consumer's hook is awaited
         raise SimulatedCrash("crash between commit and settle")
 
     consumer.after_commit = after_commit  # type: ignore[method-assign]

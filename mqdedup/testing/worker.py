@@ -21,11 +21,13 @@ where a database password would show in ``ps``):
 After each commit the worker rewrites ``<label>.progress`` with the number of messages
 committed by this process. It runs ``consumer.run(engine, stop=...)`` under graceful
 signal handling, exactly like ``mqdedup worker``: SIGTERM finishes the batch in flight,
-settles it and exits 0.
+settles it and exits 0. An async consumer (``AsyncConsumer``) runs the same way, on
+the process's one event loop; its holds wait on that loop (heartbeats go on).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import logging
@@ -38,6 +40,8 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from mqdedup.consumers.async_consumer import AsyncConsumer
+from mqdedup.consumers.async_context import AsyncBatchContext, AsyncContext
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.context import BatchContext, Context
 from mqdedup.db.engine import create_engine
@@ -83,50 +87,87 @@ def build_consumer_class(config: Mapping[str, Any]) -> type[Consumer]:
     batch_pause = float(config.get("batch_pause") or 0.0)
     state = {"committed": 0, "commits": 0, "handled": 0}
 
-    def hold(moment: str) -> None:
+    def holding(moment: str) -> Path:
         _touch(folder / f"{label}.held", moment)
         log.warning("holding to be killed", extra={"moment": moment, "label": label})
-        release = folder / f"{label}.release"
+        return folder / f"{label}.release"
+
+    def hold(moment: str) -> None:
+        release = holding(moment)
         deadline = time.monotonic() + HOLD_SECONDS
         while not release.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def guard(messages: int) -> None:
-        if hold_mid_batch is not None and state["handled"] + messages > int(hold_mid_batch):
-            hold("mid-batch")
+    async def hold_async(moment: str) -> None:  # the event loop (heartbeats) keeps running
+        release = holding(moment)
+        deadline = time.monotonic() + HOLD_SECONDS
+        while not release.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def must_hold_mid_batch(messages: int) -> bool:
+        held = hold_mid_batch is not None and state["handled"] + messages > int(hold_mid_batch)
         state["handled"] += messages
+        return held
+
+    def must_hold_after_commit(messages: Sequence[Message]) -> bool:
+        state["commits"] += 1
+        state["committed"] += len(messages)
+        _touch(folder / f"{label}.progress", str(state["committed"]))
+        return hold_after_commit is not None and state["commits"] == int(hold_after_commit)
 
     class Harnessed(user_class):  # type: ignore[valid-type,misc]
         def handle(self, message: Message, ctx: Context) -> Any:
-            guard(1)
+            if must_hold_mid_batch(1):
+                hold("mid-batch")
             return super().handle(message, ctx)
 
         def handle_batch(
             self, messages: Sequence[Message], ctx: BatchContext
         ) -> Mapping[str, Any] | None:
-            guard(len(messages))
+            if must_hold_mid_batch(len(messages)):
+                hold("mid-batch")
             results: Mapping[str, Any] | None = super().handle_batch(messages, ctx)
             return results
 
         def after_commit(self, messages: Sequence[Message]) -> None:
             super().after_commit(messages)
-            state["commits"] += 1
-            state["committed"] += len(messages)
-            _touch(folder / f"{label}.progress", str(state["committed"]))
-            if hold_after_commit is not None and state["commits"] == int(hold_after_commit):
+            if must_hold_after_commit(messages):
                 hold("after-commit")
             if batch_pause:
                 time.sleep(batch_pause)
 
+    class AsyncHarnessed(user_class):  # type: ignore[valid-type,misc]
+        async def handle(self, message: Message, ctx: AsyncContext) -> Any:
+            if must_hold_mid_batch(1):
+                await hold_async("mid-batch")
+            return await super().handle(message, ctx)
+
+        async def handle_batch(
+            self, messages: Sequence[Message], ctx: AsyncBatchContext
+        ) -> Mapping[str, Any] | None:
+            if must_hold_mid_batch(len(messages)):
+                await hold_async("mid-batch")
+            results: Mapping[str, Any] | None = await super().handle_batch(messages, ctx)
+            return results
+
+        async def after_commit(self, messages: Sequence[Message]) -> None:
+            await super().after_commit(messages)
+            if must_hold_after_commit(messages):
+                await hold_async("after-commit")
+            if batch_pause:
+                await asyncio.sleep(batch_pause)
+
+    harnessed: type[Consumer] = AsyncHarnessed if user_class.asynchronous else Harnessed
     # Keep the user's handler choice: only wrap the handler(s) the user implemented.
-    if user_class.handle is Consumer.handle:
-        del Harnessed.handle
-    if user_class.handle_batch is Consumer.handle_batch:
-        del Harnessed.handle_batch
+    base = AsyncConsumer if user_class.asynchronous else Consumer
+    if user_class.handle is base.handle:
+        del harnessed.handle
+    if user_class.handle_batch is base.handle_batch:
+        del harnessed.handle_batch
     for name, value in dict(config.get("attributes") or {}).items():
-        setattr(Harnessed, name, value)
-    Harnessed.__name__ = Harnessed.__qualname__ = user_class.__name__
-    return Harnessed
+        setattr(harnessed, name, value)
+    harnessed.__name__ = harnessed.__qualname__ = user_class.__name__
+    return harnessed
 
 
 def main() -> int:

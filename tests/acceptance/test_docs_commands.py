@@ -98,6 +98,8 @@ class DocsEnv:
             "ORDER_EVENTS_TOPIC": f"{name}-order-events",
             "ORDERS_GROUP": f"{name}-order-service",
             "PAYMENTS_QUEUE": f"{name}-payments",
+            "API_ORDER_EVENTS_TOPIC": f"{name}-api-order-events",
+            "API_SHIPPING_GROUP": f"{name}-api-shipping",
         }
 
 

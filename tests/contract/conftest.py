@@ -8,13 +8,18 @@ suites in this folder only talk to kits, so a new adapter passes them by adding 
 here (see ``tests/README.md``).
 
 Kits: ``memory`` (``InMemoryBroker``), ``kafka`` (the shared Kafka, a fresh 2-partition
-topic and group), ``rabbitmq`` (the shared RabbitMQ, a fresh queue and DLQ).
+topic and group), ``rabbitmq`` (the shared RabbitMQ, a fresh queue and DLQ), and the
+asyncio transports ``aiokafka`` and ``aio-pika`` over the same brokers: their methods
+run inside the greenlet bridge on an event loop of the kit's own thread
+(:class:`BridgedTransport`), so the clients' background tasks keep running between calls.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,9 +30,10 @@ from typing import Any, ClassVar, Literal
 import pytest
 from sqlalchemy import Table, insert
 
-from mqdedup import Consumer, Context, Message
+from mqdedup import AsyncConsumer, Consumer, Context, Message
+from mqdedup.bridge import run_bridged
 from mqdedup.consumers.memory import InMemoryBroker
-from mqdedup.consumers.transport import Delivery, Transport
+from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
 from mqdedup.outbox.memory import MemoryPublisher
 from mqdedup.outbox.publishers import OutboxRecord, Publisher
 from tests.services import (
@@ -119,6 +125,22 @@ class ContractOrders(Consumer):
         if message.id in self.fail_ids:
             raise ValueError(f"cannot handle {message.id}")
         ctx.session.execute(insert(type(self).orders).values(message_id=message.id))
+        return None
+
+
+class AsyncContractOrders(AsyncConsumer):
+    """:class:`ContractOrders` with ``async def handle`` (the asyncio kits' consumers)."""
+
+    orders: ClassVar[Table]
+    fail_ids: ClassVar[frozenset[str]] = frozenset()
+    batch_size = 100
+    poll_timeout = 0.2
+
+    async def handle(self, message: Message, ctx: Any) -> Any:
+        assert message.id is not None
+        if message.id in self.fail_ids:
+            raise ValueError(f"cannot handle {message.id}")
+        await ctx.session.execute(insert(type(self).orders).values(message_id=message.id))
         return None
 
 
@@ -367,20 +389,138 @@ class RabbitMQKit(TransportKit):
         self.admin.close()
 
 
+# -- the asyncio transports (aiokafka, aio-pika) ----------------------------------------------
+
+
+class LoopThread:
+    """An event loop running in a thread of its own, as an async application's loop.
+
+    :meth:`call` runs a synchronous callable inside the greenlet bridge on that loop
+    (``run_bridged``) and waits for its result, so sync test code (and a Worker thread)
+    can drive an asyncio transport while the loop keeps running the client's tasks.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="kit-loop", daemon=True)
+        self.thread.start()
+
+    def call(self, fn: Any, *args: Any, timeout: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(run_bridged(fn, *args), self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class BridgedTransport:
+    """A Transport whose every call runs the asyncio transport's method on the kit's loop."""
+
+    def __init__(self, loop: LoopThread, inner: Any) -> None:
+        self.loop = loop
+        self.inner = inner
+
+    def fetch(self, max_messages: int, timeout: float) -> Sequence[Delivery[Any]]:
+        return self.loop.call(self.inner.fetch, max_messages, timeout)  # type: ignore[no-any-return]
+
+    def settle(self, deliveries: Sequence[Delivery[Any]]) -> None:
+        self.loop.call(self.inner.settle, deliveries)
+
+    def give_back(self, deliveries: Sequence[Delivery[Any]]) -> None:
+        self.loop.call(self.inner.give_back, deliveries)
+
+    def dead_letter(self, delivery: Delivery[Any], record: DeadLetter) -> None:
+        self.loop.call(self.inner.dead_letter, delivery, record)
+
+    def keepalive(self) -> None:
+        self.loop.call(self.inner.keepalive)
+
+    def close(self) -> None:
+        self.loop.call(self.inner.close)
+
+
+class AioKafkaKit(KafkaKit):
+    name = "aiokafka"
+
+    def __init__(self, helper: KafkaHelper) -> None:
+        super().__init__(helper)
+        self.loop = LoopThread()
+
+    def consumer_class(self, **attributes: Any) -> type[ContractOrders]:
+        from mqdedup.kafka import AsyncKafkaConsumer
+
+        namespace = {
+            "topics": [self.topic],
+            "group_id": self.group,
+            "bootstrap_servers": self.helper.bootstrap,
+            "kafka_config": KAFKA_CONFIG,
+            "commit_interval": 0.0,
+            **attributes,
+        }
+        return type("AioKafkaOrders", (AsyncContractOrders, AsyncKafkaConsumer), namespace)
+
+    def _open(self, consumer: ContractOrders) -> Transport:
+        return BridgedTransport(self.loop, self.loop.call(consumer.create_transport))
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.loop.close()
+
+
+class AioPikaKit(RabbitMQKit):
+    name = "aio-pika"
+
+    def __init__(self, url: str) -> None:
+        self.loop = LoopThread()
+        super().__init__(url)
+
+    def consumer_class(self, **attributes: Any) -> type[ContractOrders]:
+        from mqdedup.rabbitmq import AsyncRabbitMQConsumer
+
+        namespace = {
+            "queue": self.queue,
+            "url": self.url,
+            "prefetch": 200,
+            "connection_name": f"mqdedup-contract:{self.queue}",
+            **attributes,
+        }
+        return type("AioRabbitOrders", (AsyncContractOrders, AsyncRabbitMQConsumer), namespace)
+
+    def _open(self, consumer: ContractOrders) -> Transport:
+        return BridgedTransport(self.loop, self.loop.call(consumer.create_transport))
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.loop.close()
+
+
 @pytest.fixture(
     params=[
         "memory",
         pytest.param("kafka", marks=pytest.mark.integration),
         pytest.param("rabbitmq", marks=pytest.mark.integration),
+        pytest.param("aiokafka", marks=pytest.mark.integration),
+        pytest.param("aio-pika", marks=pytest.mark.integration),
     ]
 )
 def transport_kit(request: pytest.FixtureRequest) -> Iterator[TransportKit]:
-    """Each transport in turn: in-memory, Kafka, RabbitMQ (fresh source per test)."""
+    """Each transport in turn: in-memory, Kafka, RabbitMQ, aiokafka, aio-pika (fresh
+    source per test)."""
     kit: TransportKit
     if request.param == "memory":
         kit = MemoryKit()
     elif request.param == "kafka":
         kit = KafkaKit(request.getfixturevalue("kafka_helper"))
+    elif request.param == "aiokafka":
+        kit = AioKafkaKit(request.getfixturevalue("kafka_helper"))
+    elif request.param == "aio-pika":
+        kit = AioPikaKit(request.getfixturevalue("rabbitmq_url"))
     else:
         kit = RabbitMQKit(request.getfixturevalue("rabbitmq_url"))
     try:

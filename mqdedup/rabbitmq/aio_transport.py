@@ -1,0 +1,428 @@
+"""The aio-pika transport: one queue consumed on the event loop, for async consumers.
+
+It implements the same synchronous :class:`~mqdedup.consumers.transport.Transport` as
+the pika transport, but only inside the greenlet bridge (:mod:`mqdedup.bridge`): each
+method awaits aio-pika with :func:`~mqdedup.bridge.wait_for`, so the one Worker and
+Processor run unchanged on the event loop while aio-pika's connection (heartbeats,
+deliveries into the buffer, reconnects) keeps running on it. Called outside the bridge,
+a method raises a clear error.
+
+* A **robust connection** (``aio_pika.connect_robust``): after a lost connection (a
+  broker restart, ``rabbitmqctl close_connection``) it reconnects every
+  ``reconnect_interval`` seconds and declares the topology, the prefetch and the
+  consumer again.
+* Every delivery carries the AMQP channel it came from. A delivery tag names a message
+  on its own channel only, so ``settle`` / ``give_back`` of a delivery whose channel
+  died meanwhile send nothing: the broker redelivers it (flagged redelivered) and the
+  dedup table turns it into a duplicate. Nothing is lost, nothing doubled.
+* ``settle`` acknowledges after the commit with one ``basic.ack(multiple=True)`` for the
+  contiguous run of the lowest unacked tags (:func:`~mqdedup.rabbitmq.codec.plan_acks`)
+  and single acks for the rest; ``give_back`` nacks with requeue.
+* Prefetch = the batch size (or ``prefetch``); ``fetch`` returns as soon as a batch is
+  there, the broker cannot send more, or no delivery came for ``linger`` seconds.
+* On a stop request it cancels its consumer and returns the buffered deliveries to the
+  queue; the batch in flight is still acked until :meth:`close`.
+* Dead letters go out on a connection of their own with publisher confirms
+  (:class:`~mqdedup.rabbitmq.aio_dead_letters.AioDeadLetterPublisher`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+import aio_pika.exceptions as aio_errors
+
+from mqdedup.bridge import in_bridge, wait_for
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.transport import DeadLetter, Delivery
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.masking import mask_url
+from mqdedup.rabbitmq.aio_codec import aio_dead_letter_message, aio_to_message
+from mqdedup.rabbitmq.aio_dead_letters import AioDeadLetterPublisher
+from mqdedup.rabbitmq.aio_topology import declare_topology, describe_error
+from mqdedup.rabbitmq.codec import plan_acks
+from mqdedup.rabbitmq.topology import Topology
+from mqdedup.stopping import StopToken
+
+log = logging.getLogger(__name__)
+
+#: Longest single wait inside ``fetch``, so a stop request is seen promptly.
+WAIT_SLICE = 0.25
+#: Seconds to wait for the broker's answer to a command (declare, cancel, close).
+COMMAND_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AioAmqpToken:
+    """``Delivery.token`` of an aio-pika delivery: its channel, tag and original message."""
+
+    channel: Any  # the aiormq channel it came from (a tag is only valid there)
+    delivery_tag: int
+    incoming: Any  # the aio_pika.IncomingMessage (kept for dead-lettering)
+
+
+def require_bridge(operation: str) -> None:
+    """Raise when an aio transport method is called outside the greenlet bridge."""
+    if not in_bridge():
+        raise RuntimeError(
+            f"{operation} is an asyncio transport method: call it inside the greenlet "
+            "bridge on the event loop (mqdedup.bridge.run_bridged; AsyncRabbitMQConsumer "
+            "does that in run / run_async), not from plain synchronous code"
+        )
+
+
+class AioPikaTransport:
+    """A :class:`~mqdedup.consumers.transport.Transport` over aio-pika (see the module docs)."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        url: str,
+        *,
+        connection_name: str,
+        prefetch: int,
+        stop: StopToken | None = None,
+        metrics: Metrics | None = None,
+        startup_timeout: float = 30.0,
+        reconnect_interval: float = 1.0,
+        linger: float = 0.02,
+    ) -> None:
+        self.topology = topology
+        self.queue = topology.queue
+        self.connection_name = connection_name
+        self.prefetch = prefetch
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.metrics.consumer_attached = False
+        self._url = url
+        self._masked_url = mask_url(url)
+        self._stop = stop
+        self._startup_timeout = startup_timeout
+        self._reconnect_interval = reconnect_interval
+        self._linger = linger
+        self._connection: Any = None
+        self._channel: Any = None
+        self._queue: Any = None
+        self._consumer_tag: str | None = None
+        self._buffer: deque[Delivery[AioAmqpToken]] = deque()
+        self._arrived: asyncio.Event | None = None
+        self._last_arrival = 0.0
+        #: Tags of the current channel handed out or buffered, not acked / nacked yet.
+        self._outstanding: set[int] = set()
+        self._outstanding_channel: Any = None
+        #: Deliveries handed out and not settled / given back (for the prefetch check).
+        self._handed_out = 0
+        self._reconnects = 0
+        self._closed = False
+        self.dead_letters = AioDeadLetterPublisher(
+            url, topology, connection_name=f"{connection_name}:dead-letters"
+        )
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def start(self) -> AioPikaTransport:
+        """Connect, declare the topology and start consuming (inside the bridge).
+
+        Retries an unreachable broker for ``startup_timeout`` seconds, then raises
+        :class:`BrokerUnavailableError`; wrong credentials or a queue declared with other
+        arguments raise :class:`ConfigurationError` at once.
+        """
+        require_bridge("AioPikaTransport.start")
+        if self._connection is None:
+            wait_for(self._start())
+        return self
+
+    def close(self) -> None:
+        """Stop consuming and close the connection; unacked deliveries return to the queue."""
+        if self._closed:
+            return
+        require_bridge("AioPikaTransport.close")
+        self._closed = True
+        wait_for(self._close())
+
+    @property
+    def reconnects(self) -> int:
+        """How often the connection was re-established since the start."""
+        return self._reconnects
+
+    @property
+    def connected(self) -> bool:
+        """True while the consuming channel is open."""
+        return self._channel is not None and not self._channel.is_closed
+
+    # -- the Transport protocol ----------------------------------------------------------
+
+    def fetch(self, max_messages: int, timeout: float) -> list[Delivery[AioAmqpToken]]:
+        """Up to ``max_messages`` deliveries, waiting at most ``timeout`` seconds."""
+        require_bridge("AioPikaTransport.fetch")
+        return wait_for(self._fetch(max_messages, timeout))
+
+    def settle(self, deliveries: Sequence[Delivery[AioAmqpToken]]) -> None:
+        """Ack deliveries whose transaction committed (``multiple=True`` where contiguous).
+
+        Deliveries of a channel that died since are not acked: they are redelivered and
+        skipped as duplicates.
+        """
+        require_bridge("AioPikaTransport.settle")
+        wait_for(self._settle(deliveries))
+
+    def give_back(self, deliveries: Sequence[Delivery[AioAmqpToken]]) -> None:
+        """Return unsettled deliveries to the queue (``basic.nack`` with requeue)."""
+        require_bridge("AioPikaTransport.give_back")
+        wait_for(self._give_back(deliveries))
+
+    def dead_letter(self, delivery: Delivery[AioAmqpToken], record: DeadLetter) -> None:
+        """Publish the original message with the reason headers; wait for the confirm.
+
+        Raises :class:`~mqdedup.errors.DeadLetterRefusedError` when the broker refuses
+        the copy and :class:`BrokerUnavailableError` for an outage; the processor then
+        leaves the delivery unsettled.
+        """
+        require_bridge("AioPikaTransport.dead_letter")
+        token = delivery.token
+        if wait_for(self._current_channel()) is not token.channel:
+            raise BrokerUnavailableError(
+                "the channel of this delivery closed before it could be dead-lettered; "
+                "the broker will redeliver it"
+            )
+        copy = aio_dead_letter_message(
+            token.incoming, record, source_queue=self.queue, message_id=delivery.message.id
+        )
+        wait_for(self.dead_letters.publish(copy))
+
+    def keepalive(self) -> None:
+        """Nothing to do: aio-pika answers heartbeats while the loop runs."""
+
+    # -- coroutines --------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        self._arrived = asyncio.Event()
+        deadline = time.monotonic() + self._startup_timeout
+        pause = 0.2
+        while True:
+            try:
+                connection = await asyncio.wait_for(
+                    aio_pika.connect_robust(
+                        self._url,
+                        client_properties={"connection_name": self.connection_name},
+                        reconnect_interval=self._reconnect_interval,
+                    ),
+                    COMMAND_TIMEOUT,
+                )
+                break
+            except aio_errors.ProbableAuthenticationError as error:
+                raise ConfigurationError(
+                    f"RabbitMQ at {self._masked_url} refused the credentials: "
+                    f"{describe_error(error)}"
+                ) from error
+            except (aio_errors.AMQPError, OSError, TimeoutError) as error:
+                if time.monotonic() + pause > deadline:
+                    raise BrokerUnavailableError(
+                        f"cannot connect to RabbitMQ at {self._masked_url}: {describe_error(error)}"
+                    ) from error
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 2.0)
+        try:
+            channel = await connection.channel()
+            await channel.set_qos(prefetch_count=self.prefetch)
+            self._queue = await declare_topology(channel, self.topology)
+            self._consumer_tag = await self._queue.consume(self._on_message, no_ack=False)
+        except BaseException:
+            await _quietly(connection.close())
+            raise
+        self._connection = connection
+        self._channel = channel
+        connection.reconnect_callbacks.add(self._on_reconnect)
+        connection.close_callbacks.add(self._on_connection_lost)
+        self.metrics.consumer_attached = True
+        log.info(
+            "rabbitmq consumer connected (aio-pika)",
+            extra={"queue": self.queue, "prefetch": self.prefetch, "url": self._masked_url},
+        )
+
+    async def _close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await self._cancel_consuming()
+            await _quietly(connection.close())
+        self.metrics.consumer_attached = False
+        self._buffer.clear()
+        await self.dead_letters.close()
+
+    async def _on_message(self, incoming: Any) -> None:
+        channel = await self._current_channel()
+        if channel is None:
+            return  # the channel is closing: the broker redelivers it
+        if channel is not self._outstanding_channel:
+            self._outstanding_channel = channel
+            self._outstanding = set()
+        self._outstanding.add(incoming.delivery_tag)
+        self._buffer.append(
+            Delivery(
+                aio_to_message(self.queue, incoming),
+                AioAmqpToken(channel, incoming.delivery_tag, incoming),
+            )
+        )
+        self._last_arrival = time.monotonic()
+        assert self._arrived is not None
+        self._arrived.set()
+
+    async def _fetch(self, max_messages: int, timeout: float) -> list[Delivery[AioAmqpToken]]:
+        assert self._arrived is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._stopping():
+                await self._cancel_consuming()
+                return []
+            available = len(self._buffer)
+            now = time.monotonic()
+            if available >= max_messages:
+                break
+            if available and (
+                # The broker sends no more than `prefetch` unsettled deliveries.
+                available + self._handed_out >= self.prefetch
+                or now - self._last_arrival >= self._linger
+            ):
+                break
+            if now >= deadline or self._closed:
+                break
+            wait = deadline - now
+            if available:
+                wait = min(wait, self._linger - (now - self._last_arrival))
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), max(min(wait, WAIT_SLICE), 0.001))
+        live = await self._current_channel()
+        batch: list[Delivery[AioAmqpToken]] = []
+        for _ in range(min(len(self._buffer), max_messages)):
+            delivery = self._buffer.popleft()
+            if delivery.token.channel is live:
+                batch.append(delivery)
+            # else: died with its channel; the broker redelivers it
+        self._handed_out += len(batch)
+        return batch
+
+    async def _settle(self, deliveries: Sequence[Delivery[AioAmqpToken]]) -> None:
+        live = await self._current_channel()
+        tags = {d.token.delivery_tag for d in deliveries if d.token.channel is live}
+        self._handed_out = max(0, self._handed_out - len(deliveries))
+        stale = len(deliveries) - len(tags)
+        if stale:
+            log.info(
+                "not acking deliveries of a closed channel; they will be redelivered and "
+                "skipped as duplicates",
+                extra={"queue": self.queue, "count": stale},
+            )
+        if not tags or live is None or live is not self._outstanding_channel:
+            return
+        plan = plan_acks(self._outstanding, tags)
+        try:
+            if plan.multiple_up_to is not None:
+                await live.basic_ack(plan.multiple_up_to, multiple=True)
+                self._outstanding = {t for t in self._outstanding if t > plan.multiple_up_to}
+            for tag in plan.singles:
+                await live.basic_ack(tag)
+                self._outstanding.discard(tag)
+        except (aio_errors.AMQPError, OSError) as error:
+            log.warning(
+                "settling failed; the deliveries will be redelivered and skipped as duplicates",
+                extra={"queue": self.queue, "error": describe_error(error)},
+            )
+
+    async def _give_back(self, deliveries: Sequence[Delivery[AioAmqpToken]]) -> None:
+        live = await self._current_channel()
+        self._handed_out = max(0, self._handed_out - len(deliveries))
+        tags = sorted(
+            d.token.delivery_tag
+            for d in deliveries
+            if d.token.channel is live and d.token.delivery_tag in self._outstanding
+        )
+        if not tags or live is None:
+            return
+        log.info(
+            "returning unsettled deliveries to the queue",
+            extra={"queue": self.queue, "count": len(tags)},
+        )
+        await self._nack(live, tags)
+
+    async def _nack(self, channel: Any, tags: Sequence[int]) -> None:
+        try:
+            for tag in tags:
+                await channel.basic_nack(tag, requeue=True)
+                self._outstanding.discard(tag)
+        except (aio_errors.AMQPError, OSError) as error:
+            log.warning(
+                "returning deliveries failed; the broker requeues them with the channel",
+                extra={"queue": self.queue, "error": describe_error(error)},
+            )
+
+    async def _cancel_consuming(self) -> None:
+        """Stop receiving (graceful stop) and return the not-yet-fetched deliveries."""
+        tag, self._consumer_tag = self._consumer_tag, None
+        if tag is None or self._queue is None:
+            return
+        with contextlib.suppress(aio_errors.AMQPError, OSError, TimeoutError):
+            await asyncio.wait_for(self._queue.cancel(tag), COMMAND_TIMEOUT)
+        live = await self._current_channel()
+        unfetched = [d.token.delivery_tag for d in self._buffer if d.token.channel is live]
+        self._buffer.clear()
+        if live is not None and unfetched:
+            await self._nack(live, unfetched)
+        self.metrics.consumer_attached = False
+        log.info(
+            "stopped consuming; finishing the batch in flight",
+            extra={"queue": self.queue, "returned": len(unfetched)},
+        )
+
+    # -- the robust connection's callbacks -------------------------------------------------
+
+    def _on_connection_lost(self, _connection: Any, error: BaseException | None) -> None:
+        if self._closed:
+            return
+        self.metrics.consumer_attached = False
+        log.warning(
+            "rabbitmq connection lost; reconnecting (unacked deliveries come back redelivered)",
+            extra={
+                "queue": self.queue,
+                "error": describe_error(error) if error is not None else "closed",
+            },
+        )
+
+    def _on_reconnect(self, _connection: Any) -> None:
+        self._reconnects += 1
+        self._handed_out = 0
+        self.metrics.consumer_attached = self._consumer_tag is not None
+        log.info(
+            "rabbitmq connection re-established (aio-pika)",
+            extra={"queue": self.queue, "reconnects": self._reconnects},
+        )
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    async def _current_channel(self) -> Any:
+        """The open AMQP (aiormq) channel deliveries come from now, or None."""
+        channel = self._channel
+        if channel is None or channel.is_closed:
+            return None
+        try:
+            underlying = await channel.get_underlay_channel()
+        except (aio_errors.ChannelInvalidStateError, RuntimeError):
+            return None
+        return None if underlying.is_closed else underlying
+
+    def _stopping(self) -> bool:
+        return self._stop is not None and self._stop.requested
+
+
+async def _quietly(awaitable: Any) -> None:
+    try:
+        await asyncio.wait_for(awaitable, COMMAND_TIMEOUT)
+    except Exception as error:
+        log.debug("ignoring an error while closing a RabbitMQ connection: %r", error)
