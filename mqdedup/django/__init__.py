@@ -7,6 +7,8 @@ tables are this app's migrations). Then:
   consumer whose ``handle(message, ctx)`` writes with the ORM (``Order.objects.create``)
   in the same transaction as the message's claim, stored result and ``ctx.outbox`` rows;
 * :func:`outbox` writes outgoing messages from a view, in the view's atomic block;
+* :func:`idempotent` gives a view HTTP ``Idempotency-Key`` handling (the stored response
+  for repeats, committed with the view's writes);
 * ``manage.py mqdedup_relay`` publishes committed outbox rows;
 * :func:`sessions` / :func:`engine` are the SQLAlchemy side of a Django alias (what the
   commands run consumers with; for tests and scripts).
@@ -15,6 +17,7 @@ See docs/django.md.
 """
 
 from mqdedup.django.connection import TransactionBrokenError, engine, session, sessions
+from mqdedup.django.idempotency import idempotent
 from mqdedup.django.outbox import outbox
 
-__all__ = ["TransactionBrokenError", "engine", "outbox", "session", "sessions"]
+__all__ = ["TransactionBrokenError", "engine", "idempotent", "outbox", "session", "sessions"]

@@ -1,4 +1,8 @@
-"""``POST /orders/``: the order and its ``order-placed`` event in one transaction."""
+"""``POST /orders/``: the order and its ``order-placed`` event in one transaction.
+
+Clients send an ``Idempotency-Key``: a retried request gets the first one's response
+(``Idempotent-Replayed: true``) and places no second order.
+"""
 
 import json
 from decimal import Decimal, InvalidOperation
@@ -9,12 +13,13 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
-from mqdedup.django import outbox
+from mqdedup.django import idempotent, outbox
 from orders.models import Order
 
 
 @csrf_exempt
 @require_POST
+@idempotent
 @transaction.atomic
 def place_order(request: HttpRequest) -> HttpResponse:
     try:

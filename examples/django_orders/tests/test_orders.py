@@ -3,6 +3,8 @@
 Run from this folder: ``pytest --ds=orders_project.settings tests``.
 """
 
+from typing import Any
+
 import pytest
 from django.db import connection, transaction
 from django.test import Client
@@ -21,13 +23,33 @@ def count(table: str) -> int:
         return int(cursor.fetchone()[0])
 
 
-def test_an_order_and_its_events_commit_together(db: None) -> None:
-    response = Client().post(
-        "/orders/", {"customer": "ada", "total": "12.50"}, content_type="application/json"
+def order(client: Client, key: str | None, customer: str = "ada") -> Any:
+    headers = {"Idempotency-Key": key} if key is not None else {}
+    return client.post(
+        "/orders/",
+        {"customer": customer, "total": "12.50"},
+        content_type="application/json",
+        headers=headers,
     )
+
+
+def test_an_order_and_its_events_commit_together(db: None) -> None:
+    response = order(Client(), "k-1")
     assert response.status_code == 201
     assert Order.objects.count() == 1
     assert count("outbox") == 2  # the Kafka and the RabbitMQ copy of order-placed
+
+
+def test_a_retried_request_gets_the_first_response_and_places_nothing(db: None) -> None:
+    client = Client()
+    first = order(client, "k-2")
+    again = order(client, "k-2")
+    assert again.status_code == 201 and again.content == first.content
+    assert again["Idempotent-Replayed"] == "true"
+    assert Order.objects.count() == 1 and count("outbox") == 2
+    assert order(client, "k-2", customer="eve").status_code == 422  # another body
+    assert order(client, None).status_code == 400  # no key
+    assert Order.objects.count() == 1
 
 
 def test_an_order_rolled_back_leaves_no_event(db: None) -> None:
