@@ -19,7 +19,7 @@ import pytest
 django.setup()  # DJANGO_SETTINGS_MODULE=orders_project.settings (the example project)
 
 from django.conf import settings  # noqa: E402
-from django.db import IntegrityError, connection  # noqa: E402
+from django.db import IntegrityError, connection, transaction  # noqa: E402
 from orders.consumers import KafkaShipments, RabbitShipments, create_shipment  # noqa: E402
 from orders.models import Order, Shipment  # noqa: E402
 
@@ -156,6 +156,9 @@ class Fates(Consumer):
         fate = message.json()["fate"]
         if fate == "raise":
             raise RuntimeError("label printer on fire")
+        if fate == "caught":  # the same error in a savepoint of its own: the handler goes on
+            with contextlib.suppress(IntegrityError), transaction.atomic():
+                Order.objects.create(pk=message.json()["existing"], customer="x", total=1)
         if fate == "swallow":
             # An ORM error caught without a savepoint: Django marks the rollback.
             with contextlib.suppress(IntegrityError):
@@ -173,7 +176,7 @@ def _count(sql: str, ids: list[str]) -> int:
 def test_failed_handlers_leave_no_row_no_claim_no_outbox_row(isolation: str) -> None:
     run = f"f{uuid.uuid4().hex[:8]}"
     existing = Order.objects.create(customer="existing", total=1).pk
-    fates = ["ok", "raise", "ok", "swallow", "ok"]
+    fates = ["ok", "raise", "caught", "swallow", "ok"]
     broker = InMemoryBroker()
     for n, fate in enumerate(fates):
         body = {"event": "order-placed", "order": n, "fate": fate, "existing": existing}
@@ -182,8 +185,8 @@ def test_failed_handlers_leave_no_row_no_claim_no_outbox_row(isolation: str) -> 
     started = time.monotonic()
     Worker(consumer_class(), broker.transport("fates"), sessions()).run(until_idle=True)
     assert time.monotonic() - started < 30
-    good = [f"{run}-{n}" for n, fate in enumerate(fates) if fate == "ok"]
-    bad = [f"{run}-{n}" for n, fate in enumerate(fates) if fate != "ok"]
+    good = [f"{run}-{n}" for n, fate in enumerate(fates) if fate in ("ok", "caught")]
+    bad = [f"{run}-{n}" for n, fate in enumerate(fates) if fate not in ("ok", "caught")]
     assert sorted(shipments(run)) == good
     claims = "SELECT count(*) FROM {prefix}processed_messages WHERE message_id = ANY(%s)"
     events = "SELECT count(*) FROM {prefix}outbox WHERE headers->>'causation-id' = ANY(%s)"

@@ -11,7 +11,8 @@ database migrated with ``manage.py migrate``:
   terminated mid-run (``pg_terminate_backend``, the shared server is never restarted):
   the worker reconnects and finishes, nothing lost or dead-lettered;
 * a handler that raises, or swallows an ORM error (Django marks the transaction for
-  rollback): no model row, no claim, no outbox row; its batch-mates commit all three.
+  rollback): no model row, no claim, no outbox row; its batch-mates commit all three,
+  one of them after catching the same ORM error in its own ``transaction.atomic()``.
 """
 
 from __future__ import annotations
