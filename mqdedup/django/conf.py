@@ -63,18 +63,21 @@ def database_url(using: str | None = None) -> str:
     engine = str(config.get("ENGINE", ""))
     if engine.endswith(".sqlite3"):
         return f"sqlite:///{config['NAME']}"
-    if not engine.endswith(".postgresql"):
+    drivers = {".postgresql": "postgresql+psycopg", ".mysql": "mysql+pymysql"}
+    driver = next((name for suffix, name in drivers.items() if engine.endswith(suffix)), None)
+    if driver is None:
         raise ConfigurationError(
-            f"database {alias!r} uses {engine}; mqdedup.django supports the postgresql "
-            "and sqlite3 backends"
+            f"database {alias!r} uses {engine}; mqdedup.django supports the postgresql, "
+            "mysql and sqlite3 backends"
         )
     port = config.get("PORT")
     url = URL.create(
-        "postgresql+psycopg",
+        driver,
         username=config.get("USER") or None,
         password=config.get("PASSWORD") or None,
         host=config.get("HOST") or None,
         port=int(port) if port else None,
         database=config.get("NAME") or None,
+        query={"charset": "utf8mb4"} if driver.startswith("mysql") else {},
     )
     return url.render_as_string(hide_password=False)

@@ -43,7 +43,11 @@ from mqdedup.errors import ConfigurationError
 log = logging.getLogger(__name__)
 
 #: SQLAlchemy dialects for Django's database vendors.
-_DIALECT_URLS = {"postgresql": "postgresql+psycopg://", "sqlite": "sqlite://"}
+_DIALECT_URLS = {
+    "postgresql": "postgresql+psycopg://",
+    "sqlite": "sqlite://",
+    "mysql": "mysql+pymysql://",  # MySQL/MariaDB through PyMySQL (install_as_MySQLdb)
+}
 _ALIAS_KEY = "mqdedup.django.alias"
 
 
@@ -250,12 +254,14 @@ def _create_engine(alias: str) -> Engine:
     if url is None:
         raise ConfigurationError(
             f"database {alias!r} uses Django's {vendor} backend; mqdedup.django supports "
-            "the postgresql (psycopg 3) and sqlite backends"
+            "the postgresql (psycopg 3), mysql (PyMySQL) and sqlite backends"
         )
     options: dict[str, Any] = {}
     if vendor == "postgresql":
         _require_psycopg3(alias)
         options["use_native_hstore"] = False  # its type lookup needs a real psycopg object
+    if vendor == "mysql":
+        _require_pymysql(alias)
     created = sa_create_engine(
         url,
         **options,
@@ -277,6 +283,17 @@ def _require_psycopg3(alias: str) -> None:
         raise ConfigurationError(
             f"database {alias!r} uses psycopg 2; mqdedup.django needs psycopg 3 "
             "(pip install 'mqdedup[postgresql]')"
+        )
+
+
+def _require_pymysql(alias: str) -> None:
+    from django.db.backends.mysql.base import Database  # type: ignore[import-untyped]
+
+    if not Database.__name__.startswith("pymysql"):
+        raise ConfigurationError(
+            f"database {alias!r} uses mysqlclient; mqdedup.django speaks MySQL/MariaDB "
+            "through PyMySQL: call pymysql.install_as_MySQLdb() in your settings "
+            "(pip install 'mqdedup[mysql]')"
         )
 
 

@@ -1,7 +1,8 @@
 """Settings of the django_orders example: everything that varies comes from the environment.
 
-* ``ORDERS_DATABASE_URL``: ``postgresql://user:password@host:port/name`` (default: a
-  SQLite file next to manage.py);
+* ``ORDERS_DATABASE_URL``: ``postgresql://user:password@host:port/name`` or
+  ``mysql://...`` (MariaDB/MySQL through PyMySQL; default: a SQLite file next to
+  manage.py);
 * ``ORDERS_CONN_MAX_AGE``: seconds a connection is kept (default 600; ``none``: forever);
 * ``ORDERS_TABLE_PREFIX``: mqdedup's table prefix (default ``mqdedup_``);
 * ``ORDERS_TOPIC`` / ``ORDERS_QUEUE``: where the ``order-placed`` events go and where the
@@ -33,6 +34,19 @@ def _database(url: str | None) -> dict[str, object]:
     if not url:
         return {"ENGINE": "django.db.backends.sqlite3", "NAME": str(BASE_DIR / "orders.db")}
     parts = urlsplit(url)
+    if parts.scheme.startswith(("mysql", "mariadb")):
+        import pymysql  # Django's mysql backend through PyMySQL (what mqdedup.django speaks)
+
+        pymysql.install_as_MySQLdb()
+        return {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": parts.path.lstrip("/"),
+            "USER": unquote(parts.username or ""),
+            "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname or "",
+            "PORT": parts.port or "",
+            "OPTIONS": {"charset": "utf8mb4"},  # Django's default utf8 is 3 bytes a char
+        }
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": parts.path.lstrip("/"),

@@ -27,17 +27,18 @@ MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 
 
 @contextlib.contextmanager
-def fresh_database(pg_url: str) -> Iterator[str]:
-    """A new, empty PostgreSQL database on the shared server; dropped afterwards."""
+def fresh_database(server_url: str) -> Iterator[str]:
+    """A new, empty database on the shared PostgreSQL or MariaDB server; dropped after."""
     name = f"dj_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    force = " WITH (FORCE)" if admin.dialect.name == "postgresql" else ""
     try:
         with admin.connect() as connection:
             connection.execute(text(f"CREATE DATABASE {name}"))
-        yield make_url(pg_url).set(database=name).render_as_string(hide_password=False)
+        yield make_url(server_url).set(database=name).render_as_string(hide_password=False)
     finally:
         with admin.connect() as connection:
-            connection.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+            connection.execute(text(f"DROP DATABASE IF EXISTS {name}{force}"))
         admin.dispose()
 
 

@@ -13,6 +13,9 @@ database migrated with ``manage.py migrate``:
 * a handler that raises, or swallows an ORM error (Django marks the transaction for
   rollback): no model row, no claim, no outbox row; its batch-mates commit all three,
   one of them after catching the same ORM error in its own ``transaction.atomic()``.
+
+On MariaDB (Django's mysql backend through PyMySQL) the migration, ``mqdedup db check``,
+the RabbitMQ duplicates and the failed handlers run too.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.django.support import PYTHON, example_env, fresh_database, migrated, run
+from tests.integration.django.support import (
+    MQDEDUP,
+    PYTHON,
+    example_env,
+    fresh_database,
+    migrated,
+    run,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SCENARIOS = Path(__file__).with_name("scenarios.py")
@@ -54,3 +64,32 @@ def test_django_consumers_under_duplicates_kills_and_lost_connections(
         )
         assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
         assert "5 passed" in result.stdout, result.stdout[-3000:]
+
+
+def test_django_consumers_on_mariadb(mariadb_url: str, rabbitmq_url: str) -> None:
+    with fresh_database(mariadb_url) as database_url:
+        env = example_env(database_url, MQDEDUP_RABBITMQ_URL=rabbitmq_url)
+        migrated(database_url, env)
+        prefix = env["ORDERS_TABLE_PREFIX"]
+        check = run(
+            MQDEDUP, "db", "check", "--database", database_url, "--table-prefix", prefix, env=env
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+        result = run(
+            PYTHON,
+            "-m",
+            "pytest",
+            str(SCENARIOS),
+            "-p",
+            "no:django",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-x",
+            "-k",
+            "rabbitmq_duplicates or failed_handlers",
+            env=env,
+            timeout=200,
+        )
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+        assert "3 passed" in result.stdout, result.stdout[-3000:]
