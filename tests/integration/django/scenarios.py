@@ -181,7 +181,8 @@ def _outbox_causes(run: str) -> Counter[str]:
     """Outbox rows per incoming message id (their ``causation-id`` header) of one run."""
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT headers FROM {PREFIX}outbox")
-        causes = (json.loads(row[0]).get("causation-id", "") for row in cursor.fetchall())
+        rows = [row[0] if isinstance(row[0], dict) else json.loads(row[0]) for row in cursor]
+        causes = (headers.get("causation-id", "") for headers in rows)
         return Counter(cause for cause in causes if cause.startswith(run))
 
 
