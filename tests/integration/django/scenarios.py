@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 import uuid
 from collections import Counter
@@ -211,3 +212,52 @@ def test_failed_handlers_leave_no_row_no_claim_no_outbox_row(isolation: str) -> 
 
 def json_bytes(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
+
+
+def test_idempotency_key_in_flight_gets_409_then_the_stored_response() -> None:
+    from django.db import connections
+    from django.http import JsonResponse
+    from django.test import RequestFactory
+
+    from mqdedup.django import idempotent
+
+    inside, release = threading.Event(), threading.Event()
+
+    @idempotent
+    def place(request: Any) -> Any:
+        order = Order.objects.create(customer="slow", total=1)
+        inside.set()
+        assert release.wait(30)  # the first request holds its key, uncommitted
+        return JsonResponse({"order": order.pk}, status=201)
+
+    key = f"key-{uuid.uuid4().hex}"
+    factory = RequestFactory()
+
+    def request() -> Any:
+        return factory.post(
+            "/orders/", b"{}", content_type="application/json", headers={"Idempotency-Key": key}
+        )
+
+    answers: list[Any] = []
+
+    def first() -> None:
+        try:
+            answers.append(place(request()))
+        finally:
+            connections.close_all()  # this thread's own connection
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        started = time.monotonic()
+        busy = place(request())
+        assert busy.status_code == 409 and time.monotonic() - started < 5  # never waits
+    finally:
+        release.set()
+        thread.join(30)
+    assert answers[0].status_code == 201
+    replay = place(request())
+    assert replay.status_code == 201 and replay.content == answers[0].content
+    assert replay["Idempotent-Replayed"] == "true"
+    assert Order.objects.filter(pk=json.loads(answers[0].content)["order"]).exists()

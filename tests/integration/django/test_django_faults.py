@@ -12,10 +12,12 @@ database migrated with ``manage.py migrate``:
   the worker reconnects and finishes, nothing lost or dead-lettered;
 * a handler that raises, or swallows an ORM error (Django marks the transaction for
   rollback): no model row, no claim, no outbox row; its batch-mates commit all three,
-  one of them after catching the same ORM error in its own ``transaction.atomic()``.
+  one of them after catching the same ORM error in its own ``transaction.atomic()``;
+* ``@idempotent``: a repeat while the first request holds its key gets 409 at once, a
+  repeat after its commit the stored response.
 
 On MariaDB (Django's mysql backend through PyMySQL) the migration, ``mqdedup db check``,
-the RabbitMQ duplicates and the failed handlers run too.
+the RabbitMQ duplicates, the failed handlers and the Idempotency-Key run too.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def test_django_consumers_under_duplicates_kills_and_lost_connections(
             timeout=280,
         )
         assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-        assert "5 passed" in result.stdout, result.stdout[-3000:]
+        assert "6 passed" in result.stdout, result.stdout[-3000:]
 
 
 def test_django_consumers_on_mariadb(mariadb_url: str, rabbitmq_url: str) -> None:
@@ -87,9 +89,9 @@ def test_django_consumers_on_mariadb(mariadb_url: str, rabbitmq_url: str) -> Non
             "-q",
             "-x",
             "-k",
-            "rabbitmq_duplicates or failed_handlers",
+            "rabbitmq_duplicates or failed_handlers or idempotency",
             env=env,
             timeout=200,
         )
         assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-        assert "3 passed" in result.stdout, result.stdout[-3000:]
+        assert "4 passed" in result.stdout, result.stdout[-3000:]
