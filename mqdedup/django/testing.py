@@ -19,6 +19,8 @@ then::
 transaction that is rolled back at its end, and every transaction of the consumer is a
 savepoint of it (a commit releases the savepoint, a rollback rolls back to it), so
 claims, ORM rows and outbox rows behave as they do in production and vanish afterwards.
+(``run_relay`` is refused there: the relay's own connections cannot see the test's
+transaction; query the outbox table instead.)
 
 The real-broker harnesses (:mod:`mqdedup.testing.brokers`) run workers in processes of
 their own, which cannot see a test transaction: give them
@@ -36,7 +38,21 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.base import Consumer
+from mqdedup.errors import ConfigurationError
 from mqdedup.testing.plugin import ConsumerHarness
+
+
+class DjangoConsumerHarness(ConsumerHarness):
+    """:class:`~mqdedup.testing.plugin.ConsumerHarness` on Django's test database."""
+
+    def run_relay(self, timeout: float = 60.0) -> int:
+        """Not here: the relay needs connections of its own, and they cannot see the
+        test's transaction. Check the outbox rows with a query (or run the relay in a
+        ``transactional_db`` test against the real broker harnesses)."""
+        raise ConfigurationError(
+            "run_relay() does not work on the test transaction of pytest-django "
+            "(the relay's own connections cannot see it): query the outbox table instead"
+        )
 
 
 def worker_sessions(_database_url: str) -> sessionmaker[Session]:
@@ -49,14 +65,14 @@ def worker_sessions(_database_url: str) -> sessionmaker[Session]:
 
 
 @pytest.fixture
-def mqdedup_django_harness(db: Any) -> Callable[..., ConsumerHarness]:
+def mqdedup_django_harness(db: Any) -> Callable[..., DjangoConsumerHarness]:
     """``mqdedup_django_harness(ConsumerClass, using=None)`` → a
     :class:`~mqdedup.testing.plugin.ConsumerHarness` on Django's test database."""
     from mqdedup.django.connection import engine, sessions
 
     def make(
         consumer: Callable[[], Consumer], *, using: str | None = None, **options: Any
-    ) -> ConsumerHarness:
-        return ConsumerHarness(consumer, engine(using), sessions=sessions(using), **options)
+    ) -> DjangoConsumerHarness:
+        return DjangoConsumerHarness(consumer, engine(using), sessions=sessions(using), **options)
 
     return make
