@@ -13,7 +13,7 @@ an engine whose DB-API connection *is* Django's connection of one database alias
   statement fails inside it, so a failed handler fails alone;
 * Django keeps owning the connection: ``CONN_MAX_AGE``, ``CONN_HEALTH_CHECKS`` and a
   connection lost in the middle of a transaction are handled as Django handles them for
-  a request (each outermost transaction here is one unit of work). Django's wrapped
+  a request (each checkout of a connection, a batch, is one unit of work). Django's wrapped
   database errors are given back to SQLAlchemy as the driver's own, so mqdedup's
   transient-error handling (wait out outages, never dead-letter for them) applies.
 
@@ -100,17 +100,20 @@ class DjangoDBAPIConnection:
         """True while this connection's atomic block is open."""
         return self._atomic is not None
 
+    def checked_out(self) -> None:
+        """A unit of work starts (a batch), as a request would: drop a connection that
+        is past ``CONN_MAX_AGE`` or failed; Django connects again when it is used."""
+        wrapper = connections[self.alias]
+        if self._atomic is None and not wrapper.in_atomic_block:
+            with driver_errors():
+                wrapper.close_if_unusable_or_obsolete()
+
     def begin(self) -> None:
         """Open the transaction: ``transaction.atomic(using=alias)`` (idempotent)."""
         if self._atomic is not None:
             return
-        wrapper = connections[self.alias]
         atomic = transaction.atomic(using=self.alias)
         with driver_errors():
-            if not wrapper.in_atomic_block:
-                # A unit of work starts, as a request would: drop a connection that is
-                # past CONN_MAX_AGE or failed (Django then reconnects).
-                wrapper.close_if_unusable_or_obsolete()
             atomic.__enter__()
         self._atomic = atomic
 
@@ -298,6 +301,10 @@ def _require_pymysql(alias: str) -> None:
 
 
 def _install_events(created: Engine, alias: str) -> None:
+    @event.listens_for(created, "checkout")
+    def _checkout(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+        dbapi_connection.checked_out()
+
     @event.listens_for(created, "begin")
     def _begin(connection: Any) -> None:
         connection.connection.dbapi_connection.begin()
