@@ -95,11 +95,6 @@ class DjangoDBAPIConnection:
         self.alias = alias
         self._atomic: Any = None
 
-    @property
-    def in_transaction(self) -> bool:
-        """True while this connection's atomic block is open."""
-        return self._atomic is not None
-
     def checked_out(self) -> None:
         """A unit of work starts (a batch), as a request would: drop a connection that
         is past ``CONN_MAX_AGE`` or failed; Django connects again when it is used."""
