@@ -203,7 +203,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         ChildSpec(
             name=consumer.consumer_name,
             index=index,
-            runner="mqdedup.cli.runners:run_consumer",
+            # What a child runs: ``mqdedup.django`` sets its own (Django's connection).
+            runner=getattr(args, "worker_runner", None) or "mqdedup.cli.runners:run_consumer",
             options={
                 "consumer": reference,
                 **settings,

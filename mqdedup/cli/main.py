@@ -26,8 +26,11 @@ log = logging.getLogger("mqdedup.cli")
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    return run_parsed(build_parser().parse_args(argv))
+
+
+def run_parsed(args: argparse.Namespace) -> int:
+    """Run parsed arguments as ``main`` does (the Django management commands use it)."""
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         _configure_logging(args)

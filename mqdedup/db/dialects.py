@@ -100,7 +100,16 @@ def is_transient(error: BaseException) -> bool:
         return _is_transient_driver_error(error.orig)
     if isinstance(error, sa_exc.TimeoutError | sa_exc.DisconnectionError):
         return True  # pool checkout timed out / disconnect detected by the pool
-    return _is_transient_driver_error(error)
+    if _is_transient_driver_error(error):
+        return True
+    # A framework's wrapper of the driver's error (Django's OperationalError from an ORM
+    # call in a handler) carries it as its cause.
+    cause = error.__cause__
+    return (
+        cause is not None
+        and not isinstance(cause, sa_exc.DBAPIError)
+        and (_is_transient_driver_error(cause))
+    )
 
 
 def _is_transient_driver_error(orig: BaseException | None) -> bool:

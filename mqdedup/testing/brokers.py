@@ -166,8 +166,11 @@ class BrokerHarness:
         *,
         attributes: Mapping[str, Any] | None = None,
         timeout: float = 120.0,
+        sessions: str | None = None,
     ) -> None:
         self.consumer_class = consumer_class
+        #: ``module:function`` the workers get their database from (see testing.worker).
+        self.sessions = sessions
         self.reference = class_reference(consumer_class)
         self.database_url = database_url
         self.folder = folder
@@ -221,6 +224,7 @@ class BrokerHarness:
             "consumer": self.reference,
             "attributes": {**self.attributes, **self.user_attributes},
             "database_url": self.database_url,
+            "sessions": self.sessions,
             **faults,
         }
         worker = WorkerProcess(config, self.folder, label)
@@ -342,11 +346,17 @@ class KafkaHarness(BrokerHarness):
         partitions: int = 3,
         attributes: Mapping[str, Any] | None = None,
         timeout: float = 120.0,
+        sessions: str | None = None,
     ) -> None:
         from mqdedup.kafka import tools as kafka_tools  # lazy: the kafka extra
 
         super().__init__(
-            consumer_class, database_url, folder, attributes=attributes, timeout=timeout
+            consumer_class,
+            database_url,
+            folder,
+            attributes=attributes,
+            timeout=timeout,
+            sessions=sessions,
         )
         self._kafka = kafka_tools
         self.bootstrap = bootstrap
@@ -455,12 +465,18 @@ class RabbitMQHarness(BrokerHarness):
         url: str,
         attributes: Mapping[str, Any] | None = None,
         timeout: float = 120.0,
+        sessions: str | None = None,
     ) -> None:
         from mqdedup.rabbitmq import tools as rabbitmq_tools  # lazy: the rabbitmq extra
         from mqdedup.rabbitmq.topology import declare_topology  # lazy: the rabbitmq extra
 
         super().__init__(
-            consumer_class, database_url, folder, attributes=attributes, timeout=timeout
+            consumer_class,
+            database_url,
+            folder,
+            attributes=attributes,
+            timeout=timeout,
+            sessions=sessions,
         )
         self.url = url
         self.queue = unique_name("in")

@@ -46,6 +46,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.bridge import call_hook
 from mqdedup.consumers.base import Consumer
@@ -87,9 +88,13 @@ class ConsumerHarness:
         queue: str = "harness",
         seed: int = 0,
         broker: InMemoryBroker | None = None,
+        sessions: sessionmaker[Session] | None = None,
     ) -> None:
         self.consumer_factory = consumer_factory
         self.engine = engine
+        #: What the consumer runs with (default: sessions of ``engine``); mqdedup.django
+        #: passes sessions on Django's connection.
+        self.database: Engine | sessionmaker[Session] = sessions or engine
         self.queue = queue
         #: The in-memory broker (pass your own to hand it to your consumer, e.g. for a
         #: handler that publishes directly).
@@ -152,7 +157,7 @@ class ConsumerHarness:
         """
         transport = self.broker.transport(self.queue)
         if not consumer.asynchronous:
-            return Worker(consumer, transport, self.engine, metrics=self.metrics).run(**run)
+            return Worker(consumer, transport, self.database, metrics=self.metrics).run(**run)
         return asyncio.run(self._work_async(consumer, transport, run))
 
     async def _work_async(

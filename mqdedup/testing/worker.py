@@ -7,7 +7,9 @@ where a database password would show in ``ps``):
 * ``consumer``: the user's consumer class by reference, ``package.module:Class``;
 * ``attributes``: class attributes overriding the user's (topic / queue, group, table
   prefix, ...), applied in a generated subclass: the user's class is not changed;
-* ``database_url``; ``folder`` (where progress and marker files go); ``label``;
+* ``database_url``; ``sessions`` (optional: ``module:function`` returning the engine
+  or session factory to run with, given the URL); ``folder`` (where progress and
+  marker files go); ``label``;
 * faults: ``hold_after_commit`` (n: after the n-th committed batch of this process,
   before the broker is settled, write ``<label>.held`` and wait to be killed),
   ``hold_mid_batch`` (k: before the (k+1)-th handler call, inside the open transaction,
@@ -35,6 +37,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from sqlalchemy import Engine
 
 from mqdedup.consumers.async_consumer import AsyncConsumer
 from mqdedup.consumers.async_context import AsyncBatchContext, AsyncContext
@@ -173,18 +177,33 @@ def main() -> int:
     configure(str(config.get("log_level") or "WARNING"))
     logging.getLogger("kafka").setLevel(logging.WARNING)
     logging.getLogger("pika").setLevel(logging.WARNING)
+    # ``sessions``: ``module:function`` giving the database from the URL (mqdedup.django's
+    # runs the consumer on Django's connection); default: an engine of the URL.
+    # First: it may set up what the consumer's module needs to import (Django's apps).
+    sessions = config.get("sessions")
+    database = (
+        _load_object(str(sessions))(str(config["database_url"]))
+        if sessions
+        else create_engine(str(config["database_url"]))
+    )
     consumer = build_consumer_class(config)()
-    engine = create_engine(str(config["database_url"]))
     stop = StopToken()
     _touch(Path(str(config["folder"])) / f"{config['label']}.started", str(os.getpid()))
     try:
         with graceful_signals(stop):
-            consumer.run(engine, stop=stop)
+            consumer.run(database, stop=stop)
     except ImmediateStop:
         return 130
     finally:
-        engine.dispose()
+        if isinstance(database, Engine):
+            database.dispose()
     return 0
+
+
+def _load_object(reference: str) -> Any:
+    """Import ``package.module:name``."""
+    module_name, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module_name), name)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,97 @@
+"""The Django integration on real PostgreSQL, Kafka and RabbitMQ, under faults.
+
+The scenarios (``scenarios.py``) need Django set up, which this process never does:
+they run in a pytest of their own, with the example project's settings, against a fresh
+database migrated with ``manage.py migrate``:
+
+* Kafka: 30% duplicates and ``kill -9`` after commit before the offset commit, three
+  times: each ORM effect (a ``Shipment`` row) exactly once;
+* RabbitMQ: 30% duplicates: each ORM effect once;
+* ``CONN_MAX_AGE=None`` (persistent connections) and the worker's database connection
+  terminated mid-run (``pg_terminate_backend``, the shared server is never restarted):
+  the worker reconnects and finishes, nothing lost or dead-lettered;
+* a handler that raises, or swallows an ORM error (Django marks the transaction for
+  rollback): no model row, no claim, no outbox row; its batch-mates commit all three,
+  one of them after catching the same ORM error in its own ``transaction.atomic()``;
+* ``@idempotent``: a repeat while the first request holds its key gets 409 at once, a
+  repeat after its commit the stored response.
+
+On MariaDB (Django's mysql backend through PyMySQL) the migration, ``mqdedup db check``,
+the RabbitMQ duplicates, the failed handlers and the Idempotency-Key run too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.django.support import (
+    MQDEDUP,
+    PYTHON,
+    example_env,
+    fresh_database,
+    migrated,
+    run,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+SCENARIOS = Path(__file__).with_name("scenarios.py")
+
+
+def test_django_consumers_under_duplicates_kills_and_lost_connections(
+    pg_url: str, kafka_bootstrap: str, rabbitmq_url: str
+) -> None:
+    with fresh_database(pg_url) as database_url:
+        env = example_env(
+            database_url,
+            MQDEDUP_KAFKA_BOOTSTRAP=kafka_bootstrap,
+            MQDEDUP_RABBITMQ_URL=rabbitmq_url,
+        )
+        migrated(database_url, env)
+        result = run(
+            PYTHON,
+            "-m",
+            "pytest",
+            str(SCENARIOS),
+            "-p",
+            "no:django",  # Django is set up by the module itself, on the real database
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-x",
+            "--durations=0",
+            env=env,
+            timeout=280,
+        )
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+        assert "6 passed" in result.stdout, result.stdout[-3000:]
+
+
+def test_django_consumers_on_mariadb(mariadb_url: str, rabbitmq_url: str) -> None:
+    with fresh_database(mariadb_url) as database_url:
+        env = example_env(database_url, MQDEDUP_RABBITMQ_URL=rabbitmq_url)
+        migrated(database_url, env)
+        prefix = env["ORDERS_TABLE_PREFIX"]
+        check = run(
+            MQDEDUP, "db", "check", "--database", database_url, "--table-prefix", prefix, env=env
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+        result = run(
+            PYTHON,
+            "-m",
+            "pytest",
+            str(SCENARIOS),
+            "-p",
+            "no:django",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-x",
+            "-k",
+            "rabbitmq_duplicates or failed_handlers or idempotency",
+            env=env,
+            timeout=200,
+        )
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+        assert "4 passed" in result.stdout, result.stdout[-3000:]
