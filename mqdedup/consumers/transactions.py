@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from mqdedup.consumers.context import guard_session, unguard_session
 from mqdedup.consumers.report import BatchReport, Outcome
 from mqdedup.consumers.sessions import SessionLease, self_deadlock, waits_for_own_lock
+from mqdedup.consumers.staging import StagedWrites, close_stage, open_stage
 from mqdedup.db import sqlite_lock
 from mqdedup.db.dialects import is_data_error, is_transient
 
@@ -33,10 +34,14 @@ T = TypeVar("T")
 
 
 class _RerunWithoutError(Exception):
-    def __init__(self, delivery: Delivery[Any] | None, error: Exception) -> None:
+    def __init__(
+        self, delivery: Delivery[Any] | None, error: Exception, *, staged: bool = False
+    ) -> None:
         super().__init__(str(error))
-        self.delivery = delivery  # None: the batch handler failed, rerun per message
+        # None: the batch handler or the staged writes failed, rerun per message
+        self.delivery = delivery
         self.error = error
+        self.staged = staged  # the staged writes failed: rerun writing them at once
 
 
 class TransactionalRuns:
@@ -139,17 +144,25 @@ class TransactionalRuns:
 
         Without savepoints a handler failure rolls the transaction back; it is then run
         again without the failing message (``auto`` reruns with savepoints, so one more
-        failure does not cost another rerun).
+        failure does not cost another rerun). When the staged writes fail at the end,
+        the batch runs again with ``ctx.stage`` writing at once, inside each handler's
+        failure boundary, so the failing message is found.
         """
         pending = list(deliveries)
         excluded: list[tuple[Delivery[Any], Exception]] = []
         use_batch_handler = self.consumer.has_batch_handler
         savepoints = self.consumer.failure_isolation == "savepoint"
+        stage_at_once = False
         while pending:
             try:
                 with self.sessions() as session:
-                    outcome = self._transaction_in(session, pending, use_batch_handler, savepoints)
+                    outcome = self._transaction_in(
+                        session, pending, use_batch_handler, savepoints, stage_at_once
+                    )
             except _RerunWithoutError as rerun:
+                if rerun.staged and rerun.delivery is None:
+                    self._log_staged_failure(rerun.error, len(pending))
+                    stage_at_once = True
                 if rerun.delivery is None:
                     use_batch_handler = False
                 else:
@@ -165,6 +178,17 @@ class TransactionalRuns:
             outcome.failures.extend(excluded)
             return outcome
         return Outcome(failures=excluded)
+
+    def _log_staged_failure(self, error: Exception, count: int) -> None:
+        log.warning(
+            "the batch's staged writes failed; running it again with each message's "
+            "staged writes made at once, to find the failing message",
+            extra={
+                "consumer": self.name,
+                "size": count,
+                "error": f"{type(error).__name__}: {error}",
+            },
+        )
 
     def _find_data_error(
         self,
@@ -197,8 +221,25 @@ class TransactionalRuns:
         deliveries: Sequence[Delivery[Any]],
         use_batch_handler: bool,
         savepoints: bool,
+        stage_at_once: bool = False,
     ) -> Outcome:
-        """Claim, handle and store results in one transaction of ``session``; commit."""
+        """Claim, handle, write the staged rows and store results in one transaction of
+        ``session``; commit."""
+        try:
+            return self._staged_transaction_in(
+                session, deliveries, use_batch_handler, savepoints, stage_at_once
+            )
+        finally:
+            close_stage(session)
+
+    def _staged_transaction_in(
+        self,
+        session: Session,
+        deliveries: Sequence[Delivery[Any]],
+        use_batch_handler: bool,
+        savepoints: bool,
+        stage_at_once: bool,
+    ) -> Outcome:
         outcome = Outcome()
         store = self.p.store
         metrics = self.p.metrics
@@ -217,15 +258,18 @@ class TransactionalRuns:
                 outcome.stored_results = store.results(
                     session, self.name, [str(d.message.id) for d in outcome.duplicates]
                 )
+            staged = open_stage(session, immediate=stage_at_once)
             guard_session(session)  # the handlers must not end this transaction
             if self._sqlite:
                 sqlite_lock.enter(session)
             try:
-                results = self._handle(session, new, outcome, use_batch_handler, savepoints)
+                results = self._handle(session, new, outcome, use_batch_handler, savepoints, staged)
             finally:
                 unguard_session(session)
                 if self._sqlite:
                     sqlite_lock.leave()
+            if staged:
+                self._write_staged(staged, new, outcome)
             outcome.results = results
             if outcome.failures and deduplicate:
                 store.forget(session, self.name, [str(d.message.id) for d, _ in outcome.failures])
@@ -235,6 +279,19 @@ class TransactionalRuns:
         metrics.histograms.observe("transaction_seconds", self.p.last_commit - started)
         return outcome
 
+    def _write_staged(
+        self, staged: StagedWrites, new: list[Delivery[Any]], outcome: Outcome
+    ) -> None:
+        """Run the staged statements; a failure reruns the batch to find its message."""
+        try:
+            staged.flush()
+        except Exception as error:
+            if is_transient(error):
+                raise
+            # One message in the transaction: the failure is its own.
+            alone = outcome.processed[0] if len(outcome.processed) == 1 else None
+            raise _RerunWithoutError(alone, error, staged=True) from error
+
     def _handle(
         self,
         session: Session,
@@ -242,20 +299,25 @@ class TransactionalRuns:
         outcome: Outcome,
         use_batch_handler: bool,
         savepoints: bool,
+        staged: StagedWrites,
     ) -> dict[str, Any]:
         """Run the handlers; fill ``outcome.processed`` / ``failures``; return results."""
         handlers = self.p.handlers
         results: dict[str, Any] = {}
         if use_batch_handler and new:
             batch_results = self._isolated(
-                session, savepoints, None, lambda: handlers.call_batch(session, new)
+                session, savepoints, staged, None, lambda: handlers.call_batch(session, new)
             )
             if not isinstance(batch_results, Exception):
                 outcome.processed.extend(new)
                 return batch_results
         for delivery in new:
             result = self._isolated(
-                session, savepoints, delivery, functools.partial(handlers.call, session, delivery)
+                session,
+                savepoints,
+                staged,
+                delivery,
+                functools.partial(handlers.call, session, delivery),
             )
             if isinstance(result, Exception):
                 outcome.failures.append((delivery, result))
@@ -269,6 +331,7 @@ class TransactionalRuns:
         self,
         session: Session,
         savepoints: bool,
+        staged: StagedWrites,
         delivery: Delivery[Any] | None,
         call: Callable[[], T],
     ) -> T | Exception:
@@ -278,6 +341,7 @@ class TransactionalRuns:
         mode a failure aborts the whole transaction to be rerun without ``delivery``.
         """
         savepoint = session.begin_nested() if savepoints else None
+        mark = staged.mark()
         try:
             value = call()
             session.flush()
@@ -290,6 +354,7 @@ class TransactionalRuns:
             if savepoint is None:
                 raise _RerunWithoutError(delivery, error) from error
             savepoint.rollback()
+            staged.undo(mark)
             self.p.log_failure(delivery, error)
             return error
         if savepoint is not None:
