@@ -345,10 +345,14 @@ class TransactionalRuns:
             raw = pipelining.pipeline_connection(session)
         if raw is None:
             return self._handle(session, new, outcome, mode, staged)
-        session.__dict__["execute"] = pipelining.lean_execute(session)
+        refusals: list[bool] = []
+        session.__dict__["execute"] = pipelining.lean_execute(session, refusals)
         try:
             with pipelining.pipelined(raw):
-                return self._handle(session, new, outcome, mode, staged)
+                results = self._handle(session, new, outcome, mode, staged)
+            if refusals:  # a handler read a key the pipeline did not fetch, and went on
+                raise pipelining.GeneratedKeyNotFetchedError("a generated key was read")
+            return results
         except _RerunWithoutError as rerun:
             if pipelining.is_broken(raw) or not pipelining.from_database(rerun.error):
                 raise  # the handler's own exception: its message is known

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
-from sqlalchemy import Table, func, insert, select, update
+from sqlalchemy import Table, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from mqdedup import Consumer, InMemoryBroker, Message, RetryPolicy, run_until_idle
@@ -55,11 +55,15 @@ class Mixed(Consumer):
         if kind == "catch":
             row["row_id"] = -1  # taken, for the insert below to collide with
         ctx.session.execute(insert(orders), row)
-        if kind == "count":  # an UPDATE's rowcount is the real one
+        if kind == "count":  # an UPDATE's rowcount is the real one, executemany's too
             updated = ctx.session.execute(
                 update(orders).where(orders.c.message_id == message.id).values(worker="w")
             )
-            return {"rowcount": updated.rowcount}
+            many = ctx.session.execute(
+                update(orders).where(orders.c.message_id == bindparam("b_id")),
+                [{"b_id": message.id, "worker": "x"}, {"b_id": "nobody", "worker": "y"}],
+            )
+            return {"rowcount": updated.rowcount, "many": many.rowcount}
         if kind == "read":  # a read sees the batch's earlier (pipelined) writes
             seen = ctx.session.execute(select(func.count()).select_from(orders)).scalar_one()
             return {"seen": seen > 0}
@@ -120,6 +124,7 @@ def test_reads_answer_as_without_the_pipeline_and_a_failing_write_fails_alone(
     stored = results(db)
     assert set(stored) == set(good)
     assert {stored[i]["rowcount"] for i in good if i.startswith("count")} == {1}
+    assert {stored[i]["many"] for i in good if i.startswith("count")} == {1}
     assert {stored[i]["seen"] for i in good if i.startswith("read")} == {True}
     assert [stored[i] for i in good if i.startswith("catch")] == [{"caught": True}]
     [letter] = broker.dead_letters["q"]
