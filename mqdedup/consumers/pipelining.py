@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 from sqlalchemy import exc as sa_exc
@@ -143,6 +143,14 @@ def is_broken(raw: Any) -> bool:
     return bool(raw.closed or raw.broken)
 
 
+@lru_cache(maxsize=1024)
+def _may_return_rows(query: str | bytes) -> bool:
+    """False only for an INSERT / UPDATE / DELETE without RETURNING (by its text)."""
+    text = query.encode() if isinstance(query, str) else query
+    upper = text.upper()
+    return upper.lstrip()[:6] not in _WRITES or b"RETURNING" in upper
+
+
 @cache
 def _pipelined_cursor() -> type[Any]:
     """psycopg's ``Cursor``, waiting for a pending result only when it is read."""
@@ -173,12 +181,9 @@ def _pipelined_cursor() -> type[Any]:
 
         def _may_return_rows(self) -> bool:
             query = self._last_query
-            if isinstance(query, str):
-                query = query.encode()
-            if not isinstance(query, bytes):
+            if not isinstance(query, str | bytes):
                 return True  # a composed query: wait, to be sure
-            upper = query.upper()
-            return upper.lstrip()[:6] not in _WRITES or b"RETURNING" in upper
+            return _may_return_rows(query)
 
         @property
         def description(self) -> Any:
