@@ -21,15 +21,41 @@ deadlock) are retried as always.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Connection, Table
+from sqlalchemy import (
+    Connection,
+    Date,
+    DateTime,
+    Dialect,
+    Enum,
+    Float,
+    Integer,
+    LargeBinary,
+    Numeric,
+    String,
+    Table,
+    Uuid,
+)
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import Delete, Insert, Update
 
 #: What ``ctx.stage`` accepts: a table (an INSERT of the row) or a DML statement.
 Stageable = Table | Insert | Update | Delete
+
+#: The array each column type travels in: the base type without length or precision,
+#: so that the INSERT's own assignment cast checks the values (an explicit cast to
+#: ``varchar(n)`` would cut a long string instead of refusing it).
+_ARRAY_TYPES: tuple[tuple[type[Any], str], ...] = (
+    (String, "text"),
+    (Integer, "bigint"),
+    (Float, "float8"),
+    (Numeric, "numeric"),
+    (Date, "date"),
+    (Uuid, "uuid"),
+)
 
 _STAGED_KEY = "mqdedup.staged"
 
@@ -39,12 +65,13 @@ class StagedWriteError(TypeError):
 
 
 class _Group:
-    """One statement and the rows staged for it."""
+    """One statement and the rows staged for it (``table``: a Table's INSERT rows)."""
 
-    __slots__ = ("rows", "statement")
+    __slots__ = ("rows", "statement", "table")
 
-    def __init__(self, statement: Insert | Update | Delete) -> None:
+    def __init__(self, statement: Insert | Update | Delete, table: Table | None) -> None:
         self.statement = statement
+        self.table = table
         self.rows: list[Mapping[str, Any]] = []
 
 
@@ -101,6 +128,8 @@ class StagedWrites:
         connection: Connection = self.session.connection()
         for group in groups:
             rows = group.rows
+            if group.table is not None and len(rows) > 1 and _insert_unnest(connection, group):
+                continue
             connection.execute(group.statement, rows if len(rows) > 1 else rows[0])
 
     def _group(self, target: Stageable) -> _Group:
@@ -108,8 +137,11 @@ class StagedWrites:
         key = seen[1] if seen is not None else self._key(target)
         group = self._groups.get(key)
         if group is None:
-            statement = target.insert() if isinstance(target, Table) else target
-            group = self._groups[key] = _Group(statement)
+            if isinstance(target, Table):
+                group = _Group(target.insert(), target)
+            else:
+                group = _Group(target, None)
+            self._groups[key] = group
         return group
 
     def _key(self, target: Stageable) -> Any:
@@ -136,6 +168,65 @@ class StagedWrites:
             )
         self._seen[id(target)] = (target, key)
         return key
+
+
+def _insert_unnest(connection: Connection, group: _Group) -> bool:
+    """PostgreSQL (psycopg): a Table's rows as one ``INSERT … SELECT FROM unnest(…)``.
+
+    One statement with one array per column (binary), as a bulk handler would write
+    it: several times cheaper than an executemany. False (nothing written) when the
+    rows or columns need SQLAlchemy's own handling: another database, rows with
+    different keys, a column type with bind processing (JSON, Enum, Boolean, ...), or a
+    client-side default of a column the rows leave out.
+    """
+    dialect = connection.dialect
+    if dialect.name != "postgresql" or dialect.driver != "psycopg":
+        return False
+    assert group.table is not None
+    rows = group.rows
+    keys = tuple(rows[0])
+    if any(len(row) != len(keys) or row.keys() != rows[0].keys() for row in rows):
+        return False
+    sql = _unnest_sql(group.table, keys, dialect)
+    if sql is None:
+        return False
+    connection.exec_driver_sql(
+        sql, {f"p{i}": [row[key] for row in rows] for i, key in enumerate(keys)}
+    )
+    return True
+
+
+@lru_cache(maxsize=256)
+def _unnest_sql(table: Table, keys: Sequence[str], dialect: Dialect) -> str | None:
+    """The unnest INSERT of ``keys`` into ``table``; None when a column does not fit."""
+    columns = []
+    arrays = []
+    for index, key in enumerate(keys):
+        column = table.c.get(key)
+        array = None if column is None else _array_type(column.type, dialect)
+        if column is None or array is None:
+            return None
+        columns.append(column)
+        arrays.append(f"%(p{index})b::{array}[]")
+    if any(column.key not in keys and column.default is not None for column in table.c):
+        return None  # SQLAlchemy fills that default in on the client
+    prepare = dialect.identifier_preparer
+    names = ", ".join(prepare.format_column(column) for column in columns)
+    return (
+        f"INSERT INTO {prepare.format_table(table)} ({names}) "
+        f"SELECT * FROM unnest({', '.join(arrays)})"
+    )
+
+
+def _array_type(column_type: Any, dialect: Dialect) -> str | None:
+    """The array element type for ``column_type``; None: let SQLAlchemy write it."""
+    if isinstance(column_type, LargeBinary):
+        return "bytea"  # its bind processor only wraps the bytes for the driver
+    if isinstance(column_type, Enum) or column_type._cached_bind_processor(dialect) is not None:
+        return None
+    if isinstance(column_type, DateTime):
+        return "timestamptz" if column_type.timezone else "timestamp"
+    return next((name for kind, name in _ARRAY_TYPES if isinstance(column_type, kind)), None)
 
 
 def staged_writes(session: Session) -> StagedWrites | None:

@@ -234,3 +234,92 @@ def test_kill_9_after_the_staged_writes_before_the_commit_leaves_each_effect_onc
 
 if __name__ == "__main__":
     worker_main()
+
+
+# -- 3. the unnest path writes what SQLAlchemy's executemany would ------------------------
+
+
+def test_staged_rows_of_every_plain_type_arrive_as_sqlalchemy_would_write_them(
+    db: TestDatabase,
+) -> None:
+    from datetime import UTC, date, datetime
+    from decimal import Decimal
+    from uuid import UUID
+
+    from sqlalchemy import (
+        JSON,
+        BigInteger,
+        Column,
+        Date,
+        DateTime,
+        Float,
+        Integer,
+        LargeBinary,
+        MetaData,
+        Numeric,
+        String,
+        Uuid,
+    )
+    from sqlalchemy.orm import Session
+
+    from mqdedup.consumers.staging import StagedWrites, _unnest_sql
+
+    metadata = MetaData()
+    columns = [
+        Column("name", String(5)),
+        Column("small", Integer),
+        Column("big", BigInteger),
+        Column("price", Numeric(10, 2)),
+        Column("ratio", Float),
+        Column("day", Date),
+        Column("at", DateTime(timezone=True)),
+        Column("blob", LargeBinary),
+        Column("key", Uuid),
+    ]
+    fast = Table(
+        f"{db.prefix}types_fast", metadata, Column("id", Integer, primary_key=True), *columns
+    )
+    slow = Table(
+        f"{db.prefix}types_slow",  # a JSON column: written by SQLAlchemy's executemany
+        metadata,
+        Column("id", Integer, primary_key=True),
+        *[Column(column.name, column.type) for column in columns],
+        Column("doc", JSON),
+    )
+    metadata.create_all(db.engine)
+    at = datetime(2026, 12, 1, 12, 30, tzinfo=UTC)
+    rows = [
+        {"name": "abc", "small": 7, "big": 2**40, "price": Decimal("1.5"), "ratio": 0.25,
+         "day": date(2026, 1, 2), "at": at, "blob": b"\x00\x01", "key": UUID(int=5)},
+        {"name": None, "small": None, "big": None, "price": None, "ratio": None,
+         "day": None, "at": None, "blob": None, "key": None},
+    ]  # fmt: skip
+    try:
+        with Session(db.engine) as session, session.begin():
+            staged = StagedWrites(session)
+            for row in rows:
+                staged.add(fast, row)
+                staged.add(slow, {**row, "doc": {"a": [1]}})
+            staged.flush()
+        with db.engine.connect() as connection:
+            got_fast = connection.execute(select(*fast.c[1:]).order_by(fast.c.id)).all()
+            got_slow = connection.execute(select(*slow.c[1:-1]).order_by(slow.c.id)).all()
+            docs = connection.execute(select(slow.c.doc)).scalars().all()
+        dialect = db.engine.dialect
+        assert _unnest_sql(fast, tuple(rows[0]), dialect) is not None  # one unnest INSERT
+        assert _unnest_sql(slow, (*rows[0], "doc"), dialect) is None  # executemany
+        assert [tuple(r) for r in got_fast] == [tuple(r) for r in got_slow]
+        assert got_fast[0].price == Decimal("1.50") and got_fast[0].at == at
+        assert docs == [{"a": [1]}, {"a": [1]}]
+        # Too long for String(5): refused like any insert, never cut to fit.
+        with (
+            pytest.raises(Exception, match="value too long"),
+            Session(db.engine) as session,
+            session.begin(),
+        ):
+            staged = StagedWrites(session)
+            staged.add(fast, {**rows[0], "name": "abcdef"})
+            staged.add(fast, rows[0])
+            staged.flush()
+    finally:
+        metadata.drop_all(db.engine)
