@@ -105,7 +105,7 @@ class StagedWrites:
         if self.immediate:
             self.session.connection().execute(group.statement, dict(row))
             return
-        group.rows.append(row)
+        group.rows.append(dict(row))  # a copy: the handler may reuse its dict
         self._journal.append(group)
 
     def mark(self) -> int:
