@@ -6,6 +6,8 @@ Measures side by side, medians over several runs, on the real services of
 * kafka, rabbitmq: consumer -> PostgreSQL throughput of mqdedup (batch with a bulk
   handler, batch with a per-message handler, one transaction per message), a
   hand-written "SELECT then INSERT" consumer and a raw client loop with no database;
+* handlers: per-message handler styles (plain, driver SQL, ``ctx.stage``, transaction
+  mode) next to bulk ``handle_batch`` and raw psycopg, in-memory broker -> PostgreSQL;
 * relay: the outbox relay against a raw publish loop, per broker, and the
   commit-to-publish latency (p50/p99) with NOTIFY and with polling;
 * claim: claim cost with 0 / 1M / 10M rows in the dedup table, and purge speed;
@@ -36,7 +38,7 @@ from pathlib import Path
 from bench.suite_common import FULL, QUICK, Section, Settings, Sizes, fmt, progress
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITES = ("kafka", "rabbitmq", "relay", "claim", "memory")
+SUITES = ("kafka", "rabbitmq", "handlers", "relay", "claim", "memory")
 #: Suites run only when named in ``--only`` (not part of the default full / quick run).
 OPTIONAL = ("async",)
 
@@ -44,6 +46,7 @@ OPTIONAL = ("async",)
 NEEDS = {
     "kafka": ("postgres", "kafka"),
     "rabbitmq": ("postgres", "rabbitmq"),
+    "handlers": ("postgres",),
     "relay": ("postgres", "kafka", "rabbitmq"),
     "claim": ("postgres",),
     "memory": ("postgres",),
@@ -80,12 +83,14 @@ def run_suites(names: Sequence[str], settings: Settings, sizes: Sizes) -> list[S
     from bench.suite_async import async_suite
     from bench.suite_consumers import kafka_suite, rabbitmq_suite
     from bench.suite_dedup import dedup_suite
+    from bench.suite_handlers import handlers_suite
     from bench.suite_memory import memory_suite
     from bench.suite_relay import relay_suite
 
     plan: dict[str, tuple[Callable[[], Section | tuple[Section, ...]], tuple[str, ...]]] = {
         "kafka": (lambda: kafka_suite(settings, sizes), ("kafka",)),
         "rabbitmq": (lambda: rabbitmq_suite(settings, sizes), ("rabbitmq",)),
+        "handlers": (lambda: handlers_suite(settings, sizes), ("handlers",)),
         "relay": (lambda: relay_suite(settings, sizes), ("relay", "latency")),
         "claim": (lambda: dedup_suite(settings, sizes), ("claim", "purge")),
         "memory": (lambda: memory_suite(settings, sizes), ("memory",)),
@@ -213,7 +218,7 @@ def docs_markdown(
         "```",
         "",
         "`scripts/bench.sh` does the same (it starts the services first). "
-        "`--only kafka,rabbitmq,relay,claim,memory` runs some suites; `--runs N` changes "
+        "`--only kafka,rabbitmq,handlers,relay,claim,memory` runs some suites; `--runs N` changes "
         "the number of runs. Results go to `bench/results/` (`results.md`, `results.json`, "
         "`*.png`); a full run of every suite also rewrites this page. Absolute numbers "
         "depend on the machine; compare the ratios.",

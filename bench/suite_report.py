@@ -97,7 +97,7 @@ def section_markdown(section: Section) -> str:
     if not section.rows:
         return "\n".join(lines)
     reference = section.rows[0].median
-    ratio = section.key in {"kafka", "rabbitmq", "claim"}
+    ratio = section.key in {"kafka", "rabbitmq", "handlers", "claim"}
     notes_column = any(row.note for row in section.rows)
     header = "| variant | median | unit | runs |" + (" vs first row |" if ratio else "")
     header += " note |" if notes_column else ""

@@ -91,6 +91,11 @@ class Consumer:
     #: so ``batch_size`` still sets how many messages one ack / offset commit covers.
     #: ``handle_batch`` then receives one message at a time.
     failure_isolation: ClassVar[FailureIsolation] = "auto"
+    #: PostgreSQL (psycopg): run a batch's per-message handlers in a pipeline, so that
+    #: writes whose result is not read cost no round trip each (reads still wait for
+    #: their answer). A write that fails shows later; the batch then runs again without
+    #: the pipeline to find its message. ``False`` sends every statement on its own.
+    pipeline_handlers: ClassVar[bool] = True
     table_prefix: ClassVar[str] = DEFAULT_PREFIX
     #: Skip the claim entirely (a baseline for benchmarks; never for real consumers).
     deduplicate: ClassVar[bool] = True

@@ -7,12 +7,13 @@ session it carries cannot end the processor's transaction.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
+from mqdedup.consumers.staging import Stageable, StagedWrites, staged_writes
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outbox.writer import OutboxWriter
 
@@ -120,6 +121,23 @@ class Context:
             f"{self.consumer.dedup.describe()}, so its handler runs in no database "
             "transaction (use the default SQL dedup to write to a database)"
         )
+
+    def stage(self, target: Stageable, row: Mapping[str, Any]) -> None:
+        """Write ``row`` set-based at the batch end instead of now.
+
+        ``target`` is a ``Table`` (the row is INSERTed) or an ``insert()`` / ``update()``
+        / ``delete()`` statement whose values come from bind parameters (``row`` holds
+        them). After the batch's last handler, each statement runs once with all the
+        rows staged for it, in the transaction, before the commit; statements in the
+        order of their first use, rows in staging order. The handler does not see its
+        staged rows. A staged row that fails at the batch end makes the batch run again
+        with ``stage`` writing at once, so the failing message fails alone.
+        """
+        session = self.session
+        staged = staged_writes(session)
+        if staged is None:  # a session outside the processor's transactions: write now
+            staged = StagedWrites(session, immediate=True)
+        staged.add(target, row)
 
     @cached_property
     def log(self) -> logging.LoggerAdapter[logging.Logger]:

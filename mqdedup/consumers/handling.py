@@ -40,10 +40,16 @@ class Handlers:
         """One message's handler; its (checked) result."""
         if not self.consumer.has_single_handler:
             return self.call_batch(session, [delivery]).get(str(delivery.message.id))
-        context = self._context(session, self.consumer, delivery.message)
+        message = delivery.message
+        context = self._context(session, self.consumer, message)
         started = time.monotonic()
-        with tracing.consume_span(self.name, delivery.message):
-            result = self.consumer.handle(delivery.message, context)
+        if tracing.enabled():
+            with tracing.consume_span(self.name, message):
+                result = self.consumer.handle(message, context)
+                if self._awaits:
+                    result = wait_for(result)
+        else:  # no span to open: spare the per-message context manager
+            result = self.consumer.handle(message, context)
             if self._awaits:
                 result = wait_for(result)
         self.metrics.histograms.observe("handler_seconds", time.monotonic() - started)

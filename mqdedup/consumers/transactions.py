@@ -9,18 +9,22 @@ batch-mates still commit (``failure_isolation``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from mqdedup.consumers import pipelining
 from mqdedup.consumers.context import guard_session, unguard_session
 from mqdedup.consumers.report import BatchReport, Outcome
 from mqdedup.consumers.sessions import SessionLease, self_deadlock, waits_for_own_lock
+from mqdedup.consumers.staging import StagedWrites, close_stage, open_stage
 from mqdedup.db import sqlite_lock
 from mqdedup.db.dialects import is_data_error, is_transient
 
@@ -33,10 +37,39 @@ T = TypeVar("T")
 
 
 class _RerunWithoutError(Exception):
-    def __init__(self, delivery: Delivery[Any] | None, error: Exception) -> None:
+    def __init__(
+        self,
+        delivery: Delivery[Any] | None,
+        error: Exception,
+        *,
+        staged: bool = False,
+        pipelined: bool = False,
+    ) -> None:
         super().__init__(str(error))
-        self.delivery = delivery  # None: the batch handler failed, rerun per message
+        # None: the batch handler, the staged writes or a pipelined statement failed
+        # (no single message to blame): rerun per message
+        self.delivery = delivery
         self.error = error
+        self.staged = staged  # the staged writes failed: rerun writing them at once
+        self.pipelined = pipelined  # a pipelined statement failed: rerun without it
+
+
+def _reads_generated_keys(error: BaseException | None) -> bool:
+    while error is not None:
+        if isinstance(error, pipelining.GeneratedKeyNotFetchedError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """How one transaction over a batch runs its handlers."""
+
+    batch_handler: bool = False  # handle_batch (else handle per message)
+    savepoints: bool = False  # each handler in a savepoint of its own
+    stage_at_once: bool = False  # ctx.stage writes at once (else at the batch end)
+    pipeline: bool = False  # per-message handlers in a psycopg pipeline
 
 
 class TransactionalRuns:
@@ -48,6 +81,7 @@ class TransactionalRuns:
         self.consumer = processor.consumer
         self.name = processor.name
         self.per_message = self.consumer.failure_isolation == "transaction"
+        self.pipeline = self.consumer.pipeline_handlers and not self.per_message
         bind = sessions.kw.get("bind")
         self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
         if self._sqlite:
@@ -118,7 +152,7 @@ class TransactionalRuns:
 
     def _own_transaction_in(self, session: Session, delivery: Delivery[Any]) -> Outcome:
         try:
-            return self._transaction_in(session, [delivery], False, False)
+            return self._transaction_in(session, [delivery], _Pass())
         except _RerunWithoutError as failed:  # rolled back: its claim is gone too
             self.p.log_failure(delivery, failed.error)
             return Outcome(failures=[(delivery, failed.error)])
@@ -139,24 +173,27 @@ class TransactionalRuns:
 
         Without savepoints a handler failure rolls the transaction back; it is then run
         again without the failing message (``auto`` reruns with savepoints, so one more
-        failure does not cost another rerun).
+        failure does not cost another rerun). When the staged writes fail at the end,
+        the batch runs again with ``ctx.stage`` writing at once, inside each handler's
+        failure boundary, so the failing message is found.
         """
         pending = list(deliveries)
         excluded: list[tuple[Delivery[Any], Exception]] = []
-        use_batch_handler = self.consumer.has_batch_handler
-        savepoints = self.consumer.failure_isolation == "savepoint"
+        mode = _Pass(
+            batch_handler=self.consumer.has_batch_handler,
+            savepoints=self.consumer.failure_isolation == "savepoint",
+            pipeline=self.pipeline,
+        )
         while pending:
             try:
                 with self.sessions() as session:
-                    outcome = self._transaction_in(session, pending, use_batch_handler, savepoints)
+                    outcome = self._transaction_in(session, pending, mode)
             except _RerunWithoutError as rerun:
-                if rerun.delivery is None:
-                    use_batch_handler = False
-                else:
+                mode = self._next_pass(mode, rerun, len(pending))
+                if rerun.delivery is not None:
                     pending.remove(rerun.delivery)
                     excluded.append((rerun.delivery, rerun.error))
                     self.p.log_failure(rerun.delivery, rerun.error)
-                savepoints = self.consumer.failure_isolation == "auto" or savepoints
                 continue
             except Exception as error:
                 if is_transient(error) or not is_data_error(error):
@@ -165,6 +202,37 @@ class TransactionalRuns:
             outcome.failures.extend(excluded)
             return outcome
         return Outcome(failures=excluded)
+
+    def _next_pass(self, mode: _Pass, rerun: _RerunWithoutError, size: int) -> _Pass:
+        """How to run a batch again after ``rerun`` ended its transaction."""
+        auto = self.consumer.failure_isolation == "auto"
+        mode = dataclasses.replace(mode, savepoints=auto or mode.savepoints)
+        if rerun.delivery is not None:
+            return mode
+        mode = dataclasses.replace(mode, batch_handler=False)
+        if rerun.pipelined and _reads_generated_keys(rerun.error):
+            self.pipeline = False
+            log.info(
+                "a handler reads generated primary keys: this consumer's handlers run "
+                "without a pipeline from now on",
+                extra={"consumer": self.name},
+            )
+            return dataclasses.replace(mode, pipeline=False)
+        if rerun.staged or rerun.pipelined:
+            what = "staged writes" if rerun.staged else "pipelined statements"
+            log.warning(
+                f"the batch's {what} failed; running it again with each message's "
+                "writes made at once, to find the failing message",
+                extra={
+                    "consumer": self.name,
+                    "size": size,
+                    "error": f"{type(rerun.error).__name__}: {rerun.error}",
+                },
+            )
+            mode = dataclasses.replace(
+                mode, stage_at_once=mode.stage_at_once or rerun.staged, pipeline=False
+            )
+        return mode
 
     def _find_data_error(
         self,
@@ -195,10 +263,18 @@ class TransactionalRuns:
         self,
         session: Session,
         deliveries: Sequence[Delivery[Any]],
-        use_batch_handler: bool,
-        savepoints: bool,
+        mode: _Pass,
     ) -> Outcome:
-        """Claim, handle and store results in one transaction of ``session``; commit."""
+        """Claim, handle, write the staged rows and store results in one transaction of
+        ``session``; commit."""
+        try:
+            return self._staged_transaction_in(session, deliveries, mode)
+        finally:
+            close_stage(session)
+
+    def _staged_transaction_in(
+        self, session: Session, deliveries: Sequence[Delivery[Any]], mode: _Pass
+    ) -> Outcome:
         outcome = Outcome()
         store = self.p.store
         metrics = self.p.metrics
@@ -217,15 +293,18 @@ class TransactionalRuns:
                 outcome.stored_results = store.results(
                     session, self.name, [str(d.message.id) for d in outcome.duplicates]
                 )
+            staged = open_stage(session, immediate=mode.stage_at_once)
             guard_session(session)  # the handlers must not end this transaction
             if self._sqlite:
                 sqlite_lock.enter(session)
             try:
-                results = self._handle(session, new, outcome, use_batch_handler, savepoints)
+                results = self._handle_maybe_pipelined(session, new, outcome, mode, staged)
             finally:
                 unguard_session(session)
                 if self._sqlite:
                     sqlite_lock.leave()
+            if staged:
+                self._write_staged(staged, new, outcome)
             outcome.results = results
             if outcome.failures and deduplicate:
                 store.forget(session, self.name, [str(d.message.id) for d, _ in outcome.failures])
@@ -235,27 +314,82 @@ class TransactionalRuns:
         metrics.histograms.observe("transaction_seconds", self.p.last_commit - started)
         return outcome
 
+    def _write_staged(
+        self, staged: StagedWrites, new: list[Delivery[Any]], outcome: Outcome
+    ) -> None:
+        """Run the staged statements; a failure reruns the batch to find its message."""
+        try:
+            staged.flush()
+        except Exception as error:
+            if is_transient(error):
+                raise
+            # One message in the transaction: the failure is its own.
+            alone = outcome.processed[0] if len(outcome.processed) == 1 else None
+            raise _RerunWithoutError(alone, error, staged=True) from error
+
+    def _handle_maybe_pipelined(
+        self,
+        session: Session,
+        new: list[Delivery[Any]],
+        outcome: Outcome,
+        mode: _Pass,
+        staged: StagedWrites,
+    ) -> dict[str, Any]:
+        """The handlers, in a psycopg pipeline when ``mode`` allows it (PostgreSQL).
+
+        A database error inside the pipeline cannot be traced to its message (it shows
+        at a later statement): the transaction is then rerun without the pipeline.
+        """
+        raw = None
+        if mode.pipeline and not mode.savepoints and not mode.batch_handler and len(new) > 1:
+            raw = pipelining.pipeline_connection(session)
+        if raw is None:
+            return self._handle(session, new, outcome, mode, staged)
+        refusals: list[bool] = []
+        session.__dict__["execute"] = pipelining.lean_execute(session, refusals)
+        try:
+            with pipelining.pipelined(raw):
+                results = self._handle(session, new, outcome, mode, staged)
+            if refusals:  # a handler read a key the pipeline did not fetch, and went on
+                raise pipelining.GeneratedKeyNotFetchedError("a generated key was read")
+            return results
+        except _RerunWithoutError as rerun:
+            if pipelining.is_broken(raw) or not pipelining.from_database(rerun.error):
+                raise  # the handler's own exception: its message is known
+            raise _RerunWithoutError(None, rerun.error, pipelined=True) from rerun.error
+        except Exception as error:
+            if pipelining.is_broken(raw) or not pipelining.from_database(error):
+                raise
+            raise _RerunWithoutError(None, error, pipelined=True) from error
+        finally:
+            session.__dict__.pop("execute", None)
+
     def _handle(
         self,
         session: Session,
         new: list[Delivery[Any]],
         outcome: Outcome,
-        use_batch_handler: bool,
-        savepoints: bool,
+        mode: _Pass,
+        staged: StagedWrites,
     ) -> dict[str, Any]:
         """Run the handlers; fill ``outcome.processed`` / ``failures``; return results."""
         handlers = self.p.handlers
+        savepoints = mode.savepoints
         results: dict[str, Any] = {}
-        if use_batch_handler and new:
+        if mode.batch_handler and new:
             batch_results = self._isolated(
-                session, savepoints, None, lambda: handlers.call_batch(session, new)
+                session, savepoints, staged, None, lambda: handlers.call_batch(session, new)
             )
             if not isinstance(batch_results, Exception):
                 outcome.processed.extend(new)
                 return batch_results
         for delivery in new:
             result = self._isolated(
-                session, savepoints, delivery, functools.partial(handlers.call, session, delivery)
+                session,
+                savepoints,
+                staged,
+                delivery,
+                functools.partial(handlers.call, session, delivery),
             )
             if isinstance(result, Exception):
                 outcome.failures.append((delivery, result))
@@ -269,6 +403,7 @@ class TransactionalRuns:
         self,
         session: Session,
         savepoints: bool,
+        staged: StagedWrites,
         delivery: Delivery[Any] | None,
         call: Callable[[], T],
     ) -> T | Exception:
@@ -278,6 +413,7 @@ class TransactionalRuns:
         mode a failure aborts the whole transaction to be rerun without ``delivery``.
         """
         savepoint = session.begin_nested() if savepoints else None
+        mark = staged.mark()
         try:
             value = call()
             session.flush()
@@ -290,6 +426,7 @@ class TransactionalRuns:
             if savepoint is None:
                 raise _RerunWithoutError(delivery, error) from error
             savepoint.rollback()
+            staged.undo(mark)
             self.p.log_failure(delivery, error)
             return error
         if savepoint is not None:
