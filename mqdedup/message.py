@@ -75,6 +75,20 @@ class Message:
                 f"(recursion limit {sys.getrecursionlimit()})"
             ) from None
 
+    def identified(self, message_id: str) -> Message:
+        """This message carrying ``message_id``: itself when its id is unset or already
+        ``message_id``, else a copy (:meth:`with_id`).
+
+        The processor calls it once per delivery before any handler sees the message:
+        transports build a fresh message per delivery, so filling in the id that was
+        ``None`` until then saves copying every message of a batch.
+        """
+        current = self.id
+        if current is None:
+            object.__setattr__(self, "id", message_id)
+            return self
+        return self if current == message_id else self.with_id(message_id)
+
     def with_id(self, message_id: str) -> Message:
         """A copy carrying ``message_id``."""
         # Field by field: ``dataclasses.replace`` re-runs ``__init__`` (~3x slower), which

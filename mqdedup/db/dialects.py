@@ -470,8 +470,8 @@ class Traits:
     shard_locks: str | None
     #: ``LISTEN``/``NOTIFY`` wakes the relay when outbox rows commit (else it polls).
     notifies: bool
-    #: The claim is one ``UPDATE … RETURNING`` statement (else a short transaction of a
-    #: few statements, :meth:`mqdedup.outbox.store.OutboxStore.claim`).
+    #: The claim and its batch lease are one statement (a data-modifying ``WITH``; else a
+    #: short transaction of a few statements, :meth:`mqdedup.outbox.store.OutboxStore.claim`).
     claim_in_one_statement: bool
     #: ``LIMIT`` is allowed in an ``IN (…)`` subquery.
     limit_in_subquery: bool
@@ -491,7 +491,7 @@ _SQLITE = Traits(
     family="sqlite",
     shard_locks=None,
     notifies=False,
-    claim_in_one_statement=True,
+    claim_in_one_statement=False,
     limit_in_subquery=True,
     key_collation=False,
 )
