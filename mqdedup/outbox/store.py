@@ -518,9 +518,17 @@ class OutboxStore:
 
     def purge(self, engine: Engine, older_than: timedelta, chunk_size: int = 5000) -> int:
         """Delete published rows older than ``older_than``, ``chunk_size`` rows per
-        transaction; pending and failed rows are never touched. Returns rows deleted."""
+        transaction; pending and failed rows are never touched. Returns rows deleted.
+
+        Also drops the published counters of hours wholly older than ``older_than`` and
+        leases expired that long ago (relays that died)."""
         table = self.table
         cutoff = utcnow() - older_than
+        with engine.begin() as connection:
+            connection.execute(
+                delete(self.counts).where(self.counts.c.hour <= cutoff - timedelta(hours=1))
+            )
+            connection.execute(delete(self.leases).where(self.leases.c.locked_until < cutoff))
         chunk = table.alias("chunk")
         oldest = (
             select(chunk.c.id)
@@ -553,7 +561,11 @@ class OutboxStore:
         return total
 
     def status(self, engine: Engine) -> OutboxStatus:
-        """Counts of pending / failed / published rows, per destination too."""
+        """Counts of pending / failed / published rows, per destination too.
+
+        Published: the rows marked published plus those deleted once published
+        (``delete_published``, counted per hour), as far back as the retention keeps them.
+        """
         table = self.table
         now = utcnow()
         due_since = func.min(
@@ -564,8 +576,14 @@ class OutboxStore:
         statement = select(
             table.c.broker, table.c.destination, table.c.state, func.count(), due_since
         ).group_by(table.c.broker, table.c.destination, table.c.state)
+        counts = self.counts
+        counted = select(
+            counts.c.broker, counts.c.destination, literal(PUBLISHED), func.sum(counts.c.published)
+        ).group_by(counts.c.broker, counts.c.destination)
         with engine.connect() as connection:
-            rows = connection.execute(statement).all()
+            rows: list[tuple[Any, ...]] = [tuple(row) for row in connection.execute(statement)]
+            # Rows published and deleted (delete_published): their counters.
+            rows += [(*row, None) for row in connection.execute(counted)]
         per_destination: dict[tuple[str, str], dict[str, Any]] = {}
         for broker, destination, state, count, oldest in rows:
             entry = per_destination.setdefault(
