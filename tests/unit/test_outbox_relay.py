@@ -59,10 +59,18 @@ def test_committed_rows_are_published_in_id_order_and_marked(sqlite_engine: Engi
     assert (status.pending, status.failed, status.published) == (0, 0, 120)
 
 
-def test_delete_published_removes_rows(sqlite_engine: Engine) -> None:
+def test_delete_published_removes_rows_and_status_still_counts_them(
+    sqlite_engine: Engine,
+) -> None:
     write(sqlite_engine, 10)
-    relay_for(sqlite_engine, MemoryPublisher(), delete_published=True).drain(timeout=10)
+    relay = relay_for(sqlite_engine, MemoryPublisher(), delete_published=True)
+    relay.drain(timeout=10)
+    write(sqlite_engine, 5)  # this hour's counter grows
+    relay.drain(timeout=10)
     assert states(sqlite_engine) == {}
+    status = OutboxStore().status(sqlite_engine)
+    assert (status.pending, status.published) == (0, 15)
+    assert [(d.destination, d.published) for d in status.destinations] == [("t", 15)]
 
 
 def test_published_record_carries_everything_the_writer_stored(sqlite_engine: Engine) -> None:
