@@ -328,6 +328,7 @@ def handwritten_rabbitmq_batch(hand: HandWritten, url: str, queue: str, count: i
     claimed and written set-based in one transaction, then one ``basic_ack(multiple=True)``.
     """
     hand.reset()
+    started = time.perf_counter()  # like mqdedup's rows: connecting and closing included
     connection = pika.BlockingConnection(pika.URLParameters(url))
     channel = connection.channel()
     channel.basic_qos(prefetch_count=BATCH_PREFETCH)
@@ -343,7 +344,6 @@ def handwritten_rabbitmq_batch(hand: HandWritten, url: str, queue: str, count: i
         done += len(batch)
         batch.clear()
 
-    started = time.perf_counter()
     deadline = time.monotonic() + 600
     for method, properties, body in channel.consume(queue, inactivity_timeout=0.05):
         if method is not None:
@@ -360,9 +360,9 @@ def handwritten_rabbitmq_batch(hand: HandWritten, url: str, queue: str, count: i
             flush()
         if done >= count or time.monotonic() > deadline:
             break
-    elapsed = time.perf_counter() - started
     channel.cancel()
     connection.close()
+    elapsed = time.perf_counter() - started
     if hand.rows() < count:
         raise RuntimeError(
             f"hand-written RabbitMQ batch loop wrote {hand.rows()} rows, not {count}"
