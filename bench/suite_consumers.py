@@ -4,7 +4,10 @@ Reuses the measurements of ``bench/kafka_bench.py`` and ``bench/rabbitmq_bench.p
 (raw loops and mqdedup variants) and adds the consumer a team would write by hand
 without mqdedup: per message, ``SELECT`` the id in its own "seen" table, then
 ``INSERT`` the id and the business row, one transaction per message (raw psycopg, so
-the baseline is not slowed by an ORM), broker settled after the commit.
+the baseline is not slowed by an ORM), broker settled after the commit; and its batch
+variant, as safe as mqdedup's bulk path: each batch of 500 claimed and written set-based
+(``unnest``) in one transaction, then one offset commit (Kafka) or one
+``basic_ack(multiple=True)`` (RabbitMQ).
 
 mqdedup's one-transaction-per-message rows use ``failure_isolation = "transaction"``:
 each message claimed, handled and committed alone, the broker settled once per batch.
@@ -242,7 +245,9 @@ def kafka_suite(settings: Settings, sizes: Sizes, only: Collection[str] | None =
         f"read the first {slow:,}. mqdedup: claim + one business INSERT per message in "
         "the transaction, offsets committed after the commit (transaction mode: batches "
         "of 500, one offset commit per batch after its 500 commits). The clock runs from "
-        "the first record to the last commit (group join excluded).",
+        "the first record to the last commit (group join excluded). Hand-written batch: "
+        "one poll of up to 500, claimed and written set-based in one transaction, then one "
+        "offset commit.",
     )
     bootstrap = settings.kafka_bootstrap
     engine = create_engine(settings.database_url)
@@ -385,7 +390,10 @@ def rabbitmq_suite(
         f"`multiple=True` acks every {prefetch // 2}; mqdedup batches: prefetch {prefetch}; "
         f"mqdedup transaction mode: batch {TX_BATCH}, prefetch {2 * TX_BATCH}, one ack per "
         "batch after its commits; batch_size=1: prefetch 1; hand-written: prefetch "
-        f"{HAND_PREFETCH}, one ack per message after its commit.",
+        f"{HAND_PREFETCH}, one ack per message after its commit; hand-written batch: prefetch "
+        f"{BATCH_PREFETCH}, batches of up to {BATCH_PREFETCH} (what arrived within 50 ms), "
+        "one transaction and one `multiple=True` ack each, timed from connect to close like "
+        "mqdedup's runs.",
     )
     url = settings.rabbitmq_url
     engine = create_engine(settings.database_url)
