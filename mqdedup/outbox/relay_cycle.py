@@ -80,12 +80,7 @@ class RelayCycle:
         )
         self._next_rebalance = 0.0
         self._next_purge = 0.0
-        self._takeover = LeaseTakeover(
-            engine,
-            self.store,
-            self.relay_id,
-            self._control.shards if self._control is not None else None,
-        )
+        self._takeover = LeaseTakeover(engine, self.store, self.relay_id)
         self._connections = RelayConnections(engine, dedicated=self._control is not None)
         self._metrics_lock = threading.Lock()
 

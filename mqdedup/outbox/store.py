@@ -332,13 +332,12 @@ class OutboxStore:
         )
         return select(chosen).add_cte(lease.cte("lease"))
 
-    def foreign_leases(self, engine: Engine, relay_id: str, shards: int | None = None) -> set[int]:
+    def foreign_leases(self, engine: Engine, relay_id: str) -> set[int]:
         """Shards (``{0}`` without sharding) under another relay's lease that has not
         expired.
 
         A relay that takes over shards waits until this is empty for them: the rows of a
-        crashed relay come back in order, before later rows of their keys. ``shards``
-        is accepted for symmetry with the coordinator (the lease names its shards).
+        crashed relay come back in order, before later rows of their keys.
         """
         leases = self.leases
         query = select(leases.c.shards).where(
