@@ -524,7 +524,10 @@ def traits(bind: Engine | Connection | Dialect) -> Traits:
 # row is published again, which the at-least-once contract allows anyway.
 _PLANNER = ("enable_sort", "enable_bitmapscan", "enable_hashjoin", "enable_mergejoin")
 RELAY_SESSION_SETTINGS = [f"SET {name} = off" for name in _PLANNER] + [
-    "SET synchronous_commit = off"
+    "SET synchronous_commit = off",
+    # Short statements: the planner settings above inflate a small sort's cost estimate
+    # past jit_above_cost, and compiling it then took ~500 ms of a 2 ms delete-mark.
+    "SET jit = off",
 ]
 #: The same settings for one transaction (a claim on a pooled connection).
 CLAIM_SETTINGS = text(
