@@ -5,8 +5,10 @@ statement on a relay connection (:func:`~mqdedup.db.dialects.prepare_relay_conne
 The writer, which runs in the caller's transaction, lives in :mod:`mqdedup.outbox.writer`.
 What differs between databases (session settings, the id-list clause, lock checks,
 capabilities) is in :mod:`mqdedup.db.dialects`. Rows are claimed *by state* (``pending``,
-due, not leased), never by "id greater than the last one seen": a row whose transaction
-commits late is still found.
+due, not in the relay's own batches in flight), never by "id greater than the last one
+seen": a row whose transaction commits late is still found. The relay's lease is one row
+per relay in ``<prefix>outbox_leases``; delete-marked rows are counted per destination
+and hour in ``<prefix>outbox_counts``.
 """
 
 from __future__ import annotations
