@@ -140,8 +140,10 @@ def docs_markdown(
         "",
         '"Hand-written" is the consumer a team writes without mqdedup: per message, '
         "`SELECT` the id, then `INSERT` it and the business row, one transaction per "
-        "message, then ack/commit the offset. The raw loop reads without touching the "
-        "database: the ceiling.",
+        "message, then ack/commit the offset; its batch variant claims a whole batch of "
+        "500 and writes its rows set-based in one transaction, then commits the offsets "
+        "(Kafka) or sends one `multiple=True` ack (RabbitMQ). The raw loop reads without "
+        "touching the database: the ceiling.",
         "",
     ]
     summary = []

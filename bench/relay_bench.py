@@ -262,8 +262,9 @@ def relay_throughput(
     target: str,
     publisher: Publisher,
     messages: Sequence[Outgoing],
+    config: RelayConfig | None = None,
 ) -> float:
-    relay = Relay(engine, {broker: publisher}, prefix=prefix)
+    relay = Relay(engine, {broker: publisher}, prefix=prefix, config=config)
     try:
         load_rows(engine, prefix, broker, target, messages[:1])  # warm-up: connect, shards
         relay.drain(timeout=60)

@@ -4,7 +4,10 @@ Reuses the measurements of ``bench/kafka_bench.py`` and ``bench/rabbitmq_bench.p
 (raw loops and mqdedup variants) and adds the consumer a team would write by hand
 without mqdedup: per message, ``SELECT`` the id in its own "seen" table, then
 ``INSERT`` the id and the business row, one transaction per message (raw psycopg, so
-the baseline is not slowed by an ORM), broker settled after the commit.
+the baseline is not slowed by an ORM), broker settled after the commit; and its batch
+variant, as safe as mqdedup's bulk path: each batch of 500 claimed and written set-based
+(``unnest``) in one transaction, then one offset commit (Kafka) or one
+``basic_ack(multiple=True)`` (RabbitMQ).
 
 mqdedup's one-transaction-per-message rows use ``failure_isolation = "transaction"``:
 each message claimed, handled and committed alone, the broker settled once per batch.
@@ -48,8 +51,9 @@ HANDLE = "mqdedup batch 500, per-message handle"
 SINGLE = "mqdedup 1 tx/msg (failure_isolation='transaction')"
 SINGLE_SQL = "mqdedup 1 tx/msg, handler writes with driver SQL"
 HAND = "hand-written SELECT then INSERT, 1 tx/msg"
+HAND_BATCH = "hand-written batch 500, claim + business set-based, 1 tx/batch"
 BATCH1 = "mqdedup batch_size=1 (settle per message)"
-ORDER = (RAW, BULK, HANDLE, SINGLE, SINGLE_SQL, HAND, BATCH1)
+ORDER = (RAW, HAND_BATCH, BULK, HANDLE, SINGLE, SINGLE_SQL, HAND, BATCH1)
 #: The variants that run one transaction per message (they read the smaller count).
 PER_MESSAGE = (SINGLE, SINGLE_SQL, HAND, BATCH1)
 #: RabbitMQ transaction mode: acks once per batch, two batches in flight.
@@ -95,6 +99,32 @@ class HandWritten:
                 (message_id, order, amount),
             )
             return True
+
+    def process_batch(self, message_ids: list[str], orders: list[str], amounts: list[int]) -> int:
+        """One transaction for a whole batch, set-based: claim every id at once (the
+        ``seen`` insert skips ids already there), then write the orders of the ids just
+        claimed; returns how many were new. Repeats inside the batch are kept to the first.
+        """
+        first: dict[str, int] = {}
+        for index, message_id in enumerate(message_ids):
+            first.setdefault(message_id, index)
+        with self.connection.transaction(), self.connection.cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {self.seen} (message_id) SELECT unnest(%s::text[]) "
+                "ON CONFLICT DO NOTHING RETURNING message_id",
+                (list(first),),
+            )
+            claimed = [first[row[0]] for row in cursor.fetchall()]
+            cursor.execute(
+                f"INSERT INTO {self.orders} (message_id, order_id, amount) "
+                "SELECT * FROM unnest(%s::text[], %s::text[], %s::integer[])",
+                (
+                    [message_ids[i] for i in claimed],
+                    [orders[i] for i in claimed],
+                    [amounts[i] for i in claimed],
+                ),
+            )
+            return len(claimed)
 
     def rows(self) -> int:
         with self.connection.cursor() as cursor:
@@ -151,6 +181,49 @@ def handwritten_kafka(hand: HandWritten, bootstrap: str, topic: str, count: int)
     return rate
 
 
+def handwritten_kafka_batch(hand: HandWritten, bootstrap: str, topic: str, count: int) -> float:
+    """kafka-python poll loop, each poll (up to 500) claimed and written set-based in one
+    transaction, then its offsets committed: as safe as mqdedup's bulk path."""
+    hand.reset()
+    consumer = kafka.KafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=f"bench-hand-batch-{uuid.uuid4().hex[:8]}",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        max_poll_records=500,
+    )
+    try:
+        done = 0
+        first: float | None = None
+        deadline = time.monotonic() + 600
+        while done < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"hand-written Kafka batch loop: {done} of {count} in 600 s")
+            ids: list[str] = []
+            orders: list[str] = []
+            amounts: list[int] = []
+            for records in consumer.poll(timeout_ms=500, max_records=500).values():
+                if first is None:
+                    first = time.perf_counter()
+                for record in records:
+                    payload = json.loads(record.value)
+                    ids.append(dict(record.headers)["message-id"].decode())
+                    orders.append(payload["order"])
+                    amounts.append(payload["amount"])
+            if ids:
+                hand.process_batch(ids, orders, amounts)
+                done += len(ids)
+                consumer.commit()
+        assert first is not None
+        rate = done / (time.perf_counter() - first)
+    finally:
+        consumer.close()
+    if hand.rows() < count:
+        raise RuntimeError(f"hand-written Kafka batch loop wrote {hand.rows()} rows, not {count}")
+    return rate
+
+
 def _interleave(
     runs: int,
     variants: dict[str, Callable[[], float]],
@@ -172,7 +245,9 @@ def kafka_suite(settings: Settings, sizes: Sizes, only: Collection[str] | None =
         f"read the first {slow:,}. mqdedup: claim + one business INSERT per message in "
         "the transaction, offsets committed after the commit (transaction mode: batches "
         "of 500, one offset commit per batch after its 500 commits). The clock runs from "
-        "the first record to the last commit (group join excluded).",
+        "the first record to the last commit (group join excluded). Hand-written batch: "
+        "one poll of up to 500, claimed and written set-based in one transaction, then one "
+        "offset commit.",
     )
     bootstrap = settings.kafka_bootstrap
     engine = create_engine(settings.database_url)
@@ -199,6 +274,7 @@ def kafka_suite(settings: Settings, sizes: Sizes, only: Collection[str] | None =
                     slow,
                     failure_isolation="transaction",
                 ),
+                HAND_BATCH: lambda: handwritten_kafka_batch(hand, bootstrap, topic, n),
                 HAND: lambda: handwritten_kafka(hand, bootstrap, topic, slow),
                 BATCH1: lambda: kb.run_mqdedup(
                     kb.PerMessage, engine, bootstrap, topic, slow, batch_size=1
@@ -222,6 +298,8 @@ def kafka_suite(settings: Settings, sizes: Sizes, only: Collection[str] | None =
 # -- RabbitMQ ------------------------------------------------------------------------------
 
 HAND_PREFETCH = 100
+#: The hand-written batch loop: prefetch and batch size, as mqdedup's batch variants.
+BATCH_PREFETCH = 500
 
 
 def handwritten_rabbitmq(hand: HandWritten, url: str, queue: str, count: int) -> float:
@@ -250,6 +328,53 @@ def handwritten_rabbitmq(hand: HandWritten, url: str, queue: str, count: int) ->
     return count / elapsed
 
 
+def handwritten_rabbitmq_batch(hand: HandWritten, url: str, queue: str, count: int) -> float:
+    """pika consume loop, prefetch 500: each batch of 500 (or what arrived within 50 ms)
+    claimed and written set-based in one transaction, then one ``basic_ack(multiple=True)``.
+    """
+    hand.reset()
+    started = time.perf_counter()  # like mqdedup's rows: connecting and closing included
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=BATCH_PREFETCH)
+    done = 0
+    batch: list[tuple[int, str, str, int]] = []
+
+    def flush() -> None:
+        nonlocal done
+        if not batch:
+            return
+        hand.process_batch([b[1] for b in batch], [b[2] for b in batch], [b[3] for b in batch])
+        channel.basic_ack(batch[-1][0], multiple=True)
+        done += len(batch)
+        batch.clear()
+
+    deadline = time.monotonic() + 600
+    for method, properties, body in channel.consume(queue, inactivity_timeout=0.05):
+        if method is not None:
+            payload = json.loads(body)
+            batch.append(
+                (
+                    method.delivery_tag,
+                    properties.message_id,
+                    str(payload["order"]),
+                    payload["amount"],
+                )
+            )
+        if len(batch) >= BATCH_PREFETCH or (method is None and batch):
+            flush()
+        if done >= count or time.monotonic() > deadline:
+            break
+    channel.cancel()
+    connection.close()
+    elapsed = time.perf_counter() - started
+    if hand.rows() < count:
+        raise RuntimeError(
+            f"hand-written RabbitMQ batch loop wrote {hand.rows()} rows, not {count}"
+        )
+    return done / elapsed
+
+
 def rabbitmq_suite(
     settings: Settings, sizes: Sizes, only: Collection[str] | None = None
 ) -> Section:
@@ -265,7 +390,10 @@ def rabbitmq_suite(
         f"`multiple=True` acks every {prefetch // 2}; mqdedup batches: prefetch {prefetch}; "
         f"mqdedup transaction mode: batch {TX_BATCH}, prefetch {2 * TX_BATCH}, one ack per "
         "batch after its commits; batch_size=1: prefetch 1; hand-written: prefetch "
-        f"{HAND_PREFETCH}, one ack per message after its commit.",
+        f"{HAND_PREFETCH}, one ack per message after its commit; hand-written batch: prefetch "
+        f"{BATCH_PREFETCH}, batches of up to {BATCH_PREFETCH} (what arrived within 50 ms), "
+        "one transaction and one `multiple=True` ack each, timed from connect to close like "
+        "mqdedup's runs.",
     )
     url = settings.rabbitmq_url
     engine = create_engine(settings.database_url)
@@ -326,6 +454,8 @@ def rabbitmq_suite(
                 started = time.perf_counter()
                 if name == HAND:
                     rate = handwritten_rabbitmq(hand, url, queues[name], slow)
+                elif name == HAND_BATCH:
+                    rate = handwritten_rabbitmq_batch(hand, url, queues[name], n)
                 else:
                     rb.reset_tables(bench)
                     variant = variants[name]
@@ -360,6 +490,7 @@ VARIANT_KEYS = {
     "single": SINGLE,
     "single-sql": SINGLE_SQL,
     "hand": HAND,
+    "hand-batch": HAND_BATCH,
     "batch-1": BATCH1,
 }
 

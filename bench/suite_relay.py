@@ -20,6 +20,7 @@ from bench.suite_common import Row, Section, Settings, Sizes, percentile, progre
 from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
 from mqdedup.kafka import KafkaPublisher
+from mqdedup.outbox import RelayConfig
 from mqdedup.outbox.publishers import Publisher
 from mqdedup.rabbitmq import RabbitMQPublisher
 
@@ -34,7 +35,8 @@ def relay_suite(settings: Settings, sizes: Sizes) -> tuple[Section, Section]:
         "Outbox relay throughput vs a raw publish loop",
         f"{rows:,} pending outbox rows (~100-byte JSON, key, message-id header; loaded with "
         "COPY, not timed) published by `Relay.drain()` with default settings (batches of "
-        "500, rows marked published) against the equally safe raw loop over the same "
+        "500, rows marked published) and with `delete_published=True` (rows deleted and "
+        "counted per hour) against the equally safe raw loop over the same "
         "messages from memory: Kafka `acks=all` + idempotence with one flush per 500; "
         "RabbitMQ persistent, mandatory, asynchronous publisher confirms (window 1000).",
     )
@@ -72,6 +74,7 @@ def relay_suite(settings: Settings, sizes: Sizes) -> tuple[Section, Section]:
 
     raw: dict[str, list[float]] = {b: [] for b in BROKERS}
     relayed: dict[str, list[float]] = {b: [] for b in BROKERS}
+    deleting: dict[str, list[float]] = {b: [] for b in BROKERS}
     messages = rl.make_messages(rows)
     try:
         for run in range(1, sizes.runs + 1):
@@ -93,13 +96,37 @@ def relay_suite(settings: Settings, sizes: Sizes) -> tuple[Section, Section]:
                     purge_queues()
                 with engine.begin() as connection:
                     connection.execute(text(f"TRUNCATE {outbox}"))
+                publisher = (
+                    KafkaPublisher(bootstrap)
+                    if broker == "kafka"
+                    else RabbitMQPublisher(url, window=rl.WINDOW)
+                )
+                deleting[broker].append(
+                    rl.relay_throughput(
+                        engine,
+                        prefix,
+                        broker,
+                        target,
+                        publisher,
+                        rl.make_messages(rows),
+                        RelayConfig(delete_published=True),
+                    )
+                )
+                if broker == "rabbitmq":
+                    purge_queues()
+                with engine.begin() as connection:
+                    connection.execute(text(f"TRUNCATE {outbox}"))
                 progress(
                     f"relay run {run} {broker}: raw {raw[broker][-1]:,.0f} msgs/s, relay "
-                    f"{relayed[broker][-1]:,.0f} rows/s ({time.perf_counter() - started:.1f} s)"
+                    f"{relayed[broker][-1]:,.0f} rows/s, deleting {deleting[broker][-1]:,.0f} "
+                    f"rows/s ({time.perf_counter() - started:.1f} s)"
                 )
         for broker in BROKERS:
             throughput.rows.append(Row(f"{broker}: raw publish loop", raw[broker], "msgs/s"))
             throughput.rows.append(Row(f"{broker}: mqdedup relay", relayed[broker], "rows/s"))
+            throughput.rows.append(
+                Row(f"{broker}: mqdedup relay, delete_published", deleting[broker], "rows/s")
+            )
 
         for broker in BROKERS:
             target = new_target(broker)
@@ -135,5 +162,7 @@ def relay_suite(settings: Settings, sizes: Sizes) -> tuple[Section, Section]:
     for broker in BROKERS:
         ratio = statistics.median(relayed[broker]) / statistics.median(raw[broker])
         throughput.extra[f"{broker} relay / raw"] = f"{ratio:.0%}"
+        ratio = statistics.median(deleting[broker]) / statistics.median(raw[broker])
+        throughput.extra[f"{broker} relay (delete_published) / raw"] = f"{ratio:.0%}"
     _ = percentile  # (p99s come from relay_bench's own percentile)
     return throughput, latency

@@ -40,7 +40,10 @@ def identify(
             repeats.append((delivery, message_id))
             continue
         seen.add(message_id)
-        unique.append(Delivery(delivery.message.with_id(message_id), delivery.token))
+        message = delivery.message.identified(message_id)
+        unique.append(
+            delivery if message is delivery.message else Delivery(message, delivery.token)
+        )
     return unique, repeats
 
 
@@ -78,7 +81,7 @@ def resolve_repeats(
             fate[delivery.message.id] = record
     for delivery, message_id in repeats:
         outcome = fate.get(message_id)
-        repeat = Delivery(delivery.message.with_id(message_id), delivery.token)
+        repeat = Delivery(delivery.message.identified(message_id), delivery.token)
         if outcome == "done":
             report.duplicates.append(repeat)
             metrics.duplicates += 1

@@ -554,8 +554,8 @@ class Traits:
     shard_locks: str | None
     #: ``LISTEN``/``NOTIFY`` wakes the relay when outbox rows commit (else it polls).
     notifies: bool
-    #: The claim is one ``UPDATE … RETURNING`` statement (else a short transaction of a
-    #: few statements, :meth:`mqdedup.outbox.store.OutboxStore.claim`).
+    #: The claim and its batch lease are one statement (a data-modifying ``WITH``; else a
+    #: short transaction of a few statements, :meth:`mqdedup.outbox.store.OutboxStore.claim`).
     claim_in_one_statement: bool
     #: ``LIMIT`` is allowed in an ``IN (…)`` subquery.
     limit_in_subquery: bool
@@ -575,7 +575,7 @@ _SQLITE = Traits(
     family="sqlite",
     shard_locks=None,
     notifies=False,
-    claim_in_one_statement=True,
+    claim_in_one_statement=False,
     limit_in_subquery=True,
     key_collation=False,
 )
@@ -608,7 +608,10 @@ def traits(bind: Engine | Connection | Dialect) -> Traits:
 # row is published again, which the at-least-once contract allows anyway.
 _PLANNER = ("enable_sort", "enable_bitmapscan", "enable_hashjoin", "enable_mergejoin")
 RELAY_SESSION_SETTINGS = [f"SET {name} = off" for name in _PLANNER] + [
-    "SET synchronous_commit = off"
+    "SET synchronous_commit = off",
+    # Short statements: the planner settings above inflate a small sort's cost estimate
+    # past jit_above_cost, and compiling it then took ~500 ms of a 2 ms delete-mark.
+    "SET jit = off",
 ]
 #: The same settings for one transaction (a claim on a pooled connection).
 CLAIM_SETTINGS = text(

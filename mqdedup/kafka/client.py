@@ -63,7 +63,6 @@ from mqdedup.kafka.records import (
 from mqdedup.kafka.rewinds import request_rewinds, seek_rewinds
 
 if TYPE_CHECKING:
-
     from mqdedup.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -180,11 +179,9 @@ class KafkaClient:
         to the owner thread's next turn. Deliveries of revoked or rewound partitions are
         ignored: they will be fetched again (by this or another worker) and deduplicated.
         """
-        settled = 0
-        for delivery in deliveries:
-            token = delivery.token
-            if self.tracker.settle(token.partition, token.offset, token.epoch):
-                settled += 1
+        settled = self.tracker.settle_many(
+            (d.token.partition, d.token.offset, d.token.epoch) for d in deliveries
+        )
         if settled and self._on_owner_thread():
             self.commit_pending(force=True)
 
@@ -249,11 +246,11 @@ class KafkaClient:
             key = partition_key(topic_partition)
             if self._assignment.unchecked(key) and records:
                 self._check_previous_owner(key, topic_partition, records[0].offset)
-            for record in records:
-                tracked = self.tracker.track_redelivered(key, record.offset)
-                if tracked is None:
+            tracked = self.tracker.track_many(key, [record.offset for record in records])
+            for record, track in zip(records, tracked, strict=True):
+                if track is None:
                     continue  # its partition is being rewound; it will come again
-                epoch, redelivered = tracked
+                epoch, redelivered = track
                 deliveries.append(
                     Delivery(
                         to_message(record, redelivered),
@@ -280,7 +277,11 @@ class KafkaClient:
 
     def current(self, deliveries: Iterable[Delivery[KafkaToken]]) -> list[Delivery[KafkaToken]]:
         """The deliveries whose partition epoch is still current (others were dropped)."""
-        return [d for d in deliveries if self.tracker.is_current(d.token.partition, d.token.epoch)]
+        deliveries = list(deliveries)
+        current = self.tracker.current_epochs(
+            (d.token.partition, d.token.epoch) for d in deliveries
+        )
+        return [d for d, keep in zip(deliveries, current, strict=True) if keep]
 
     def pause_all(self) -> None:
         """Pause every assigned partition (fetching stops; group membership stays)."""
@@ -378,4 +379,3 @@ class KafkaClient:
 
     def _on_owner_thread(self) -> bool:
         return self._owner is threading.current_thread()
-

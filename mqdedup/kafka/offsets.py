@@ -130,6 +130,27 @@ class OffsetTracker:
             below = self._partitions[key].redelivered_below
             return epoch, below is not None and offset < below
 
+    def track_many(
+        self, key: PartitionKey, offsets: Iterable[int]
+    ) -> list[tuple[int, bool] | None]:
+        """:meth:`track_redelivered` for the records of one partition, one lock.
+
+        The poll thread tracks a whole poll per partition at once, so it takes the lock
+        once per partition instead of once per record (it competes for the lock, and the
+        GIL, with the processing thread).
+        """
+        tracked: list[tuple[int, bool] | None] = []
+        append = tracked.append
+        with self._lock:
+            for offset in offsets:
+                epoch = self._track(key, offset)
+                if epoch is None:
+                    append(None)
+                    continue
+                below = self._partitions[key].redelivered_below
+                append((epoch, below is not None and offset < below))
+        return tracked
+
     def _track(self, key: PartitionKey, offset: int) -> int | None:
         if key in self._rewinds:
             return None
@@ -183,21 +204,42 @@ class OffsetTracker:
             state = self._partitions.get(key)
             return state is not None and state.epoch == epoch
 
+    def current_epochs(self, wanted: Iterable[tuple[PartitionKey, int]]) -> list[bool]:
+        """:meth:`is_current` for several ``(partition, epoch)`` pairs, one lock."""
+        with self._lock:
+            partitions = self._partitions
+            return [
+                (state := partitions.get(key)) is not None and state.epoch == epoch
+                for key, epoch in wanted
+            ]
+
     def settle(self, key: PartitionKey, offset: int, epoch: int) -> bool:
         """Mark one delivery settled; False (ignored) if its epoch is over."""
         with self._lock:
-            state = self._partitions.get(key)
-            if state is None or state.epoch != epoch:
-                return False
-            if offset not in state.outstanding or offset in state.settled:
-                return False
-            state.settled.add(offset)
-            while state.pending and state.pending[0] in state.settled:
-                done = state.pending.popleft()
-                state.outstanding.discard(done)
-                state.settled.discard(done)
-                state.committable = done + 1
-            return True
+            return self._settle(key, offset, epoch)
+
+    def settle_many(self, settled: Iterable[tuple[PartitionKey, int, int]]) -> int:
+        """:meth:`settle` for ``(partition, offset, epoch)`` triples, one lock; return how
+        many were settled (the others are ignored, as by :meth:`settle`)."""
+        count = 0
+        with self._lock:
+            for key, offset, epoch in settled:
+                count += self._settle(key, offset, epoch)
+        return count
+
+    def _settle(self, key: PartitionKey, offset: int, epoch: int) -> bool:
+        state = self._partitions.get(key)
+        if state is None or state.epoch != epoch:
+            return False
+        if offset not in state.outstanding or offset in state.settled:
+            return False
+        state.settled.add(offset)
+        while state.pending and state.pending[0] in state.settled:
+            done = state.pending.popleft()
+            state.outstanding.discard(done)
+            state.settled.discard(done)
+            state.committable = done + 1
+        return True
 
     def request_rewind(self, key: PartitionKey, offset: int, epoch: int) -> bool:
         """Give up deliveries from ``offset`` on: they must be fetched again.

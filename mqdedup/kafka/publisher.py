@@ -90,7 +90,10 @@ class KafkaPublisher:
                 record.destination,
                 record.key,
                 record.payload,
-                [(k, header_text(v).encode()) for k, v in record.headers.items()],
+                [
+                    (k, (v if type(v) is str else header_text(v)).encode())
+                    for k, v in record.headers.items()
+                ],
             )
             for record in records
         ]

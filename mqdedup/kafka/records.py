@@ -15,7 +15,7 @@ from kafka import errors as kafka_errors
 
 from mqdedup.consumers.transport import DeadLetter
 from mqdedup.kafka.offsets import PartitionKey
-from mqdedup.message import HeaderValue, Message
+from mqdedup.message import HeaderValue, Message, delivered_message
 
 #: Headers naming where a dead-lettered record came from (besides ``DeadLetter.headers()``).
 SOURCE_TOPIC_HEADER = "x-mqdedup-source-topic"
@@ -51,15 +51,16 @@ def to_message(record: Any, redelivered: bool = False) -> Message:
         if record.timestamp is not None and record.timestamp >= 0
         else None
     )
-    return Message(
-        body=record.value if record.value is not None else b"",
-        key=record.key,
-        headers=headers,
-        source=record.topic,
-        partition=record.partition,
-        offset=record.offset,
-        timestamp=timestamp,
-        redelivered=redelivered,
+    return delivered_message(
+        record.value if record.value is not None else b"",
+        record.key,
+        headers,
+        {},
+        record.topic,
+        record.partition,
+        record.offset,
+        timestamp,
+        redelivered,
     )
 
 

@@ -2,20 +2,23 @@
 
 One cycle:
 
-1. **claim** a batch of due pending rows in a short transaction (``FOR UPDATE SKIP
-   LOCKED`` on PostgreSQL), setting a lease (``locked_by``, ``locked_until``), commit;
+1. **claim** a batch of due pending rows, oldest id first, in a short transaction that
+   reads the rows (writing nothing on them) and takes or renews the relay's one lease
+   row in ``<prefix>outbox_leases`` (its shards, until ``now + lease``);
 2. **publish** them with no transaction or row lock open (Kafka: ``acks=all``,
    idempotent producer, one flush; RabbitMQ: persistent, ``mandatory``, publisher
    confirms in a window);
-3. **mark** the published rows (or delete them, ``delete_published=True``); rows the
-   broker refused for their own reason get an attempt, a backoff and, after
-   ``max_attempts``, the ``failed`` state (kept, never deleted; see
-   :meth:`Relay.retry_failed`); rows not published because the broker was unavailable
-   are released unchanged and that broker is paused with backoff.
+3. **mark** the published rows (or delete them and count them per destination and
+   hour, ``delete_published=True``); rows the broker refused for their own reason get
+   an attempt, a backoff and, after ``max_attempts``, the ``failed`` state (kept, never
+   deleted; see :meth:`Relay.retry_failed`); rows not published because the broker was
+   unavailable stay pending unchanged and that broker is paused with backoff.
 
-A relay that dies between 2 and 3 leaves leased rows; they are claimed again when the
-lease expires and published a second time with the same message id, which the next
-consumer's dedup absorbs.
+Batches follow each other in a *burst* (the next one claimed while one is published,
+ids above it); when the burst is settled the relay removes its lease. A relay that dies
+between 2 and 3 leaves its lease and its rows pending: a relay taking over its shards
+waits until the lease expires, then publishes them a second time with the same message
+ids, which the next consumer's dedup absorbs.
 
 Several relays can run at once on PostgreSQL and MySQL/MariaDB: rows are sharded by key
 hash and each shard is owned by one relay through a lock, so a key's rows are published
@@ -119,6 +122,7 @@ class Relay(RelayCycle):
         report = self._publish_batch(records)
         self._before_mark(report)
         self._settle(report)
+        self._end_lease()
         return report
 
     def drain(self, timeout: float = 60.0) -> RelayMetrics:
@@ -139,9 +143,9 @@ class Relay(RelayCycle):
         While a batch is being published, the next one is claimed and the previous one
         marked on two helper threads, so the broker and the database work at the same
         time. A batch that did not publish completely ends the burst: the rows claimed
-        ahead are released and its failures are settled first, so a key's later rows
-        never overtake a row that has to be retried. The burst also ends at maintenance
-        time (shards may move between bursts only) and on a stop request.
+        ahead are dropped (they stay pending) and its failures are settled first, so a
+        key's later rows never overtake a row that has to be retried. The burst also ends
+        at maintenance time (shards may move between bursts only) and on a stop request.
         """
         if until is None:
             due = [self._next_rebalance] if self._control is not None else []
@@ -150,37 +154,46 @@ class Relay(RelayCycle):
             until = min(due, default=float("inf"))
         batch = self._with_database_retry(self._claim)
         claimed = 0
-        marks: list[Future[None]] = []
+        marks: list[tuple[Future[None], list[int]]] = []
         try:
             while batch:
                 claimed += len(batch)
                 ahead: Future[list[OutboxRecord]] | None = None
                 if not self.stop.requested and time.monotonic() < until:
+                    # Rows of this batch and of batches still being marked are pending
+                    # yet: the claim made ahead must skip them.
+                    marks = _unfinished(marks)
+                    in_flight = [record.id for record in batch]
+                    in_flight.extend(row_id for _, ids in marks for row_id in ids)
                     ahead = self._connections.helper("claim").submit(
-                        self._with_database_retry, self._claim, background=True
+                        self._with_database_retry,
+                        functools.partial(self._claim, in_flight),
+                        background=True,
                     )
                 report = self._publish_batch(batch)
                 self._before_mark(report)
                 if ahead is not None and report.complete and not self.stop.requested:
                     marker = self._connections.helper("mark")
-                    marks.append(marker.submit(self._settle, report, True))
-                    batch = ahead.result()
-                    continue
-                extra = [record.id for record in ahead.result()] if ahead is not None else []
-                for mark in marks:  # the marking connection is free again after these
-                    mark.result()
-                marks.clear()
-                if extra:
-                    self._with_database_retry(
-                        functools.partial(
-                            self._on, "mark", self.store.release, extra, self.relay_id
+                    marks.append(
+                        (
+                            marker.submit(self._settle, report, True),
+                            [record.id for record in batch],
                         )
                     )
+                    batch = ahead.result()
+                    continue
+                if ahead is not None:
+                    ahead.result()  # dropped: its rows stay pending for the next burst
+                for mark, _ in marks:  # the marking connection is free again after these
+                    mark.result()
+                marks.clear()
                 self._settle(report)
                 batch = []
         finally:
-            for mark in marks:
+            for mark, _ in marks:
                 mark.result()
+        if claimed:
+            self._end_lease()
         return claimed
 
     def close(self) -> None:
@@ -277,3 +290,16 @@ class Relay(RelayCycle):
             return
         with graceful_signals(self.stop):
             yield
+
+
+def _unfinished(
+    marks: list[tuple[Future[None], list[int]]],
+) -> list[tuple[Future[None], list[int]]]:
+    """The marks still running (with their row ids); a finished one raises its error."""
+    running = []
+    for mark, ids in marks:
+        if mark.done():
+            mark.result()
+        else:
+            running.append((mark, ids))
+    return running

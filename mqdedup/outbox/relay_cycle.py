@@ -80,12 +80,7 @@ class RelayCycle:
         )
         self._next_rebalance = 0.0
         self._next_purge = 0.0
-        self._takeover = LeaseTakeover(
-            engine,
-            self.store,
-            self.relay_id,
-            self._control.shards if self._control is not None else None,
-        )
+        self._takeover = LeaseTakeover(engine, self.store, self.relay_id)
         self._connections = RelayConnections(engine, dedicated=self._control is not None)
         self._metrics_lock = threading.Lock()
 
@@ -93,7 +88,8 @@ class RelayCycle:
         """Run a store statement on the relay's ``name`` connection (claim / mark)."""
         return self._connections.on(name, statement, *arguments, **options)
 
-    def _claim(self) -> list[OutboxRecord]:
+    def _claim(self, in_flight: Sequence[int] = ()) -> list[OutboxRecord]:
+        """Claim the next batch, skipping ``in_flight`` (this relay's unsettled rows)."""
         brokers = [name for name in self.publishers if name not in self._paused_brokers()]
         if not brokers:
             return []
@@ -116,7 +112,12 @@ class RelayCycle:
             timedelta(seconds=self.config.lease),
             brokers=brokers,
             shard_filter=shard_filter,
+            in_flight=in_flight,
         )
+
+    def _end_lease(self) -> None:
+        """Remove this relay's lease once its batches are settled (shards may move)."""
+        self._with_database_retry(lambda: self._on("mark", self.store.end_lease, self.relay_id))
 
     def _publish_batch(self, records: Sequence[OutboxRecord]) -> CycleReport:
         """Send each broker's records through its publisher (id order per broker)."""
@@ -136,18 +137,21 @@ class RelayCycle:
         """Hook between publishing and marking (fault-injection tests override it)."""
 
     def _settle(self, report: CycleReport, background: bool = False) -> None:
-        """Mark published rows, count refused ones, release the others."""
+        """Mark published rows, count refused ones; the others stay pending."""
         config = self.config
         if report.published:
-            ids = [record.id for record in report.published]
+            published = report.published
             self._with_database_retry(
                 lambda: self._on(
-                    "mark", self.store.mark_published, ids, delete_rows=config.delete_published
+                    "mark",
+                    self.store.mark_published,
+                    published,
+                    delete_rows=config.delete_published,
                 ),
                 background=background,
             )
             with self._metrics_lock:
-                self.metrics.published += len(ids)
+                self.metrics.published += len(published)
         if report.rejected:
             for record, error in report.rejected:
                 log.warning(
@@ -178,13 +182,9 @@ class RelayCycle:
                         "attempts": record.attempts + 1,
                     },
                 )
-        if report.unavailable:
-            ids = [record.id for record in report.unavailable]
-            self._with_database_retry(
-                lambda: self._on("mark", self.store.release, ids, self.relay_id)
-            )
+        if report.unavailable:  # left pending as they are: the next claim finds them
             with self._metrics_lock:
-                self.metrics.unavailable += len(ids)
+                self.metrics.unavailable += len(report.unavailable)
 
     def _broker_result(self, broker: str, results: Sequence[PublishResult]) -> None:
         if self._brokers.record(broker, results):

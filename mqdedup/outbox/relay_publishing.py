@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
+from mqdedup import tracing
 from mqdedup.outbox.publishers import (
     PUBLISHED,
     OutboxRecord,
@@ -35,19 +36,14 @@ def publish_records(
     for index, record in enumerate(records):
         by_broker.setdefault(record.broker, []).append(index)
     results: list[PublishResult] = [PUBLISHED] * len(records)
+    traced = tracing.enabled()  # once per batch: without a tracer provider, no spans
     for broker, indexes in by_broker.items():
-        traces = [
-            PublishTrace(
-                # The default exchange routes by key: name the queue then.
-                records[i].destination or records[i].routing_key or "(default exchange)",
-                records[i].message_id,
-                records[i].headers,
-            )
-            for i in indexes
-        ]
-        batch = [
-            _with_trace(records[i], span.headers) for i, span in zip(indexes, traces, strict=True)
-        ]
+        traces = [_trace(records[i]) for i in indexes] if traced else []
+        batch = (
+            [_with_trace(records[i], span.headers) for i, span in zip(indexes, traces, strict=True)]
+            if traced
+            else [records[i] for i in indexes]  # the rows' own trace headers go out
+        )
         try:
             outcome = publishers[broker].publish_batch(batch)
             if len(outcome) != len(batch):
@@ -58,8 +54,9 @@ def publish_records(
             log.exception("publisher failed", extra={"broker": broker})
             failure = PublishResult.unavailable(f"{type(error).__name__}: {error}")
             outcome = [failure] * len(batch)
-        for index, result, span in zip(indexes, outcome, traces, strict=True):
+        for index, result in zip(indexes, outcome, strict=True):
             results[index] = result
+        for span, result in zip(traces, outcome, strict=False):  # no traces: nothing to end
             span.end(None if result.outcome is Outcome.PUBLISHED else result.error)
         broker_result(broker, outcome)
     report = CycleReport(claimed=len(records))
@@ -71,6 +68,16 @@ def publish_records(
         else:
             report.unavailable.append(record)
     return report
+
+
+def _trace(record: OutboxRecord) -> PublishTrace:
+    """The producer span of one row."""
+    return PublishTrace(
+        # The default exchange routes by key: name the queue then.
+        record.destination or record.routing_key or "(default exchange)",
+        record.message_id,
+        record.headers,
+    )
 
 
 def _with_trace(record: OutboxRecord, trace_headers: Mapping[str, str]) -> OutboxRecord:

@@ -5,8 +5,10 @@ statement on a relay connection (:func:`~mqdedup.db.dialects.prepare_relay_conne
 The writer, which runs in the caller's transaction, lives in :mod:`mqdedup.outbox.writer`.
 What differs between databases (session settings, the id-list clause, lock checks,
 capabilities) is in :mod:`mqdedup.db.dialects`. Rows are claimed *by state* (``pending``,
-due, not leased), never by "id greater than the last one seen": a row whose transaction
-commits late is still found.
+due, not in the relay's own batches in flight), never by "id greater than the last one
+seen": a row whose transaction commits late is still found. The relay's lease is one row
+per relay in ``<prefix>outbox_leases``; delete-marked rows are counted per destination
+and hour in ``<prefix>outbox_counts``.
 """
 
 from __future__ import annotations
@@ -14,17 +16,21 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
+    ARRAY,
+    BigInteger,
     Connection,
     Dialect,
     Engine,
     Integer,
     Text,
+    all_,
     and_,
     bindparam,
     case,
@@ -33,11 +39,13 @@ from sqlalchemy import (
     exists,
     func,
     literal,
-    or_,
     select,
     text,
     update,
 )
+from sqlalchemy.dialects.mysql import insert as mysql_insert
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.sql.elements import ColumnElement
 
 from mqdedup.db.dialects import (
@@ -60,6 +68,7 @@ log = logging.getLogger(__name__)
 
 MAX_ERROR_LENGTH = 2000
 Bind = Engine | Connection
+
 
 class _ShardsLostError(Exception):
     """The relay's control connection no longer holds a shard it claims from."""
@@ -123,7 +132,10 @@ class OutboxStore:
 
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = prefix
-        self.table = schema(prefix).outbox
+        tables = schema(prefix)
+        self.table = tables.outbox
+        self.leases = tables.outbox_leases
+        self.counts = tables.outbox_counts
         self.channel = channel_name(prefix)
 
     # -- the relay's cycle -------------------------------------------------------------------
@@ -137,17 +149,25 @@ class OutboxStore:
         *,
         brokers: Collection[str],
         shard_filter: ShardFilter | None = None,
+        in_flight: Sequence[int] = (),
     ) -> list[OutboxRecord]:
-        """Lease up to ``limit`` due pending rows for ``brokers``, oldest id first.
+        """Up to ``limit`` due pending rows for ``brokers`` with ids above ``after``,
+        oldest id first, under one lease for the whole batch.
 
-        PostgreSQL: one statement, its own short transaction: ``WITH chosen AS (SELECT id
-        … ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED) UPDATE … SET locked_by, locked_until
-        FROM chosen RETURNING …``. MySQL/MariaDB: the same selection in one short
-        transaction of a few statements (see :meth:`_claim_mysql`). A row is skipped while
-        an earlier row with the same key waits for its retry, so a key's rows leave in
-        order. ``bind`` is an engine or a connection prepared with
-        :func:`~mqdedup.db.dialects.prepare_relay_connection`. Returns the records sorted
-        by id.
+        The rows are only read (no row is written or locked); the lease is this relay's
+        row in ``<prefix>outbox_leases`` (its shards, until ``now + lease``), written in
+        the same transaction when rows were found. It keeps a relay that takes over those
+        shards waiting (:meth:`foreign_leases`) until this relay removed it
+        (:meth:`end_lease`, once its batches are settled) or it expired (the relay died).
+        ``in_flight``: ids of this relay's batches still being published or marked, which
+        a claim made ahead skips (rows are claimed by state, never by "id greater than
+        the last one": a row whose transaction commits late is still found, before later
+        rows of its key). PostgreSQL: one statement (the lease written by a CTE); MySQL/MariaDB
+        and SQLite: a short transaction of two or three statements (see
+        :meth:`_claim_in_steps`). A row is skipped while an earlier row with the same key
+        waits for its retry, so a key's rows leave in order. ``bind`` is an engine or a
+        connection prepared with :func:`~mqdedup.db.dialects.prepare_relay_connection`.
+        Returns the records sorted by id.
         """
         now = utcnow()
         params: dict[str, Any] = {
@@ -155,7 +175,9 @@ class OutboxStore:
             "until": now + lease,
             "relay_id": relay_id,
             "limit": limit,
+            "in_flight": list(in_flight),
             "brokers": sorted(brokers),
+            "lease_shards": "0",
         }
         if shard_filter is not None:
             params.update(
@@ -165,88 +187,81 @@ class OutboxStore:
                 owned_count=len(shard_filter.owned),
                 lock_class=shard_filter.lock_class,
                 owner_pid=shard_filter.backend_pid,
+                lease_shards=",".join(str(shard) for shard in sorted(shard_filter.owned)),
             )
         if not traits(bind).claim_in_one_statement:
-            return self._claim_mysql(bind, params, shard_filter)
+            return self._claim_in_steps(bind, params, shard_filter)
         statement = self._claim_statement(shard_filter is not None)
         with relay_transaction(bind, CLAIM_SETTINGS) as connection:
             rows = connection.execute(statement, params).all()
         return _records(rows)
 
-    def _claim_mysql(
+    def _claim_in_steps(
         self, bind: Bind, params: dict[str, Any], shard_filter: ShardFilter | None
     ) -> list[OutboxRecord]:
-        """The claim on MySQL/MariaDB, which have no ``UPDATE … RETURNING``.
+        """The claim on MySQL/MariaDB and SQLite: one short transaction that
 
-        One short ``READ COMMITTED`` transaction:
+        1. reads the claimable rows (``… ORDER BY id LIMIT n``, the same conditions as on
+           PostgreSQL) as a plain, non-locking read of the latest committed rows;
+        2. (MySQL/MariaDB, sharded) checks that the relay still holds its shards' named
+           locks, else claims nothing;
+        3. writes the relay's lease row; commits.
 
-        1. ``SELECT id … ORDER BY id LIMIT n``, the same conditions as on PostgreSQL, as
-           a plain (non-locking) read of the latest committed rows;
-        2. ``UPDATE … SET locked_by, locked_until WHERE id IN (…)``, re-checking that each
-           row is still pending and not leased (the row lock decides between two
-           claimers: the second sees the first's lease and leaves the row);
-        3. check that the relay still holds its shards' named locks (else roll back);
-        4. read the rows this relay leased; commit.
-
-        No ``FOR UPDATE SKIP LOCKED`` here: InnoDB locks every row its locking read
-        *examines*, so another relay scanning past this relay's rows (of its own shards)
-        would make them skipped, and a key's later row could leave before an earlier
-        one. Shards (named locks) keep relays apart; the conditional ``UPDATE`` keeps
-        a row from being leased twice.
+        No locking read: shards (named locks) keep relays apart, and InnoDB would lock
+        every row a locking read *examines*, so another relay scanning past this relay's
+        rows would make them skipped.
         """
-        table = self.table
         try:
             with relay_transaction(bind, CLAIM_SETTINGS) as connection:
-                ids = list(
-                    connection.execute(self._claim_ids_mysql(shard_filter is not None), params)
-                    .scalars()
-                    .all()
-                )
-                if not ids:
+                rows = connection.execute(self._claim_read(shard_filter is not None), params).all()
+                if not rows:
                     return []
-                now = params["now"]
-                connection.execute(
-                    update(table)
-                    .where(
-                        table.c.id.in_(ids),
-                        table.c.state == PENDING,
-                        or_(table.c.locked_until.is_(None), table.c.locked_until < now),
-                    )
-                    .values(locked_by=params["relay_id"], locked_until=params["until"])
-                )
                 if shard_filter is not None and not named_locks_held(
                     connection, shard_filter.lock_names, shard_filter.backend_pid
                 ):
                     raise _ShardsLostError
-                rows = connection.execute(
-                    self._claimed_rows().where(
-                        table.c.id.in_(ids),
-                        table.c.locked_by == params["relay_id"],
-                        table.c.locked_until == params["until"],
-                    )
-                ).all()
-        except _ShardsLostError:  # the transaction was rolled back: nothing leased
-            log.warning("relay lost its shard locks; claiming nothing", extra={"table": table.name})
+                connection.execute(self._lease_upsert(connection.dialect), params)
+        except _ShardsLostError:  # the transaction was rolled back: no lease taken
+            log.warning(
+                "relay lost its shard locks; claiming nothing", extra={"table": self.table.name}
+            )
             return []
         return _records(rows)
 
     @functools.cache  # noqa: B019 - two statements per store, built once
-    def _claim_ids_mysql(self, sharded: bool) -> Any:
-        """``SELECT id … ORDER BY id LIMIT n``: the claimable rows, oldest first."""
+    def _claim_read(self, sharded: bool) -> Any:
+        """``SELECT … ORDER BY id LIMIT n``: the claimable rows, oldest first."""
         candidate, conditions = self._claimable(sharded, pg_locks=False)
         return (
-            select(candidate.c.id)
+            select(*self._claimed_columns(candidate))
             .where(*conditions)
             .order_by(candidate.c.id)
             .limit(bindparam("limit", type_=Integer))
         )
 
-    def _claimed_rows(self) -> Any:
-        return select(*self._claimed_columns())
+    @functools.cache  # noqa: B019 - one statement per dialect, built once
+    def _lease_upsert(self, dialect: Dialect) -> Any:
+        """Insert or renew this relay's lease row (``relay_id``, ``lease_shards``, ``until``)."""
+        leases = self.leases
+        values = {
+            "relay_id": bindparam("relay_id", type_=leases.c.relay_id.type),
+            "shards": bindparam("lease_shards", type_=leases.c.shards.type),
+            "locked_until": bindparam("until", type_=leases.c.locked_until.type),
+        }
+        if traits(dialect).family == "mysql":
+            statement = mysql_insert(leases).values(values)
+            return statement.on_duplicate_key_update(
+                shards=statement.inserted.shards, locked_until=statement.inserted.locked_until
+            )
+        upsert = (postgresql_insert if dialect.name == "postgresql" else sqlite_insert)(leases)
+        upsert = upsert.values(values)
+        return upsert.on_conflict_do_update(
+            index_elements=[leases.c.relay_id],
+            set_={"shards": upsert.excluded.shards, "locked_until": upsert.excluded.locked_until},
+        )
 
-    def _claimed_columns(self) -> tuple[Any, ...]:
+    def _claimed_columns(self, table: Any) -> tuple[Any, ...]:
         """What a claim returns, in the order :func:`_records` reads it."""
-        table = self.table
         return (
             table.c.id,
             table.c.message_id,
@@ -255,8 +270,8 @@ class OutboxStore:
             table.c.routing_key,
             table.c.message_key,
             # JSON as text, decoded by _records: much cheaper than the driver's JSON loader.
-            cast(table.c.headers, Text),
-            cast(table.c.properties, Text),
+            cast(table.c.headers, Text).label("headers"),
+            cast(table.c.properties, Text).label("properties"),
             table.c.payload,
             table.c.attempts,
             table.c.created_at,
@@ -282,8 +297,8 @@ class OutboxStore:
         )
         conditions: list[ColumnElement[bool]] = [
             candidate.c.state == PENDING,
+            _not_in_flight(candidate.c.id, pg_locks),
             candidate.c.available_at <= now,
-            or_(candidate.c.locked_until.is_(None), candidate.c.locked_until < now),
             candidate.c.broker.in_(bindparam("brokers", expanding=True)),
             ~blocked,
         ]
@@ -293,87 +308,129 @@ class OutboxStore:
 
     @functools.cache  # noqa: B019 - two statements per store, built once
     def _claim_statement(self, sharded: bool) -> Any:
-        """The claim statement (see :meth:`claim`), with bind parameters for the values."""
-        table = self.table
+        """The PostgreSQL claim (see :meth:`claim`): ``WITH chosen AS (SELECT … ORDER BY
+        id LIMIT n), lease AS (INSERT … ON CONFLICT DO UPDATE … WHERE EXISTS chosen)
+        SELECT * FROM chosen``, with bind parameters for the values."""
         candidate, conditions = self._claimable(sharded)
         chosen = (
-            select(candidate.c.id)
+            select(*self._claimed_columns(candidate))
             .where(*conditions)
             .order_by(candidate.c.id)
             .limit(bindparam("limit", type_=Integer))
-            .with_for_update(skip_locked=True, of=candidate)
             .cte("chosen")
         )
-        return (
-            update(table)
-            .where(table.c.id == chosen.c.id)
-            .values(
-                locked_by=bindparam("relay_id", type_=table.c.locked_by.type),
-                locked_until=bindparam("until", type_=table.c.locked_until.type),
-            )
-            .returning(*self._claimed_columns())
+        leases = self.leases
+        lease = postgresql_insert(leases).from_select(
+            ["relay_id", "shards", "locked_until"],
+            select(
+                bindparam("relay_id", type_=leases.c.relay_id.type),
+                bindparam("lease_shards", type_=leases.c.shards.type),
+                bindparam("until", type_=leases.c.locked_until.type),
+            ).where(exists(select(literal(1)).select_from(chosen))),
         )
+        lease = lease.on_conflict_do_update(
+            index_elements=[leases.c.relay_id],
+            set_={"shards": lease.excluded.shards, "locked_until": lease.excluded.locked_until},
+        )
+        return select(chosen).add_cte(lease.cte("lease"))
 
-    def foreign_leases(self, engine: Engine, relay_id: str, shards: int | None = None) -> set[int]:
-        """Shards (``shard_hash % shards``; ``{0}`` without sharding) holding pending rows
-        leased by another relay whose lease has not expired.
+    def foreign_leases(self, engine: Engine, relay_id: str) -> set[int]:
+        """Shards (``{0}`` without sharding) under another relay's lease that has not
+        expired.
 
         A relay that takes over shards waits until this is empty for them: the rows of a
         crashed relay come back in order, before later rows of their keys.
         """
-        table = self.table
-        now = utcnow()
-        shard: Any = (table.c.shard_hash % shards) if shards else literal(0)
-        query = (
-            select(shard)
-            .where(
-                table.c.state == PENDING,
-                table.c.locked_until >= now,
-                table.c.locked_by != relay_id,
-            )
-            .distinct()
+        leases = self.leases
+        query = select(leases.c.shards).where(
+            leases.c.relay_id != relay_id, leases.c.locked_until >= utcnow()
         )
         with engine.connect() as connection:
-            return {int(value) for value in connection.execute(query).scalars()}
+            listed = connection.execute(query).scalars().all()
+        return {int(shard) for text_ in listed for shard in text_.split(",") if shard}
 
-    def mark_published(self, bind: Bind, ids: Sequence[int], *, delete_rows: bool) -> None:
-        """Mark rows published (or delete them) in one statement."""
-        if not ids:
-            return
-        statement = self._mark_statement(delete_rows, bind.dialect)
+    def end_lease(self, bind: Bind, relay_id: str) -> None:
+        """Remove this relay's lease (its batches are settled; its shards may move)."""
+        leases = self.leases
         with relay_transaction(bind, MARK_SETTINGS) as connection:
-            connection.execute(statement, {**ids_params(ids), "now": utcnow()})
+            connection.execute(delete(leases).where(leases.c.relay_id == relay_id))
 
-    @functools.cache  # noqa: B019 - four statements per store, built once
-    def _mark_statement(self, delete_rows: bool, dialect: Dialect) -> Any:
+    def mark_published(
+        self, bind: Bind, records: Sequence[OutboxRecord], *, delete_rows: bool
+    ) -> None:
+        """Mark rows published, or delete them and count them per destination and hour
+        in ``<prefix>outbox_counts`` (one statement on PostgreSQL, one transaction
+        elsewhere)."""
+        if not records:
+            return
+        ids = [record.id for record in records]
+        params = {**ids_params(ids), "now": utcnow()}
+        family = traits(bind).family
+        with relay_transaction(bind, MARK_SETTINGS) as connection:
+            if not delete_rows:
+                connection.execute(self._mark_statement(bind.dialect), params)
+            elif family == "postgresql":
+                params["hour"] = _hour(params["now"])
+                connection.execute(self._delete_and_count_statement(), params)
+            else:
+                connection.execute(
+                    delete(self.table).where(ids_clause(self.table.c.id, bind.dialect)), params
+                )
+                self._count(connection, records, _hour(params["now"]))
+
+    @functools.cache  # noqa: B019 - two statements per store, built once
+    def _mark_statement(self, dialect: Dialect) -> Any:
         table = self.table
-        selected = ids_clause(table.c.id, dialect)
-        if delete_rows:
-            return delete(table).where(selected)
         return (
             update(table)
-            .where(selected)
+            .where(ids_clause(table.c.id, dialect))
             .values(
                 state=PUBLISHED,
                 published_at=bindparam("now", type_=table.c.published_at.type),
-                locked_by=None,
-                locked_until=None,
             )
         )
 
-    def release(self, bind: Bind, ids: Sequence[int], relay_id: str) -> None:
-        """Give leased rows back unchanged (the broker was unavailable)."""
-        if not ids:
-            return
-        table = self.table
-        selected = ids_clause(table.c.id, bind.dialect)
-        with relay_transaction(bind, MARK_SETTINGS) as connection:
+    @functools.cache  # noqa: B019 - one statement per store, built once
+    def _delete_and_count_statement(self) -> Any:
+        """PostgreSQL: delete the rows and add them to the hour's counters, atomically."""
+        outbox, counts = self.table.name, self.counts.name
+        return text(
+            f"WITH gone AS (DELETE FROM {outbox} WHERE id BETWEEN :low AND :high "
+            f"AND id = ANY(CAST(:ids AS bigint[])) RETURNING broker, destination) "
+            f"INSERT INTO {counts} (broker, destination, hour, published) "
+            "SELECT broker, destination, :hour, count(*) FROM gone "
+            "GROUP BY broker, destination ORDER BY broker, destination "
+            "ON CONFLICT (broker, destination, hour) "
+            f"DO UPDATE SET published = {counts}.published + excluded.published"
+        ).bindparams(bindparam("hour", type_=self.counts.c.hour.type))
+
+    def _count(
+        self, connection: Connection, records: Sequence[OutboxRecord], hour: datetime
+    ) -> None:
+        """MySQL/MariaDB, SQLite: add deleted rows to their destination's hour counter."""
+        counted = Counter((record.broker, record.destination) for record in records)
+        counts = self.counts
+        values = [
+            {"broker": broker, "destination": destination, "hour": hour, "published": n}
+            for (broker, destination), n in sorted(counted.items())
+        ]
+        if traits(connection).family == "mysql":
+            statement = mysql_insert(counts)
             connection.execute(
-                update(table)
-                .where(selected, table.c.locked_by == relay_id)
-                .values(locked_by=None, locked_until=None),
-                ids_params(ids),
+                statement.on_duplicate_key_update(
+                    published=counts.c.published + statement.inserted.published
+                ),
+                values,
             )
+            return
+        upsert = sqlite_insert(counts)
+        connection.execute(
+            upsert.on_conflict_do_update(
+                index_elements=[counts.c.broker, counts.c.destination, counts.c.hour],
+                set_={"published": counts.c.published + upsert.excluded.published},
+            ),
+            values,
+        )
 
     def record_failures(
         self,
@@ -415,8 +472,6 @@ class OutboxStore:
                 state=bindparam("b_state"),
                 last_error=bindparam("b_error"),
                 available_at=bindparam("b_available"),
-                locked_by=None,
-                locked_until=None,
             )
         )
         with engine.begin() as connection:
@@ -454,8 +509,6 @@ class OutboxStore:
                     state=PENDING,
                     attempts=0,
                     available_at=utcnow(),
-                    locked_by=None,
-                    locked_until=None,
                 )
             )
             count = result.rowcount
@@ -466,9 +519,17 @@ class OutboxStore:
 
     def purge(self, engine: Engine, older_than: timedelta, chunk_size: int = 5000) -> int:
         """Delete published rows older than ``older_than``, ``chunk_size`` rows per
-        transaction; pending and failed rows are never touched. Returns rows deleted."""
+        transaction; pending and failed rows are never touched. Returns rows deleted.
+
+        Also drops the published counters of hours wholly older than ``older_than`` and
+        leases expired that long ago (relays that died)."""
         table = self.table
         cutoff = utcnow() - older_than
+        with engine.begin() as connection:
+            connection.execute(
+                delete(self.counts).where(self.counts.c.hour <= cutoff - timedelta(hours=1))
+            )
+            connection.execute(delete(self.leases).where(self.leases.c.locked_until < cutoff))
         chunk = table.alias("chunk")
         oldest = (
             select(chunk.c.id)
@@ -501,7 +562,11 @@ class OutboxStore:
         return total
 
     def status(self, engine: Engine) -> OutboxStatus:
-        """Counts of pending / failed / published rows, per destination too."""
+        """Counts of pending / failed / published rows, per destination too.
+
+        Published: the rows marked published plus those deleted once published
+        (``delete_published``, counted per hour), as far back as the retention keeps them.
+        """
         table = self.table
         now = utcnow()
         due_since = func.min(
@@ -512,8 +577,14 @@ class OutboxStore:
         statement = select(
             table.c.broker, table.c.destination, table.c.state, func.count(), due_since
         ).group_by(table.c.broker, table.c.destination, table.c.state)
+        counts = self.counts
+        counted = select(
+            counts.c.broker, counts.c.destination, literal(PUBLISHED), func.sum(counts.c.published)
+        ).group_by(counts.c.broker, counts.c.destination)
         with engine.connect() as connection:
-            rows = connection.execute(statement).all()
+            rows: list[tuple[Any, ...]] = [tuple(row) for row in connection.execute(statement)]
+            # Rows published and deleted (delete_published): their counters.
+            rows += [(*row, None) for row in connection.execute(counted)]
         per_destination: dict[tuple[str, str], dict[str, Any]] = {}
         for broker, destination, state, count, oldest in rows:
             entry = per_destination.setdefault(
@@ -563,9 +634,21 @@ def _records(rows: Sequence[Any]) -> list[OutboxRecord]:
     return records
 
 
+def _hour(moment: datetime) -> datetime:
+    """The start of ``moment``'s hour (the bucket of ``<prefix>outbox_counts``)."""
+    return moment.replace(minute=0, second=0, microsecond=0)
+
+
 def _aware(moment: datetime) -> datetime:
     """A timestamp read back from the database, in UTC (MySQL and SQLite return naive)."""
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
+
+
+def _not_in_flight(row_id: Any, postgresql: bool) -> ColumnElement[bool]:
+    """The row is not among the ``in_flight`` ids (one array parameter on PostgreSQL)."""
+    if postgresql:
+        return row_id != all_(bindparam("in_flight", type_=ARRAY(BigInteger)))  # type: ignore[no-any-return]
+    return row_id.not_in(bindparam("in_flight", expanding=True))  # type: ignore[no-any-return]
 
 
 def _owned_shards(shard_hash: Any, *, pg_locks: bool = True) -> list[ColumnElement[bool]]:

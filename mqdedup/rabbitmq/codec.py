@@ -15,7 +15,7 @@ from typing import Any
 import pika
 
 from mqdedup.consumers.transport import DeadLetter
-from mqdedup.message import HeaderValue, Message
+from mqdedup.message import HeaderValue, Message, delivered_message
 
 #: Header naming the queue a dead-lettered message came from (the requeue target).
 SOURCE_QUEUE_HEADER = "x-mqdedup-source-queue"
@@ -104,14 +104,17 @@ def to_message(queue: str, method: Any, properties: Any, body: bytes | None) -> 
         headers = {}
         attempt = 2 if redelivered else 1
     timestamp = props.get("timestamp")
-    return Message(
-        body=body or b"",
-        headers=headers,
-        properties=props,
-        source=queue,
-        timestamp=datetime.fromtimestamp(timestamp, UTC) if timestamp is not None else None,
-        redelivered=redelivered,
-        attempt=attempt,
+    return delivered_message(
+        body or b"",
+        None,
+        headers,
+        props,
+        queue,
+        None,
+        None,
+        datetime.fromtimestamp(timestamp, UTC) if timestamp is not None else None,
+        redelivered,
+        attempt,
     )
 
 

@@ -158,3 +158,26 @@ def test_concurrent_settles_in_random_order_end_at_the_last_offset() -> None:
         thread.join(30)
     assert tracker.to_commit() == {P0: 20_000}
     assert tracker.in_flight() == 0
+
+
+def test_batch_calls_take_one_lock_and_answer_as_the_single_ones() -> None:
+    """The poll thread tracks a partition's records at once, the worker settles and
+    checks a batch at once: the same answers as record by record."""
+    single, batched = OffsetTracker(redelivery_window=3), OffsetTracker(redelivery_window=3)
+    for tracker in (single, batched):
+        tracker.assign([P0, P1])
+    one_by_one = [single.track_redelivered(P0, offset) for offset in range(100, 106)]
+    tracked = batched.track_many(P0, range(100, 106))
+    assert tracked == one_by_one
+    assert [t[1] for t in tracked if t is not None] == [True, True, True, False, False, False]
+    [p1_first] = batched.track_many(P1, [7])
+    assert tracked[0] is not None and p1_first is not None
+    p0_epoch, p1_epoch = tracked[0][0], p1_first[0]
+
+    assert batched.request_rewind(P1, 7, p1_epoch)  # a rewind pending: P1's records wait
+    assert batched.track_many(P1, [8, 9]) == [None, None]
+    wanted = [(P0, p0_epoch), (P1, p1_epoch), (("other", 0), 1)]
+    assert batched.current_epochs(wanted) == [True, False, False]
+    settled = [(P0, offset, p0_epoch) for offset in (100, 101, 103)] + [(P1, 7, p1_epoch)]
+    assert batched.settle_many(settled) == 3  # the old P1 epoch is ignored
+    assert batched.to_commit() == {P0: 102}

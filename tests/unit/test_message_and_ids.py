@@ -27,6 +27,14 @@ def test_message_is_immutable_and_with_id_copies() -> None:
     assert message.coordinates == "t/1/5"
 
 
+def test_identified_fills_in_an_unset_id_and_copies_only_to_change_one() -> None:
+    fresh = Message(body=b"x")
+    assert fresh.identified("m1") is fresh and fresh.id == "m1"  # no copy per delivery
+    assert fresh.identified("m1") is fresh
+    other = fresh.identified("m2")  # another consumer's strategy: its own copy
+    assert (other.id, fresh.id) == ("m2", "m1")
+
+
 def test_header_strategy_reads_bytes_and_text_headers() -> None:
     strategy = ids.from_header()
     assert strategy(Message(body=b"", headers={"message-id": b"abc"})) == "abc"

@@ -59,10 +59,18 @@ def test_committed_rows_are_published_in_id_order_and_marked(sqlite_engine: Engi
     assert (status.pending, status.failed, status.published) == (0, 0, 120)
 
 
-def test_delete_published_removes_rows(sqlite_engine: Engine) -> None:
+def test_delete_published_removes_rows_and_status_still_counts_them(
+    sqlite_engine: Engine,
+) -> None:
     write(sqlite_engine, 10)
-    relay_for(sqlite_engine, MemoryPublisher(), delete_published=True).drain(timeout=10)
+    relay = relay_for(sqlite_engine, MemoryPublisher(), delete_published=True)
+    relay.drain(timeout=10)
+    write(sqlite_engine, 5)  # this hour's counter grows
+    relay.drain(timeout=10)
     assert states(sqlite_engine) == {}
+    status = OutboxStore().status(sqlite_engine)
+    assert (status.pending, status.published) == (0, 15)
+    assert [(d.destination, d.published) for d in status.destinations] == [("t", 15)]
 
 
 def test_published_record_carries_everything_the_writer_stored(sqlite_engine: Engine) -> None:
@@ -98,12 +106,7 @@ def test_refused_row_is_retried_with_backoff_then_failed_and_kept(sqlite_engine:
     assert publisher.published_ids() == good
     with sqlite_engine.connect() as connection:
         row = connection.execute(select(OUTBOX).where(OUTBOX.c.message_id == bad)).one()
-    assert (row.state, row.attempts, row.last_error, row.locked_by) == (
-        "pending",
-        1,
-        "too large",
-        None,
-    )
+    assert (row.state, row.attempts, row.last_error) == ("pending", 1, "too large")
     assert relay.run_once().claimed == 0  # not due yet
 
     deadline = time.monotonic() + 5
@@ -134,8 +137,10 @@ def test_broker_outage_releases_rows_without_counting_attempts(sqlite_engine: En
         time.sleep(0.06)
 
     with sqlite_engine.connect() as connection:
-        rows = connection.execute(select(OUTBOX.c.attempts, OUTBOX.c.locked_by)).all()
-    assert {tuple(row) for row in rows} == {(0, None)}
+        rows = connection.execute(select(OUTBOX.c.attempts, OUTBOX.c.state)).all()
+        leases = connection.execute(select(schema().outbox_leases)).all()
+    assert {tuple(row) for row in rows} == {(0, "pending")}
+    assert leases == [], "the relay keeps no lease between bursts"
     assert relay.metrics.broker_outages == 1 and relay.metrics.unavailable >= 30
 
     publisher.available = True
@@ -440,13 +445,13 @@ def test_mysql_lock_names_fit_the_64_character_limit_and_differ_per_database_and
     assert max(len(name) for name in names) <= 64
 
 
-def test_the_mysql_claim_reads_without_row_locks_and_leases_conditionally() -> None:
+def test_the_mysql_claim_reads_without_row_locks() -> None:
     """No SKIP LOCKED on InnoDB (its scan would hide another relay's rows and reorder a
-    key); the lease UPDATE re-checks pending + not leased, which keeps rows unique."""
+    key); shards keep relays apart, the batch lease is one row per relay."""
     from sqlalchemy.dialects import mysql
 
     store = OutboxStore()
-    claim_sql = str(store._claim_ids_mysql(True).compile(dialect=mysql.dialect()))
+    claim_sql = str(store._claim_read(True).compile(dialect=mysql.dialect()))
     assert "FOR UPDATE" not in claim_sql and "SKIP LOCKED" not in claim_sql
     assert "ORDER BY candidate.id" in claim_sql and "LIMIT" in claim_sql
     assert "pg_locks" not in claim_sql  # the named locks are checked by IS_USED_LOCK

@@ -39,6 +39,8 @@ def old_install(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, str, s
     with engine.begin() as connection:  # what an older version left behind
         on = f" ON {prefix}outbox" if mysql else ""
         connection.execute(text(f"DROP INDEX {prefix}outbox_published_idx{on}"))
+        # Schema 1 had no batch leases and no published counts.
+        connection.execute(text(f"DROP TABLE {prefix}outbox_leases, {prefix}outbox_counts"))
         if mysql:
             connection.execute(text(f"DROP INDEX {prefix}outbox_claim_idx{on}"))
             connection.execute(
@@ -87,6 +89,8 @@ def test_db_check_names_the_drift_and_db_upgrade_fixes_it(
     check = db("check", url, prefix)
     assert check.returncode == exitcodes.CHECK_FAILED, check.stdout + check.stderr
     assert f"index {prefix}outbox_published_idx is missing" in check.stdout
+    assert f"table {prefix}outbox_leases is missing" in check.stdout
+    assert f"table {prefix}outbox_counts is missing" in check.stdout
     if mysql:
         assert f"index {prefix}outbox_claim_idx is missing" in check.stdout
         assert "column message_id has collation utf8mb4_bin" in check.stdout
@@ -94,6 +98,7 @@ def test_db_check_names_the_drift_and_db_upgrade_fixes_it(
     upgrade = db("upgrade", url, prefix)
     assert upgrade.returncode == exitcodes.OK, upgrade.stderr
     assert f"created index {prefix}outbox_published_idx" in upgrade.stdout
+    assert f"{prefix}outbox_leases" in upgrade.stdout and f"{prefix}outbox_counts" in upgrade.stdout
     assert db("check", url, prefix).stdout.strip() == "schema matches this version"
     assert db("upgrade", url, prefix).stdout.strip() == "schema is up to date"
 
