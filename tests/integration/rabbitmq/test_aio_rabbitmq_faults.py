@@ -10,7 +10,8 @@
   the robust connection comes back, the batch commits, its acks are not sent on the new
   channel, the broker redelivers it and the dedup skips it: each effect once;
 * a dead letter the broker refuses (publisher nack) is kept in the database with the
-  reason, and its batch-mates go on.
+  reason, and its batch-mates go on;
+* the database stopped for 20 s: the worker waits and resumes, nothing dead-lettered.
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pytest
-from sqlalchemy import insert
+from sqlalchemy import insert, make_url
 from sqlalchemy.orm import Session
 
-from mqdedup import AsyncContext, Message, RetryPolicy
+from mqdedup import AsyncContext, Message, Metrics, RetryPolicy, create_async_engine
 from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.rabbitmq import AsyncRabbitMQConsumer
 from mqdedup.stopping import StopToken
 from mqdedup.testing.brokers import RabbitMQHarness
+from tests.integration.asyncio.proxy import CuttableProxy
 from tests.integration.kafka.helpers import row_counts
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import close_connections
@@ -236,3 +239,62 @@ def test_aio_pika_dead_letter_refused_by_the_broker_is_kept_in_the_database(
     assert row_counts(db.engine, db.prefix) == dict.fromkeys(good, 1)
     assert outcome[0].dead_letters_parked == 1
     assert broker.depth(queue) == 0 and broker.depth(f"{queue}.dlq") == 0
+
+
+@pytest.mark.slow
+def test_aio_pika_database_stopped_20s_the_worker_waits_and_loses_nothing(
+    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
+) -> None:
+    """The database 'stops' for 20 s (a proxy on the worker's loop is cut): the worker
+    waits with its batch unacked, reports the outage, dead-letters nothing, keeps its
+    connection (the loop keeps running), then resumes: each effect once, queue drained."""
+    ids = [f"o-{n:03d}" for n in range(300)]
+    consumer = type(
+        "AioRabbitOutage",
+        (AioRabbitOrders,),
+        {"queue": queue, "url": rabbitmq_url, "table_prefix": db.prefix, "poll_timeout": 0.2},
+    )()
+    broker.declare(consumer)
+    broker.publish(queue, ids)
+    target = make_url(db.url)
+    stop = StopToken()
+    metrics = Metrics()
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        proxy = CuttableProxy(target.host or "127.0.0.1", target.port or 5432)
+        await proxy.open()
+        engine = create_async_engine(target.set(host="127.0.0.1", port=proxy.listen_port))
+        task = asyncio.create_task(consumer.run_async(engine, stop=stop, metrics=metrics))
+        try:
+            await until(lambda: metrics.processed >= 40, 60, "the worker to get going")
+            await proxy.cut()
+            await asyncio.sleep(20.0)  # the outage
+            assert not task.done(), "the worker gave up during the outage"
+            seen["outage"] = metrics.outage
+            seen["reconnects"] = consumers(broker, queue)
+            await proxy.open()  # the database is back
+            await until(lambda: metrics.processed >= len(ids), 60, "every message")
+        finally:
+            stop.request()
+            await asyncio.wait_for(task, 60)
+            await engine.dispose()
+            await proxy.cut()
+
+    asyncio.run(scenario())
+
+    assert str(seen["outage"]).startswith("database unavailable"), seen
+    assert seen["reconnects"] == 1, "the worker's consumer left the queue during the outage"
+    assert metrics.dead_lettered == 0
+    assert row_counts(db.engine, db.prefix) == dict.fromkeys(ids, 1)
+    wait_for(lambda: broker.depth(queue) == 0, 30, "the queue drained")
+    assert broker.depth(f"{queue}.dlq") == 0
+
+
+async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Await ``condition`` on the loop (bounded)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
