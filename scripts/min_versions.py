@@ -12,7 +12,9 @@ import sys
 import tomllib
 from pathlib import Path
 
-RUNTIME_EXTRAS = ("postgresql", "kafka", "rabbitmq", "redis", "mysql", "otel")
+RUNTIME_EXTRAS = (
+    "postgresql", "kafka", "rabbitmq", "redis", "mysql", "otel", "asyncio", "fastapi", "django"
+)
 _REQUIREMENT = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+(?:\[[^\]]+\])?)\s*(?P<spec>.*)$")
 
 
@@ -36,6 +38,8 @@ def main() -> None:
     for extra in RUNTIME_EXTRAS:
         runtime.extend(extras[extra])
     for requirement in runtime:
+        if requirement.startswith(f"{metadata['name']}["):
+            continue  # an extra naming other extras of this project (listed on their own)
         print(floor_pin(requirement))
     for requirement in extras["test"]:
         print(requirement)
