@@ -205,7 +205,14 @@ class DeferredWrites:
         table = run[0].table
         if table is not None and len(rows) > 1 and insert_unnest(connection, table, rows):
             return
-        connection.execute(run[0].statement, rows if len(rows) > 1 else rows[0])
+        statement = run[0].statement
+        if len(rows) > 1:
+            connection.execute(statement, rows)
+        elif isinstance(statement, Insert) and not statement._inline:
+            # Nobody reads its result: no implicit RETURNING of the generated key.
+            connection.execute(statement.inline(), rows[0])
+        else:
+            connection.execute(statement, rows[0])
 
     # -- the connection hook ----------------------------------------------------------
 
