@@ -75,7 +75,8 @@ class TransactionalRuns:
         self.consumer = processor.consumer
         self.name = processor.name
         self.per_message = self.consumer.failure_isolation == "transaction"
-        self.defer = self.consumer.defer_writes
+        # Transaction mode holds one message per transaction: nothing to write together.
+        self.defer = self.consumer.defer_writes and not self.per_message
         bind = sessions.kw.get("bind")
         self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
         if self._sqlite:
