@@ -45,19 +45,21 @@ class DeferredResultUnavailableError(RuntimeError):
 class _Write:
     """One deferred statement execution."""
 
-    __slots__ = ("handler", "key", "params", "result", "statement", "table")
+    __slots__ = ("handler", "key", "params", "result", "statement", "table", "target")
 
     def __init__(
         self,
         statement: Insert | Update | Delete,
         key: Any,
         table: Table | None,
+        target: Table | None,
         params: dict[str, Any],
         handler: int,
     ) -> None:
         self.statement = statement
         self.key = key
         self.table = table  # a plain insert(table): may go as one unnest INSERT
+        self.target = target  # the table it writes (None: not a plain Table)
         self.params = params
         self.handler = handler  # the handler call that made it
         self.result: Any = None  # its own result, once executed on its own
@@ -114,7 +116,7 @@ class DeferredWrites:
         self._handler = 0  # the current handler call (0: none)
         self._handlers = 0
         #: Statement objects seen, by id (held, so an id is not reused in this batch).
-        self._seen: dict[int, tuple[Any, Any, Table | None]] = {}
+        self._seen: dict[int, tuple[Any, Any, Table | None, Table | None]] = {}
         self._session_execute = Session.execute
         self.hook: _Hook | None = None  # the connection's listener (open_deferral)
 
@@ -142,7 +144,7 @@ class DeferredWrites:
         key = seen[1]
         if key is None or self.session.in_nested_transaction():
             return None
-        write = _Write(statement, key, seen[2], dict(params or {}), self._handler)
+        write = _Write(statement, key, seen[2], seen[3], dict(params or {}), self._handler)
         self._pending.append(write)
         return DeferredResult(self, write)
 
@@ -179,18 +181,17 @@ class DeferredWrites:
         self._flushing = True
         try:
             connection = self.connection
-            run: list[_Write] = []
+            runs: list[list[_Write]] = []
+            own: list[_Write] = []  # the current handler's (always the queue's end)
             for write in pending:
                 if write.handler == self._handler:
-                    self._write_run(connection, run)
-                    run = []
-                    write.result = connection.execute(write.statement, write.params)
-                elif run and run[0].key != write.key:
-                    self._write_run(connection, run)
-                    run = [write]
+                    own.append(write)
                 else:
-                    run.append(write)
-            self._write_run(connection, run)
+                    _place(runs, write)
+            for run in runs:
+                self._write_run(connection, run)
+            for write in own:
+                write.result = connection.execute(write.statement, write.params)
         except Exception as error:
             self.failed = self.failed or error
             raise
@@ -226,26 +227,57 @@ class DeferredWrites:
 _HARMLESS_OPTIONS = frozenset({"preserve_rowcount"})
 
 
-def _deferrable(statement: Any) -> tuple[Any, Table | None]:
-    """The run key of a deferrable write (None: execute it at once), and its table
-    when it is a plain ``insert(table)``."""
+#: How many runs back a write may join a run of its statement.
+_REACH = 8
+
+
+def _place(runs: list[list[_Write]], write: _Write) -> None:
+    """Add ``write`` to the last run of its statement if it may move before the runs
+    after that one (they write other tables, not linked by a foreign key), else start
+    a run. Order is kept where it can matter: per table, and between linked tables."""
+    for run in runs[: -_REACH - 1 : -1]:
+        first = run[0]
+        if first.key == write.key:
+            run.append(write)
+            return
+        if _depends(first.target, write.target):
+            break
+    runs.append([write])
+
+
+@lru_cache(maxsize=1024)
+def _depends(one: Table | None, other: Table | None) -> bool:
+    """True when writes to ``one`` and ``other`` may see each other (same table, a
+    foreign key between them, or a table we cannot tell)."""
+    if one is None or other is None or one is other:
+        return True
+    try:
+        keys = (*one.foreign_keys, *other.foreign_keys)
+        return any(key.column.table in (one, other) for key in keys)
+    except Exception:  # a foreign key to a table this metadata does not know
+        return True
+
+
+def _deferrable(statement: Any) -> tuple[Any, Table | None, Table | None]:
+    """The run key of a deferrable write (None: execute it at once), its table when it
+    is a plain ``insert(table)``, and the table it writes."""
     if not isinstance(statement, Insert | Update | Delete):
-        return None, None
+        return None, None, None
     if (
         statement._returning
         or statement._return_defaults
         or statement._propagate_attrs.get("compile_state_plugin") == "orm"
         or any(option not in _HARMLESS_OPTIONS for option in statement._execution_options)
     ):
-        return None, None
+        return None, None, None
+    target = statement.table if isinstance(statement.table, Table) else None
     cache_key = statement._generate_cache_key()
     if cache_key is None or any(not bind.required for bind in cache_key.bindparams):
-        return ("own", id(statement)), None  # values built in: a run of its own
+        return ("own", id(statement)), None, target  # values built in: a run of its own
     key = ("sql", cache_key.key)
-    table = statement.table
-    if isinstance(statement, Insert) and isinstance(table, Table) and key == _plain_insert(table):
-        return key, table
-    return key, None
+    if isinstance(statement, Insert) and target is not None and key == _plain_insert(target):
+        return key, target, target
+    return key, None, target
 
 
 @lru_cache(maxsize=256)

@@ -16,6 +16,7 @@ from sqlalchemy import Engine, bindparam, event, func, insert, select, update
 
 from mqdedup import Consumer, InMemoryBroker, Message, RetryPolicy, run_until_idle
 from mqdedup.consumers.context import Context
+from mqdedup.db.schema import schema
 from tests.support import order_counts, orders
 from tests.unit.test_staged_writes import amounts, outbox_count, publish, stored_results
 
@@ -28,7 +29,8 @@ SET_AMOUNT = (
 
 
 class PlainOrders(Consumer):
-    """Inserts its order row, updates it, reads it back; ``bad_ids`` insert a NULL id."""
+    """Inserts its order row and an outbox row; every 10th reads its row back, every
+    10th (5, 15, ...) updates it and returns the rowcount; ``bad_ids`` insert a NULL id."""
 
     name = "deferred"
     batch_size = 100
@@ -44,15 +46,16 @@ class PlainOrders(Consumer):
         self.calls[message.id] = self.calls.get(message.id, 0) + 1
         number = message.json()["n"]
         row_id = None if message.id in self.bad_ids else message.id
+        amount = 0 if number % 10 == 5 else number
         ctx.session.execute(
-            insert(orders), {"message_id": row_id, "order_id": str(number), "amount": 0}
+            insert(orders), {"message_id": row_id, "order_id": str(number), "amount": amount}
         )
-        updated = ctx.session.execute(SET_AMOUNT, {"b_id": message.id, "b_amount": number})
         ctx.outbox.publish({"n": number}, topic="out")
         if number % 10 == 0:  # a read sees this handler's own writes
             own = select(orders.c.amount).where(orders.c.message_id == message.id)
             return {"n": number, "read": ctx.session.execute(own).scalar_one()}
         if number % 10 == 5:
+            updated = ctx.session.execute(SET_AMOUNT, {"b_id": message.id, "b_amount": number})
             return {"n": number, "updated": updated.rowcount}
         return {"n": number}
 
@@ -90,7 +93,8 @@ def test_plain_writes_go_in_runs_not_one_statement_each(sqlite_engine: Engine) -
 
     @event.listens_for(sqlite_engine, "before_cursor_execute")
     def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if statement.startswith(("INSERT INTO orders", "UPDATE orders")):
+        outbox = schema().outbox.name
+        if statement.startswith((f"INSERT INTO {orders.name}", f"INSERT INTO {outbox}")):
             statements.append(statement)
 
     consumer = PlainOrders()
@@ -99,9 +103,10 @@ def test_plain_writes_go_in_runs_not_one_statement_each(sqlite_engine: Engine) -
     run_until_idle(consumer, broker.transport("q"), sqlite_engine)
 
     assert stored_results(sqlite_engine) == {f"m{n}": expected_result(n) for n in range(100)}
-    # Per message an insert and an update: 200 statements at once; deferred, the reads
-    # (every 5th message) cut the queue into runs.
-    assert len(statements) < 100
+    # Per message an order and an outbox row: 200 inserts at once. Deferred, the
+    # inserts into the two (unrelated) tables go in one run each until a handler
+    # reads (a result or a SELECT), whose own writes then go one by one.
+    assert len(statements) == 80  # per 10 messages: 2 runs, 2 runs, 2 + 2 own inserts
 
 
 class KeepsResults(Consumer):
