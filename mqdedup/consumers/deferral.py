@@ -263,6 +263,14 @@ def _deferrable(statement: Any) -> tuple[Any, Table | None, Table | None]:
     is a plain ``insert(table)``, and the table it writes."""
     if not isinstance(statement, Insert | Update | Delete):
         return None, None, None
+    if type(statement) is Insert and len(statement.__dict__) == 1:
+        # A fresh ``insert(table)`` and nothing else (every generative call sets an
+        # attribute): known without building its cache key, the handler's usual case.
+        table = statement.table
+        if isinstance(table, Table):
+            plain = _plain_insert(table)
+            if plain is not None:
+                return plain, table, table
     if (
         statement._returning
         or statement._return_defaults
