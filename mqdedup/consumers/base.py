@@ -92,8 +92,8 @@ class Consumer:
     #: ``handle_batch`` then receives one message at a time.
     failure_isolation: ClassVar[FailureIsolation] = "auto"
     #: Defer the handlers' plain writes: ``ctx.session.execute()`` of a Core insert /
-    #: update / delete without RETURNING is queued and written set-based (consecutive
-    #: rows of one statement as one statement) before anything else runs on the
+    #: update / delete without RETURNING is queued and written set-based (the rows of
+    #: one statement together, in order per table) before anything else runs on the
     #: connection, when its result is read, or at the batch end. A deferred write that
     #: fails makes the batch run again with every write made at once, so its message
     #: fails alone. ``False`` executes every statement at once. See

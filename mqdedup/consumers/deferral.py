@@ -3,8 +3,10 @@
 During a batch's handlers, ``ctx.session.execute()`` of a Core ``insert()`` /
 ``update()`` / ``delete()`` without ``RETURNING`` (what ``ctx.stage`` accepts) is not
 sent at once: it is queued and returns a :class:`DeferredResult`. The queue is written
-in order, consecutive rows of the same statement as one statement (``unnest`` for a
-plain ``insert(table)`` on PostgreSQL, an executemany otherwise), when
+with the rows of one statement together (``unnest`` for a plain ``insert(table)`` on
+PostgreSQL, an executemany otherwise): a write joins the last run of its statement
+only past runs on other tables with no foreign key between them, so the order per
+table and between linked tables is kept. It is written when
 
 * anything else is executed on the transaction's connection (a SELECT, ``text()``, an
   ORM flush, a savepoint, driver SQL through ``ctx.session.connection()``, the outbox
