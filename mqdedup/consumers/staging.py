@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     Connection,
@@ -41,6 +41,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import Delete, Insert, Update
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.deferral import DeferredWrites
 
 #: What ``ctx.stage`` accepts: a table (an INSERT of the row) or a DML statement.
 Stageable = Table | Insert | Update | Delete
@@ -90,9 +93,11 @@ class StagedWrites:
         self._seen: dict[int, tuple[Stageable, Any]] = {}
         #: The group of every staged row, in staging order (to undo a failed handler's).
         self._journal: list[_Group] = []
+        #: The handlers' deferred ``ctx.session.execute`` writes (written before the stage).
+        self.deferred: DeferredWrites | None = None
 
     def __len__(self) -> int:
-        return len(self._journal)
+        return len(self._journal) + (len(self.deferred) if self.deferred is not None else 0)
 
     def add(self, target: Stageable, row: Mapping[str, Any]) -> None:
         """Stage ``row`` for ``target`` (run now when ``immediate``)."""
@@ -118,7 +123,10 @@ class StagedWrites:
             self._journal.pop().rows.pop()
 
     def flush(self) -> None:
-        """Run every staged statement once with its rows; empty the stage."""
+        """Write the deferred writes, then run every staged statement once with its
+        rows; empty the stage."""
+        if self.deferred is not None:
+            self.deferred.flush()
         groups = [group for group in self._groups.values() if group.rows]
         self._groups.clear()
         self._seen.clear()
@@ -128,7 +136,8 @@ class StagedWrites:
         connection: Connection = self.session.connection()
         for group in groups:
             rows = group.rows
-            if group.table is not None and len(rows) > 1 and _insert_unnest(connection, group):
+            table = group.table
+            if table is not None and len(rows) > 1 and insert_unnest(connection, table, rows):
                 continue
             connection.execute(group.statement, rows if len(rows) > 1 else rows[0])
 
@@ -170,7 +179,7 @@ class StagedWrites:
         return key
 
 
-def _insert_unnest(connection: Connection, group: _Group) -> bool:
+def insert_unnest(connection: Connection, table: Table, rows: Sequence[Mapping[str, Any]]) -> bool:
     """PostgreSQL (psycopg): a Table's rows as one ``INSERT … SELECT FROM unnest(…)``.
 
     One statement with one array per column (binary), as a bulk handler would write
@@ -182,12 +191,10 @@ def _insert_unnest(connection: Connection, group: _Group) -> bool:
     dialect = connection.dialect
     if dialect.name != "postgresql" or dialect.driver != "psycopg":
         return False
-    assert group.table is not None
-    rows = group.rows
     keys = tuple(rows[0])
     if any(len(row) != len(keys) or row.keys() != rows[0].keys() for row in rows):
         return False
-    sql = _unnest_sql(group.table, keys, dialect)
+    sql = _unnest_sql(table, keys, dialect)
     if sql is None:
         return False
     connection.exec_driver_sql(

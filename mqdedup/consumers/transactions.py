@@ -20,11 +20,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup.consumers import pipelining
 from mqdedup.consumers.context import guard_session, unguard_session
+from mqdedup.consumers.deferral import (
+    DeferredResultUnavailableError,
+    close_deferral,
+    open_deferral,
+)
 from mqdedup.consumers.report import BatchReport, Outcome
 from mqdedup.consumers.sessions import SessionLease, self_deadlock, waits_for_own_lock
-from mqdedup.consumers.staging import StagedWrites, close_stage, open_stage
+from mqdedup.consumers.staging import StagedWrites, close_stage, open_stage, staged_writes
 from mqdedup.db import sqlite_lock
 from mqdedup.db.dialects import is_data_error, is_transient
 
@@ -43,23 +47,13 @@ class _RerunWithoutError(Exception):
         error: Exception,
         *,
         staged: bool = False,
-        pipelined: bool = False,
     ) -> None:
         super().__init__(str(error))
-        # None: the batch handler, the staged writes or a pipelined statement failed
-        # (no single message to blame): rerun per message
+        # None: the batch handler or the staged / deferred writes failed (no single
+        # message to blame): rerun per message
         self.delivery = delivery
         self.error = error
-        self.staged = staged  # the staged writes failed: rerun writing them at once
-        self.pipelined = pipelined  # a pipelined statement failed: rerun without it
-
-
-def _reads_generated_keys(error: BaseException | None) -> bool:
-    while error is not None:
-        if isinstance(error, pipelining.GeneratedKeyNotFetchedError):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+        self.staged = staged  # staged / deferred writes failed: rerun writing at once
 
 
 @dataclass(frozen=True)
@@ -69,7 +63,7 @@ class _Pass:
     batch_handler: bool = False  # handle_batch (else handle per message)
     savepoints: bool = False  # each handler in a savepoint of its own
     stage_at_once: bool = False  # ctx.stage writes at once (else at the batch end)
-    pipeline: bool = False  # per-message handlers in a psycopg pipeline
+    defer: bool = False  # ctx.session.execute() of plain writes deferred (deferral.py)
 
 
 class TransactionalRuns:
@@ -81,7 +75,8 @@ class TransactionalRuns:
         self.consumer = processor.consumer
         self.name = processor.name
         self.per_message = self.consumer.failure_isolation == "transaction"
-        self.pipeline = self.consumer.pipeline_handlers and not self.per_message
+        # Transaction mode holds one message per transaction: nothing to write together.
+        self.defer = self.consumer.defer_writes and not self.per_message
         bind = sessions.kw.get("bind")
         self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
         if self._sqlite:
@@ -152,7 +147,7 @@ class TransactionalRuns:
 
     def _own_transaction_in(self, session: Session, delivery: Delivery[Any]) -> Outcome:
         try:
-            return self._transaction_in(session, [delivery], _Pass())
+            return self._transaction_in(session, [delivery], _Pass(defer=self.defer))
         except _RerunWithoutError as failed:  # rolled back: its claim is gone too
             self.p.log_failure(delivery, failed.error)
             return Outcome(failures=[(delivery, failed.error)])
@@ -182,7 +177,7 @@ class TransactionalRuns:
         mode = _Pass(
             batch_handler=self.consumer.has_batch_handler,
             savepoints=self.consumer.failure_isolation == "savepoint",
-            pipeline=self.pipeline,
+            defer=self.defer,
         )
         while pending:
             try:
@@ -210,28 +205,25 @@ class TransactionalRuns:
         if rerun.delivery is not None:
             return mode
         mode = dataclasses.replace(mode, batch_handler=False)
-        if rerun.pipelined and _reads_generated_keys(rerun.error):
-            self.pipeline = False
+        if isinstance(rerun.error, DeferredResultUnavailableError):
+            self.defer = False
             log.info(
-                "a handler reads generated primary keys: this consumer's handlers run "
-                "without a pipeline from now on",
+                "a handler reads results of writes across handler calls: this "
+                "consumer's writes are executed at once from now on",
                 extra={"consumer": self.name},
             )
-            return dataclasses.replace(mode, pipeline=False)
-        if rerun.staged or rerun.pipelined:
-            what = "staged writes" if rerun.staged else "pipelined statements"
+            return dataclasses.replace(mode, defer=False)
+        if rerun.staged:
             log.warning(
-                f"the batch's {what} failed; running it again with each message's "
-                "writes made at once, to find the failing message",
+                "the batch's staged or deferred writes failed; running it again with "
+                "each message's writes made at once, to find the failing message",
                 extra={
                     "consumer": self.name,
                     "size": size,
                     "error": f"{type(rerun.error).__name__}: {rerun.error}",
                 },
             )
-            mode = dataclasses.replace(
-                mode, stage_at_once=mode.stage_at_once or rerun.staged, pipeline=False
-            )
+            mode = dataclasses.replace(mode, stage_at_once=True, defer=False)
         return mode
 
     def _find_data_error(
@@ -270,6 +262,9 @@ class TransactionalRuns:
         try:
             return self._staged_transaction_in(session, deliveries, mode)
         finally:
+            staged = staged_writes(session)
+            if staged is not None and staged.deferred is not None:
+                close_deferral(staged.deferred)
             close_stage(session)
 
     def _staged_transaction_in(
@@ -294,13 +289,18 @@ class TransactionalRuns:
                     session, self.name, [str(d.message.id) for d in outcome.duplicates]
                 )
             staged = open_stage(session, immediate=mode.stage_at_once)
+            if mode.defer and not mode.savepoints and not mode.stage_at_once and new:
+                staged.deferred = open_deferral(session)
             guard_session(session)  # the handlers must not end this transaction
+            if staged.deferred is not None:
+                session.__dict__["execute"] = staged.deferred.execute
             if self._sqlite:
                 sqlite_lock.enter(session)
             try:
-                results = self._handle_maybe_pipelined(session, new, outcome, mode, staged)
+                results = self._handle(session, new, outcome, mode, staged)
             finally:
                 unguard_session(session)
+                session.__dict__.pop("execute", None)
                 if self._sqlite:
                     sqlite_lock.leave()
             if staged:
@@ -326,43 +326,6 @@ class TransactionalRuns:
             # One message in the transaction: the failure is its own.
             alone = outcome.processed[0] if len(outcome.processed) == 1 else None
             raise _RerunWithoutError(alone, error, staged=True) from error
-
-    def _handle_maybe_pipelined(
-        self,
-        session: Session,
-        new: list[Delivery[Any]],
-        outcome: Outcome,
-        mode: _Pass,
-        staged: StagedWrites,
-    ) -> dict[str, Any]:
-        """The handlers, in a psycopg pipeline when ``mode`` allows it (PostgreSQL).
-
-        A database error inside the pipeline cannot be traced to its message (it shows
-        at a later statement): the transaction is then rerun without the pipeline.
-        """
-        raw = None
-        if mode.pipeline and not mode.savepoints and not mode.batch_handler and len(new) > 1:
-            raw = pipelining.pipeline_connection(session)
-        if raw is None:
-            return self._handle(session, new, outcome, mode, staged)
-        refusals: list[bool] = []
-        session.__dict__["execute"] = pipelining.lean_execute(session, refusals)
-        try:
-            with pipelining.pipelined(raw):
-                results = self._handle(session, new, outcome, mode, staged)
-            if refusals:  # a handler read a key the pipeline did not fetch, and went on
-                raise pipelining.GeneratedKeyNotFetchedError("a generated key was read")
-            return results
-        except _RerunWithoutError as rerun:
-            if pipelining.is_broken(raw) or not pipelining.from_database(rerun.error):
-                raise  # the handler's own exception: its message is known
-            raise _RerunWithoutError(None, rerun.error, pipelined=True) from rerun.error
-        except Exception as error:
-            if pipelining.is_broken(raw) or not pipelining.from_database(error):
-                raise
-            raise _RerunWithoutError(None, error, pipelined=True) from error
-        finally:
-            session.__dict__.pop("execute", None)
 
     def _handle(
         self,
@@ -414,11 +377,19 @@ class TransactionalRuns:
         """
         savepoint = session.begin_nested() if savepoints else None
         mark = staged.mark()
+        deferred = staged.deferred
+        if deferred is not None:
+            deferred.enter_handler()
         try:
             value = call()
             session.flush()
+            if deferred is not None and deferred.failed is not None:
+                raise deferred.failed  # the handler caught it: no way out
         except Exception as raised:
             error = raised
+            if deferred is not None and deferred.failed is not None and not is_transient(error):
+                # A deferred write failed: maybe another message's; rerun writing at once.
+                raise _RerunWithoutError(None, deferred.failed, staged=True) from error
             if is_transient(error):
                 if not waits_for_own_lock(session, error):
                     raise
@@ -429,6 +400,9 @@ class TransactionalRuns:
             staged.undo(mark)
             self.p.log_failure(delivery, error)
             return error
+        finally:
+            if deferred is not None:
+                deferred.leave_handler()
         if savepoint is not None:
             savepoint.commit()
         return value

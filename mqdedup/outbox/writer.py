@@ -200,7 +200,10 @@ class OutboxWriter:
         rows = [self._row(message, now) for message in messages]
         if not rows:
             return []
-        self.session.connection().execute(insert(self.table), rows)
+        if len(rows) == 1:  # through the session: a consumer may defer it (with others)
+            self.session.execute(insert(self.table), rows[0])
+        else:
+            self.session.connection().execute(insert(self.table), rows)
         if self._notify is None:
             self._notify = traits(self.session.get_bind()).notifies
         if self._notify:
