@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+#: A ``sessionmaker`` ``info`` key: True turns deferred writes off for its sessions.
+NO_DEFERRED_WRITES = "mqdedup.no_deferred_writes"
+
+
 class _RerunWithoutError(Exception):
     def __init__(
         self,
@@ -76,7 +80,13 @@ class TransactionalRuns:
         self.name = processor.name
         self.per_message = self.consumer.failure_isolation == "transaction"
         # Transaction mode holds one message per transaction: nothing to write together.
-        self.defer = self.consumer.defer_writes and not self.per_message
+        # Sessions whose connection is also written outside SQLAlchemy (Django's ORM) opt
+        # out: those statements would not write the deferred queue before they run.
+        self.defer = (
+            self.consumer.defer_writes
+            and not self.per_message
+            and (sessions.kw.get("info") or {}).get(NO_DEFERRED_WRITES) is not True
+        )
         bind = sessions.kw.get("bind")
         self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
         if self._sqlite:
