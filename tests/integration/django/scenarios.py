@@ -29,7 +29,13 @@ from mqdedup import Consumer, Context, Message, RetryPolicy  # noqa: E402
 from mqdedup.consumers.memory import InMemoryBroker  # noqa: E402
 from mqdedup.consumers.worker import Worker  # noqa: E402
 from mqdedup.django import sessions  # noqa: E402
-from mqdedup.testing.brokers import KafkaHarness, RabbitMQHarness, wait_for  # noqa: E402
+from mqdedup.testing.brokers import (  # noqa: E402
+    KafkaHarness,
+    RabbitMQHarness,
+    WorkerProcess,
+    wait_for,
+)
+from tests.integration.django.support import proxied  # noqa: E402
 
 DATABASE_URL = os.environ["ORDERS_DATABASE_URL"]
 PREFIX = settings.MQDEDUP["TABLE_PREFIX"]
@@ -107,6 +113,8 @@ def _backends(application_name: str) -> set[int]:
 def test_persistent_connection_survives_a_database_restart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A restart as the worker sees it: its connection dies inside a batch's open
+    transaction, and connecting again is refused for ~10 s (a proxy in between is cut)."""
     run = f"c{uuid.uuid4().hex[:8]}"
     application = f"dj-worker-{run}"
     monkeypatch.setenv("ORDERS_CONN_MAX_AGE", "none")  # the worker keeps its connection
@@ -120,29 +128,55 @@ def test_persistent_connection_survives_a_database_restart(
         sessions=SESSIONS,
     )
     try:
-        for n in range(200):
-            harness.publish({"event": "order-placed", "order": n}, message_id=f"{run}-{n}")
-        worker = harness.start_worker(batch_pause=0.05)
-        wait_for(lambda: worker.committed >= 30, 60, "the first batches")
-        before = _backends(application)
-        assert len(before) == 1, before  # one persistent connection
-        with connection.cursor() as cursor:  # what a restart does to the worker's session
-            cursor.execute(
-                "SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) pid", [list(before)]
-            )
-        assert worker.committed < 200, "the run was over before the connection was lost"
-        try:
-            wait_for(lambda: worker.committed >= 200, 60, "the rest of the messages")
-        except AssertionError as error:
-            raise AssertionError(f"{error}\n{worker.log_tail(40)}") from None
-        worker.ensure_alive()
-        after = _backends(application)
-        assert after and not (after & before), (before, after)  # reconnected, and kept it
-        assert worker.terminate() == 0
+        with proxied(DATABASE_URL) as (through_proxy, proxy):
+            monkeypatch.setenv("ORDERS_DATABASE_URL", through_proxy)  # the worker's settings
+            for n in range(200):
+                harness.publish({"event": "order-placed", "order": n}, message_id=f"{run}-{n}")
+            # After 35 handler calls the worker waits inside a batch's open transaction
+            # (its claims written, batches before it committed) until told to go on.
+            worker = harness.start_worker(hold_mid_batch=35)
+            wait_for(lambda: worker.file("held").exists() or not worker.alive, 60, "the hold")
+            worker.ensure_alive()
+            before = _backends(application)
+            assert len(before) == 1, before  # one persistent connection
+            proxy.cut()  # the restart: the connection dies, and new ones are refused
+            committed = worker.committed
+            assert committed < 200, committed
+            worker.file("release").touch()  # the handler's next ORM write meets the outage
+            _wait_out_the_outage(worker, seconds=10)
+            assert worker.committed == committed  # nothing committed while it was down
+            assert not _backends(application)
+            proxy.open()
+            try:
+                wait_for(lambda: worker.committed >= 200, 60, "the rest of the messages")
+            except AssertionError as error:
+                raise AssertionError(f"{error}\n{_log(worker)}") from None
+            worker.ensure_alive()
+            after = _backends(application)
+            assert len(after) == 1 and not (after & before), (before, after)  # kept one again
+            assert worker.terminate() == 0
         assert_once(run, 200)
         assert harness.waiting(f"{harness.queue}.dlq") == 0
+        assert "dead-letter" not in worker.log_tail(10_000).lower()
     finally:
         harness.close()
+
+
+def _wait_out_the_outage(worker: WorkerProcess, seconds: float) -> None:
+    """Keep the database away ``seconds``; the worker must stay up, saying it waits."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        worker.ensure_alive()
+        time.sleep(0.2)  # the outage's length is the point here, not a synchronisation
+    waits = worker.log_tail(10_000).count("database unavailable; retrying")
+    assert waits >= 2, _log(worker)  # it tried again, and was refused
+
+
+def _log(worker: WorkerProcess, lines: int = 40) -> str:
+    """The worker log's last lines, without the hold's (every handler call after the
+    release passes the hold again, and says so)."""
+    kept = [line for line in worker.log_tail(10_000).splitlines() if "holding" not in line]
+    return "\n".join(kept[-lines:])
 
 
 class Fates(Consumer):

@@ -7,18 +7,22 @@ scenario modules run by a pytest of their own (``scenarios.py``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
 import sys
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from mqdedup.db import create_engine
+from tests.integration.asyncio.proxy import CuttableProxy
 from tests.services import REPO
 
 EXAMPLE = REPO / "examples" / "django_orders"
@@ -75,3 +79,50 @@ def migrated(database_url: str, env: dict[str, str]) -> None:
     """``manage.py migrate``, which must succeed."""
     result = manage("migrate", "--no-input", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+class ThreadedProxy:
+    """:class:`CuttableProxy` on an event loop in a thread of its own, for sync tests.
+
+    Point a worker's database URL at ``127.0.0.1:<listen_port>``; ``cut()`` is a database
+    outage as a restart makes it (live connections die, new ones are refused),
+    ``open()`` ends it on the same port. The shared server itself is never touched.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._proxy = CuttableProxy(host, port)
+        self.open()
+        self.listen_port = self._proxy.listen_port
+
+    def _call(self, work: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout=30)
+
+    def cut(self) -> None:
+        """Abort every proxied connection and refuse new ones."""
+        self._call(self._proxy.cut())
+
+    def open(self) -> None:
+        """Accept connections again (on the same port)."""
+        self._call(self._proxy.open())
+
+    def close(self) -> None:
+        """Cut everything and stop the loop's thread."""
+        self.cut()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+
+
+@contextlib.contextmanager
+def proxied(database_url: str) -> Iterator[tuple[str, ThreadedProxy]]:
+    """``database_url`` through a :class:`ThreadedProxy` (the URL to use, the proxy)."""
+    url = make_url(database_url)
+    proxy = ThreadedProxy(url.host or "127.0.0.1", url.port or 5432)
+    try:
+        through = url.set(host="127.0.0.1", port=proxy.listen_port)
+        yield through.render_as_string(hide_password=False), proxy
+    finally:
+        proxy.close()

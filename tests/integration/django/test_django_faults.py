@@ -7,9 +7,11 @@ database migrated with ``manage.py migrate``:
 * Kafka: 30% duplicates and ``kill -9`` after commit before the offset commit, three
   times: each ORM effect (a ``Shipment`` row) exactly once;
 * RabbitMQ: 30% duplicates: each ORM effect once;
-* ``CONN_MAX_AGE=None`` (persistent connections) and the worker's database connection
-  terminated mid-run (``pg_terminate_backend``, the shared server is never restarted):
-  the worker reconnects and finishes, nothing lost or dead-lettered;
+* ``CONN_MAX_AGE=None`` (persistent connections) and a database restart mid-run, as the
+  worker sees one: its connection dies inside a batch's open transaction and new ones
+  are refused for ~10 s (a TCP proxy between the worker and the shared server is cut;
+  the server itself is never restarted): the worker waits, saying so, reconnects and
+  finishes with one persistent connection again, nothing lost or dead-lettered;
 * a handler that raises, or swallows an ORM error (Django marks the transaction for
   rollback): no model row, no claim, no outbox row; its batch-mates commit all three,
   one of them after catching the same ORM error in its own ``transaction.atomic()``;
