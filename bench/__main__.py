@@ -220,7 +220,8 @@ def docs_markdown(
         "```",
         "",
         "`scripts/bench.sh` does the same (it starts the services first). "
-        "`--only kafka,rabbitmq,handlers,relay,claim,memory` runs some suites; `--runs N` changes "
+        "`--only kafka,rabbitmq,handlers,relay,claim,memory` runs some suites (`--only async` adds "
+        "the asyncio consumers, not part of the default run); `--runs N` changes "
         "the number of runs. Results go to `bench/results/` (`results.md`, `results.json`, "
         "`*.png`); a full run of every suite also rewrites this page. Absolute numbers "
         "depend on the machine; compare the ratios.",
