@@ -20,6 +20,7 @@ neither.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -167,6 +168,15 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+async def wait_for_on_loop(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """:func:`wait_for` for a test running on an event loop: polls with ``asyncio.sleep``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
 
 
 # -- Kafka -----------------------------------------------------------------------------------

@@ -12,14 +12,13 @@ for a savepoint of your own is fine).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, cast
 
 from sqlalchemy.orm import Session
 
-from mqdedup.consumers.context import NoTransactionError
+from mqdedup.consumers.context import HandlerContext
 from mqdedup.outbox.async_writer import AsyncOutboxWriter
 
 if TYPE_CHECKING:
@@ -46,7 +45,7 @@ def async_proxy(session: Session) -> AsyncSession:
     return cast("AsyncSession", proxy)
 
 
-class AsyncContext:
+class AsyncContext(HandlerContext):
     """The context of an async consumer's ``handle`` (``AsyncBatchContext``: ``handle_batch``).
 
     ``session`` is the message's transaction as a guarded ``AsyncSession``; ``outbox``
@@ -56,49 +55,21 @@ class AsyncContext:
     :class:`~mqdedup.consumers.context.NoTransactionError` saying why.
     """
 
-    def __init__(self, session: Session | None, consumer: Consumer, message: Message) -> None:
-        self._sync_session = session
-        self.consumer = consumer
-        self.message = message
-
     @cached_property
     def session(self) -> AsyncSession:
         """The transaction's (guarded) ``AsyncSession``."""
-        if self._sync_session is None:
-            raise NoTransactionError(self._no_transaction("ctx.session"))
-        return async_proxy(self._sync_session)
+        return async_proxy(self._transaction("ctx.session"))
 
     @cached_property
     def outbox(self) -> AsyncOutboxWriter:
         """Add outgoing messages to the outbox, in this transaction (awaitable)."""
-        if self._sync_session is None:
-            raise NoTransactionError(self._no_transaction("ctx.outbox"))
+        self._transaction("ctx.outbox")
         return AsyncOutboxWriter(
             self.session,
             consumer_name=self.consumer.consumer_name,
             causation_id=self.message.id,
             prefix=self.consumer.table_prefix,
             message=self.message,
-        )
-
-    @cached_property
-    def log(self) -> logging.LoggerAdapter[logging.Logger]:
-        """A logger for the handler that adds the message id and consumer name."""
-        return logging.LoggerAdapter(
-            logging.getLogger(f"mqdedup.handler.{self.consumer.consumer_name}"),
-            {"message_id": self.message.id, "consumer": self.consumer.consumer_name},
-        )
-
-    @property
-    def consumer_name(self) -> str:
-        """The dedup scope this message is claimed in."""
-        return self.consumer.consumer_name
-
-    def _no_transaction(self, what: str) -> str:
-        return (
-            f"{what} is not available: {type(self.consumer).__name__} keeps its claims in "
-            f"{self.consumer.dedup.describe()}, so its handler runs in no database "
-            "transaction (use the default SQL dedup to write to a database)"
         )
 
 

@@ -93,7 +93,40 @@ class NoTransactionError(ConfigurationError):
     outside the database (``dedup = RedisDedup(...)``): there is no transaction."""
 
 
-class Context:
+class HandlerContext:
+    """What the sync and async contexts share: the message, its consumer, a logger, and
+    the transaction's ``Session`` (None for a claim store without a transaction)."""
+
+    def __init__(self, session: Session | None, consumer: Consumer, message: Message) -> None:
+        self._session = session
+        self.consumer = consumer
+        self.message = message
+
+    def _transaction(self, what: str) -> Session:
+        """The transaction's session, or :class:`NoTransactionError` naming ``what``."""
+        if self._session is None:
+            raise NoTransactionError(
+                f"{what} is not available: {type(self.consumer).__name__} keeps its claims "
+                f"in {self.consumer.dedup.describe()}, so its handler runs in no database "
+                "transaction (use the default SQL dedup to write to a database)"
+            )
+        return self._session
+
+    @cached_property
+    def log(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger for the handler that adds the message id and consumer name."""
+        return logging.LoggerAdapter(
+            logging.getLogger(f"mqdedup.handler.{self.consumer.consumer_name}"),
+            {"message_id": self.message.id, "consumer": self.consumer.consumer_name},
+        )
+
+    @property
+    def consumer_name(self) -> str:
+        """The dedup scope this message is claimed in."""
+        return self.consumer.consumer_name
+
+
+class Context(HandlerContext):
     """What a handler gets besides the message: the transaction's session and outbox.
 
     ``session`` is the processor's transaction, guarded: ``commit()``, ``rollback()``,
@@ -103,24 +136,10 @@ class Context:
     :class:`NoTransactionError` saying why.
     """
 
-    def __init__(self, session: Session | None, consumer: Consumer, message: Message) -> None:
-        self._session = session
-        self.consumer = consumer
-        self.message = message
-
     @property
     def session(self) -> Session:
         """The transaction's (guarded) session."""
-        if self._session is None:
-            raise NoTransactionError(self._no_transaction("ctx.session"))
-        return self._session
-
-    def _no_transaction(self, what: str) -> str:
-        return (
-            f"{what} is not available: {type(self.consumer).__name__} keeps its claims in "
-            f"{self.consumer.dedup.describe()}, so its handler runs in no database "
-            "transaction (use the default SQL dedup to write to a database)"
-        )
+        return self._transaction("ctx.session")
 
     def stage(self, target: Stageable, row: Mapping[str, Any]) -> None:
         """Write ``row`` set-based at the batch end instead of now.
@@ -140,25 +159,10 @@ class Context:
         staged.add(target, row)
 
     @cached_property
-    def log(self) -> logging.LoggerAdapter[logging.Logger]:
-        """A logger for the handler that adds the message id and consumer name."""
-        return logging.LoggerAdapter(
-            logging.getLogger(f"mqdedup.handler.{self.consumer.consumer_name}"),
-            {"message_id": self.message.id, "consumer": self.consumer.consumer_name},
-        )
-
-    @property
-    def consumer_name(self) -> str:
-        """The dedup scope this message is claimed in."""
-        return self.consumer.consumer_name
-
-    @cached_property
     def outbox(self) -> OutboxWriter:
         """Add outgoing messages to the outbox, in this transaction."""
-        if self._session is None:
-            raise NoTransactionError(self._no_transaction("ctx.outbox"))
         return OutboxWriter(
-            self.session,
+            self._transaction("ctx.outbox"),
             consumer_name=self.consumer.consumer_name,
             causation_id=self.message.id,
             prefix=self.consumer.table_prefix,

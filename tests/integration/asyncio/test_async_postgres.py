@@ -11,7 +11,6 @@ while the worker leaves the loop free (every database wait is awaited).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,7 +27,7 @@ from mqdedup.db.schema import schema
 from mqdedup.outbox import AsyncOutboxWriter, Relay, RelayConfig
 from mqdedup.outbox.memory import MemoryPublisher
 from tests.integration.asyncio.proxy import CuttableProxy
-from tests.services import TestDatabase, prefixed_database, table_prefix
+from tests.services import TestDatabase, prefixed_database, table_prefix, wait_for_on_loop
 
 pytestmark = pytest.mark.integration
 
@@ -128,14 +127,6 @@ def test_30pct_duplicates_once_each_and_a_constraint_violation_fails_alone(
     assert broker.settled_count[QUEUE] == 300 + copies
 
 
-async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 def test_database_outage_pauses_the_async_worker_and_it_resumes_without_loss(
     db: TestDatabase,
 ) -> None:
@@ -153,7 +144,9 @@ def test_database_outage_pauses_the_async_worker_and_it_resumes_without_loss(
         worker = Worker(consumer_class(db.prefix)(), transport, engine, stop=stop)
         task = asyncio.create_task(worker.run_async())
         try:
-            await until(lambda: worker.metrics.processed >= 60, 30, "the worker to get going")
+            await wait_for_on_loop(
+                lambda: worker.metrics.processed >= 60, 30, "the worker to get going"
+            )
             await proxy.cut()
             retries = worker.metrics.database_retries
             await asyncio.sleep(1.0)  # the outage lasts a second
@@ -162,7 +155,7 @@ def test_database_outage_pauses_the_async_worker_and_it_resumes_without_loss(
             outage_seen.append(worker.metrics.outage)
             assert not broker.dead_letters  # an outage is never the message's fault
             await proxy.open()  # the database is back
-            await until(
+            await wait_for_on_loop(
                 lambda: broker.pending(QUEUE) == 0 and transport.in_flight == 0,
                 60,
                 "the worker to finish after the database came back",

@@ -22,7 +22,6 @@ import json
 import logging
 import random
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +43,7 @@ from tests.services import (
     kafka_headers,
     unique_name,
     wait_for,
+    wait_for_on_loop,
 )
 from tests.support import orders_table
 
@@ -224,7 +224,7 @@ def test_aiokafka_database_stopped_20s_keeps_the_member_and_loses_nothing(
         engine = create_async_engine(target.set(host="127.0.0.1", port=proxy.listen_port))
         task = asyncio.create_task(consumer.run_async(engine, stop=stop, metrics=metrics))
         try:
-            await until(lambda: metrics.processed >= 60, 60, "the worker to get going")
+            await wait_for_on_loop(lambda: metrics.processed >= 60, 60, "the worker to get going")
             await proxy.cut()
             caplog.clear()
             await asyncio.sleep(20.0)  # the outage: over three times the poll deadline
@@ -232,7 +232,7 @@ def test_aiokafka_database_stopped_20s_keeps_the_member_and_loses_nothing(
             seen["outage"] = metrics.outage
             seen["revoked"] = [r for r in caplog.records if "partitions revoked" in r.message]
             await proxy.open()  # the database is back
-            await until(lambda: metrics.processed >= len(ids), 60, "every message")
+            await wait_for_on_loop(lambda: metrics.processed >= len(ids), 60, "every message")
         finally:
             stop.request()
             await asyncio.wait_for(task, 60)
@@ -247,12 +247,3 @@ def test_aiokafka_database_stopped_20s_keeps_the_member_and_loses_nothing(
     assert metrics.dead_lettered == 0
     assert row_counts(db.engine, db.prefix) == dict.fromkeys(ids, 1)
     assert kafka_helper.committed(group, topic) == kafka_helper.end_offsets(topic)
-
-
-async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Await ``condition`` on the loop (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)

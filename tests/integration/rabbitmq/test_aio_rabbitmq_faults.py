@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -36,7 +35,7 @@ from tests.integration.asyncio.proxy import CuttableProxy
 from tests.integration.kafka.helpers import row_counts
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import close_connections
-from tests.services import RabbitAdmin, wait_for
+from tests.services import RabbitAdmin, wait_for, wait_for_on_loop
 from tests.support import orders_table
 
 pytestmark = [pytest.mark.integration]
@@ -267,14 +266,14 @@ def test_aio_pika_database_stopped_20s_the_worker_waits_and_loses_nothing(
         engine = create_async_engine(target.set(host="127.0.0.1", port=proxy.listen_port))
         task = asyncio.create_task(consumer.run_async(engine, stop=stop, metrics=metrics))
         try:
-            await until(lambda: metrics.processed >= 40, 60, "the worker to get going")
+            await wait_for_on_loop(lambda: metrics.processed >= 40, 60, "the worker to get going")
             await proxy.cut()
             await asyncio.sleep(20.0)  # the outage
             assert not task.done(), "the worker gave up during the outage"
             seen["outage"] = metrics.outage
             seen["reconnects"] = consumers(broker, queue)
             await proxy.open()  # the database is back
-            await until(lambda: metrics.processed >= len(ids), 60, "every message")
+            await wait_for_on_loop(lambda: metrics.processed >= len(ids), 60, "every message")
         finally:
             stop.request()
             await asyncio.wait_for(task, 60)
@@ -289,12 +288,3 @@ def test_aio_pika_database_stopped_20s_the_worker_waits_and_loses_nothing(
     assert row_counts(db.engine, db.prefix) == dict.fromkeys(ids, 1)
     wait_for(lambda: broker.depth(queue) == 0, 30, "the queue drained")
     assert broker.depth(f"{queue}.dlq") == 0
-
-
-async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Await ``condition`` on the loop (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
