@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 
 from mqdedup.db import create_engine
 from tests import services
-from tests.services import KafkaHelper, RabbitAdmin, checked_engine
+from tests.services import KafkaHelper, PrivateRabbitMQ, RabbitAdmin, checked_engine
 from tests.support import reset_database
 
 # -- databases -------------------------------------------------------------------------------
@@ -85,3 +85,21 @@ def rabbit(rabbitmq_url: str) -> Iterator[RabbitAdmin]:
     admin = RabbitAdmin(rabbitmq_url)
     yield admin
     admin.close()
+
+
+@pytest.fixture(scope="session")
+def _private_rabbitmq_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRabbitMQ]:
+    """One PRIVATE RabbitMQ node for the whole run (a node start costs seconds)."""
+    with services.private_rabbitmq(tmp_path_factory.mktemp("private-rabbitmq")) as node:
+        yield node
+
+
+@pytest.fixture
+def private_rabbit(_private_rabbitmq_node: PrivateRabbitMQ) -> Iterator[PrivateRabbitMQ]:
+    """A PRIVATE RabbitMQ node (never the shared one) for tests that stop or kill it, or
+    change its settings: running when the test starts, and afterwards running again with
+    its own settings (``set_env`` undone, no memory alarm) for the next test. Tests use
+    fresh queue names on it like on the shared node."""
+    _private_rabbitmq_node.ensure_running()
+    yield _private_rabbitmq_node
+    _private_rabbitmq_node.reset()

@@ -29,7 +29,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from random import Random
 from typing import Any, NoReturn
@@ -560,6 +560,9 @@ class PrivateRabbitMQ:
     service: PrivateService
     url: str
     ctl: list[str]
+    #: ``application:get_env`` of each key ``set_env`` changed, as printed before the change.
+    _changed: dict[str, str] = field(default_factory=dict)
+    _alarm: bool = False
 
     def run(self, *args: str) -> str:
         result = subprocess.run(
@@ -571,7 +574,10 @@ class PrivateRabbitMQ:
         return self.run("eval", expression)
 
     def set_env(self, key: str, value: int) -> None:
-        """``application:set_env(rabbit, key, value)`` (read by channels opened later)."""
+        """``application:set_env(rabbit, key, value)`` (read by channels opened later);
+        :meth:`reset` puts the node's own value back."""
+        if key not in self._changed:
+            self._changed[key] = self.eval(f"application:get_env(rabbit, {key}).").strip()
         self.eval(f"application:set_env(rabbit, {key}, {value}).")
 
     def memory_alarm(self, on: bool) -> None:
@@ -580,6 +586,37 @@ class PrivateRabbitMQ:
             self.eval("rabbit_alarm:set_alarm({{resource_limit, memory, node()}, []}).")
         else:
             self.eval("rabbit_alarm:clear_alarm({resource_limit, memory, node()}).")
+        self._alarm = on
+
+    @property
+    def running(self) -> bool:
+        """Whether the node accepts AMQP connections."""
+        with socket.socket() as sock:
+            sock.settimeout(2.0)
+            return sock.connect_ex(("127.0.0.1", self.service.port)) == 0
+
+    def ensure_running(self) -> None:
+        """Start the node if a test stopped or killed it (and did not start it again)."""
+        if not self.running:
+            self.service.start()
+            self._changed.clear()  # a restarted node has its own settings again
+            self._alarm = False
+
+    def reset(self) -> None:
+        """Running, with the settings it started with: what the next test expects."""
+        self.ensure_running()
+        restore = [
+            f"application:unset_env(rabbit, {key})"
+            if before == "undefined"
+            else f"{{ok, V_{n}}} = {before}, application:set_env(rabbit, {key}, V_{n})"
+            for n, (key, before) in enumerate(self._changed.items())
+        ]
+        if self._alarm:
+            restore.append("rabbit_alarm:clear_alarm({resource_limit, memory, node()})")
+        if restore:
+            self.eval(", ".join(restore) + ".")
+        self._changed.clear()
+        self._alarm = False
 
     def connections(self, name_part: str) -> list[str]:
         """``state`` of the connections whose client-provided name contains ``name_part``."""

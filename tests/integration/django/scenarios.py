@@ -114,7 +114,7 @@ def test_persistent_connection_survives_a_database_restart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A restart as the worker sees it: its connection dies inside a batch's open
-    transaction, and connecting again is refused for ~10 s (a proxy in between is cut)."""
+    transaction, and connecting again is refused for ~5 s (a proxy in between is cut)."""
     run = f"c{uuid.uuid4().hex[:8]}"
     application = f"dj-worker-{run}"
     monkeypatch.setenv("ORDERS_CONN_MAX_AGE", "none")  # the worker keeps its connection
@@ -143,7 +143,7 @@ def test_persistent_connection_survives_a_database_restart(
             committed = worker.committed
             assert committed < 200, committed
             worker.file("release").touch()  # the handler's next ORM write meets the outage
-            _wait_out_the_outage(worker, seconds=10)
+            _wait_out_the_outage(worker, seconds=5)
             assert worker.committed == committed  # nothing committed while it was down
             assert not _backends(application)
             proxy.open()

@@ -9,7 +9,7 @@ database migrated with ``manage.py migrate``:
 * RabbitMQ: 30% duplicates: each ORM effect once;
 * ``CONN_MAX_AGE=None`` (persistent connections) and a database restart mid-run, as the
   worker sees one: its connection dies inside a batch's open transaction and new ones
-  are refused for ~10 s (a TCP proxy between the worker and the shared server is cut;
+  are refused for ~5 s (a TCP proxy between the worker and the shared server is cut;
   the server itself is never restarted): the worker waits, saying so, reconnects and
   finishes with one persistent connection again, nothing lost or dead-lettered;
 * a handler that raises, or swallows an ORM error (Django marks the transaction for

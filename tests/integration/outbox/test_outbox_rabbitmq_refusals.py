@@ -13,8 +13,6 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pika
@@ -27,16 +25,16 @@ from mqdedup.outbox import OutboxWriter, Relay
 from mqdedup.outbox.relay_config import RelayConfig
 from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import OutboxDb, poll_until, relay_thread
-from tests.services import PrivateRabbitMQ, private_rabbitmq
+from tests.services import PrivateRabbitMQ
 
 pytestmark = [pytest.mark.integration]
 MAX_MESSAGE_SIZE = 4096
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[PrivateRabbitMQ]:
-    with private_rabbitmq(tmp_path) as started:
-        yield started
+def node(private_rabbit: PrivateRabbitMQ) -> PrivateRabbitMQ:
+    """The run's private node (settings changed here are undone after each test)."""
+    return private_rabbit
 
 
 def _drain(url: str, queue: str, expected: int, timeout: float = 60.0) -> list[str]:

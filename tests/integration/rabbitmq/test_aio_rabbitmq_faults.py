@@ -11,12 +11,14 @@
   channel, the broker redelivers it and the dedup skips it: each effect once;
 * a dead letter the broker refuses (publisher nack) is kept in the database with the
   reason, and its batch-mates go on;
-* the database stopped for 20 s: the worker waits and resumes, nothing dead-lettered.
+* the database stopped for four heartbeat intervals: the worker waits, keeps its
+  connection and resumes, nothing dead-lettered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 from collections.abc import Callable
@@ -241,17 +243,37 @@ def test_aio_pika_dead_letter_refused_by_the_broker_is_kept_in_the_database(
 
 
 @pytest.mark.slow
-def test_aio_pika_database_stopped_20s_the_worker_waits_and_loses_nothing(
-    db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
+def test_aio_pika_database_stopped_the_worker_waits_keeps_its_connection_and_loses_nothing(
+    db: Database,
+    broker: RabbitAdmin,
+    queue: str,
+    rabbitmq_url: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The database 'stops' for 20 s (a proxy on the worker's loop is cut): the worker
-    waits with its batch unacked, reports the outage, dead-letters nothing, keeps its
-    connection (the loop keeps running), then resumes: each effect once, queue drained."""
+    """The database 'stops' (a proxy on the worker's loop is cut) for four heartbeat
+    intervals of a 2 s heartbeat, long enough for the broker to drop a connection whose
+    loop stopped answering: the worker waits with its batch unacked, reports the outage,
+    dead-letters nothing, keeps its connection (nothing redelivered), then resumes: each
+    effect once, queue drained."""
+    heartbeat = 2
+    separator = "&" if "?" in rabbitmq_url else "?"
     ids = [f"o-{n:03d}" for n in range(300)]
     consumer = type(
         "AioRabbitOutage",
         (AioRabbitOrders,),
-        {"queue": queue, "url": rabbitmq_url, "table_prefix": db.prefix, "poll_timeout": 0.2},
+        {
+            "queue": queue,
+            "url": f"{rabbitmq_url}{separator}heartbeat={heartbeat}",
+            "table_prefix": db.prefix,
+            "poll_timeout": 0.2,
+            # resume within a second of the database being back
+            "retry_policy": RetryPolicy(
+                max_attempts=2,
+                initial_backoff=0.01,
+                max_backoff=0.02,
+                infrastructure_backoff_max=1.0,
+            ),
+        },
     )()
     broker.declare(consumer)
     broker.publish(queue, ids)
@@ -268,10 +290,12 @@ def test_aio_pika_database_stopped_20s_the_worker_waits_and_loses_nothing(
         try:
             await wait_for_on_loop(lambda: metrics.processed >= 40, 60, "the worker to get going")
             await proxy.cut()
-            await asyncio.sleep(20.0)  # the outage
+            caplog.clear()
+            await asyncio.sleep(4 * heartbeat)  # the outage
             assert not task.done(), "the worker gave up during the outage"
             seen["outage"] = metrics.outage
             seen["reconnects"] = consumers(broker, queue)
+            seen["lost"] = [r for r in caplog.records if "connection lost" in r.message]
             await proxy.open()  # the database is back
             await wait_for_on_loop(lambda: metrics.processed >= len(ids), 60, "every message")
         finally:
@@ -280,10 +304,13 @@ def test_aio_pika_database_stopped_20s_the_worker_waits_and_loses_nothing(
             await engine.dispose()
             await proxy.cut()
 
-    asyncio.run(scenario())
+    with caplog.at_level(logging.INFO, logger="mqdedup.rabbitmq.aio_transport"):
+        asyncio.run(scenario())
 
     assert str(seen["outage"]).startswith("database unavailable"), seen
     assert seen["reconnects"] == 1, "the worker's consumer left the queue during the outage"
+    assert seen["lost"] == [], "the connection was lost during the outage"
+    assert metrics.duplicates == 0, "the unacked batch was redelivered: the connection broke"
     assert metrics.dead_lettered == 0
     assert row_counts(db.engine, db.prefix) == dict.fromkeys(ids, 1)
     wait_for(lambda: broker.depth(queue) == 0, 30, "the queue drained")

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +38,16 @@ from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import relay_thread
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import ThreadedWorker, make_consumer, order_counts
-from tests.services import REPO, PrivateRabbitMQ, RabbitAdmin, private_rabbitmq, wait_for
+from tests.services import REPO, PrivateRabbitMQ, RabbitAdmin, wait_for
 
 pytestmark = [pytest.mark.integration]
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff=0.05, max_backoff=0.1)
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[PrivateRabbitMQ]:
-    with private_rabbitmq(tmp_path) as started:
-        yield started
+def node(private_rabbit: PrivateRabbitMQ) -> PrivateRabbitMQ:
+    """The run's private node (settings changed here are undone after each test)."""
+    return private_rabbit
 
 
 class Readiness:
@@ -125,6 +124,7 @@ def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks
     db: Database, node: PrivateRabbitMQ
 ) -> None:
     queue = f"alarm-{uuid.uuid4().hex[:8]}"
+    confirm_timeout = 2.0
     consumer = make_consumer(
         queue,
         db.prefix,
@@ -169,20 +169,24 @@ def test_memory_alarm_acks_continue_dead_letters_wait_relay_pauses_without_leaks
 
             relay = Relay(
                 db.engine,
-                {"rabbitmq": RabbitMQPublisher(node.url, confirm_timeout=2.0, connect_timeout=2.0)},
+                {
+                    "rabbitmq": RabbitMQPublisher(
+                        node.url, confirm_timeout=confirm_timeout, connect_timeout=2.0
+                    )
+                },
                 prefix=db.prefix,
                 config=RelayConfig(broker_backoff_max=1.0, poll_interval=0.2, batch_size=50),
             )
             store = OutboxStore(db.prefix)
             with relay_thread(relay):
-                deadline = time.monotonic() + 10  # several confirm timeouts long
+                deadline = time.monotonic() + 3 * confirm_timeout  # several confirm timeouts
                 while time.monotonic() < deadline:
                     status = store.status(db.engine)
                     assert status.failed == 0, "an alarm must not fail rows"
                     assert len(node.connections("mqdedup-relay")) <= 1, (
                         "the relay left a blocked connection behind"
                     )
-                    time.sleep(0.5)  # observing the paused relay for 10 s
+                    time.sleep(0.5)  # observing the paused relay
                 assert store.status(db.engine).published == 0
                 node.memory_alarm(False)
                 cleared = time.monotonic()
