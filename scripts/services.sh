@@ -776,6 +776,10 @@ transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
+# A killed consumer keeps its partitions until its session times out; tests that kill
+# workers use 3 s sessions (tests/services.py kill_session_timeout_ms) instead of Kafka's
+# 6 s minimum, so the next worker gets them sooner.
+group.min.session.timeout.ms=1000
 # A SIGKILLed broker must wait for its old registration to expire before it can register
 # again (DUPLICATE_BROKER_REGISTRATION): 6 s instead of 9 s makes crash tests quicker.
 broker.session.timeout.ms=6000

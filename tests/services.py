@@ -70,6 +70,46 @@ def service_env(variable: str, name: str) -> str:
     return value
 
 
+#: Environment variable that hands :func:`kill_session_timeout_ms`'s answer to the consumer
+#: classes of worker subprocesses (read at their import).
+KAFKA_SESSION_TIMEOUT_ENV = "MQDEDUP_TEST_KAFKA_SESSION_TIMEOUT_MS"
+
+
+def kill_session_timeout_ms(bootstrap: str) -> int:
+    """``session_timeout_ms`` for consumers that a test kills with ``kill -9``.
+
+    The group keeps a killed member until its session times out, and the next worker
+    waits that long for its partitions. Brokers refuse sessions below their
+    ``group.min.session.timeout.ms`` (Kafka's default 6 s; ``scripts/services.sh`` sets
+    1 s), so: 3 s where the broker allows it, else its minimum.
+    """
+    return max(3000, _kafka_min_session_timeout_ms(bootstrap))
+
+
+_MIN_SESSION_TIMEOUTS: dict[str, int] = {}
+
+
+def _kafka_min_session_timeout_ms(bootstrap: str) -> int:
+    """The broker's ``group.min.session.timeout.ms``; Kafka's default if unreadable."""
+    if bootstrap not in _MIN_SESSION_TIMEOUTS:
+        import kafka
+        from kafka.admin import ConfigResource, ConfigResourceType
+
+        value = 6000
+        with contextlib.suppress(Exception):
+            admin = kafka.KafkaAdminClient(bootstrap_servers=bootstrap)
+            try:
+                broker = str(admin.describe_cluster()["brokers"][0]["broker_id"])
+                name = "group.min.session.timeout.ms"
+                resource = ConfigResource(ConfigResourceType.BROKER, broker, configs=[name])
+                answer = admin.describe_configs([resource], config_filter="all")
+                value = int(answer["broker"][broker][name]["value"])
+            finally:
+                admin.close()
+        _MIN_SESSION_TIMEOUTS[bootstrap] = value
+    return _MIN_SESSION_TIMEOUTS[bootstrap]
+
+
 def kafka_bootstrap() -> str:
     """The shared Kafka (``MQDEDUP_KAFKA_BOOTSTRAP``), checked to answer."""
     import kafka

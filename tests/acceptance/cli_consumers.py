@@ -13,7 +13,7 @@ from sqlalchemy import insert
 
 from mqdedup import Context, Message
 from mqdedup.rabbitmq import RabbitMQConsumer
-from tests.integration.kafka.consumers import FAST_GROUP, BulkTestOrders
+from tests.integration.kafka.consumers import BulkTestOrders, kill_group
 from tests.support import orders_table
 
 _PREFIX = os.environ.get("ACCEPT_PREFIX", "accept_")
@@ -29,7 +29,7 @@ class Orders(BulkTestOrders):
     business_prefix = _PREFIX
     batch_size = 200
     poll_timeout = 0.2
-    kafka_config = FAST_GROUP
+    kafka_config = kill_group()
     metrics_interval = 5.0
     connect_timeout = 8.0  # the unreachable-broker test waits this long
 

@@ -14,7 +14,7 @@ from sqlalchemy import insert
 
 from mqdedup import Context, Message, RetryPolicy
 from mqdedup.rabbitmq import RabbitMQConsumer
-from tests.integration.kafka.consumers import FAST_GROUP, TestOrders
+from tests.integration.kafka.consumers import TestOrders, kill_group
 from tests.support import orders_table
 
 _PREFIX = os.environ.get("KILLER_PREFIX", "killer_")
@@ -44,7 +44,7 @@ class KafkaKiller(TestOrders):
     business_prefix = _PREFIX
     batch_size = 50
     poll_timeout = 0.2
-    kafka_config = FAST_GROUP
+    kafka_config = kill_group()
     retry_policy = _RETRY
     metrics_interval = 5.0
 

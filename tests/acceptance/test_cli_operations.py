@@ -20,7 +20,15 @@ from mqdedup.cli import exitcodes
 from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
 from tests.integration.kafka.helpers import row_counts
-from tests.services import REPO, KafkaHelper, Outgoing, free_port, wait_for
+from tests.services import (
+    KAFKA_SESSION_TIMEOUT_ENV,
+    REPO,
+    KafkaHelper,
+    Outgoing,
+    free_port,
+    kill_session_timeout_ms,
+    wait_for,
+)
 from tests.support import orders_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -101,7 +109,11 @@ def test_worker_processes_restart_after_kill_and_drain_on_sigterm(
             "--shutdown-timeout",
             "60",
         ],
-        env=setup["env"],
+        # the group drops the killed child sooner where the broker allows it
+        env={
+            **setup["env"],
+            KAFKA_SESSION_TIMEOUT_ENV: str(kill_session_timeout_ms(kafka.bootstrap)),
+        },
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -30,11 +30,13 @@ from tests.acceptance.killer_consumers import MAX_ATTEMPTS
 from tests.integration.kafka.helpers import row_counts
 from tests.integration.rabbitmq.support import make_consumer
 from tests.services import (
+    KAFKA_SESSION_TIMEOUT_ENV,
     REPO,
     KafkaHelper,
     Outgoing,
     RabbitAdmin,
     free_port,
+    kill_session_timeout_ms,
     prefixed_database,
     table_prefix,
     wait_for,
@@ -138,7 +140,13 @@ def test_kafka_process_killer_is_dead_lettered_alone(
     topic = kafka.create_topic(partitions=1, kind="killer")
     group = f"group-{topic}"
     kafka.produce(topic, [Outgoing(f"m-{n}", f'{{"n": {n}}}'.encode()) for n in range(COUNT)])
-    env = {**database["env"], "KILLER_TOPIC": topic, "KILLER_GROUP": group}
+    env = {
+        **database["env"],
+        "KILLER_TOPIC": topic,
+        "KILLER_GROUP": group,
+        # each restart waits for the group to drop the dead worker: sooner where allowed
+        KAFKA_SESSION_TIMEOUT_ENV: str(kill_session_timeout_ms(kafka.bootstrap)),
+    }
     worker = Supervised("tests.acceptance.killer_consumers:KafkaKiller", env)
     try:
         wait_for(

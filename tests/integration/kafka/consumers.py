@@ -18,10 +18,19 @@ from sqlalchemy import insert
 from mqdedup import Context, Message, RetryPolicy
 from mqdedup.consumers.context import BatchContext
 from mqdedup.kafka import KafkaConsumer
+from tests.services import KAFKA_SESSION_TIMEOUT_ENV
 from tests.support import orders_table
 
 #: Fast failure detection for tests (the broker's minimum session timeout is 6 s).
 FAST_GROUP = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
+
+
+def kill_group() -> dict[str, int]:
+    """:data:`FAST_GROUP` with the session timeout that a test killing workers hands its
+    worker processes in ``MQDEDUP_TEST_KAFKA_SESSION_TIMEOUT_MS``
+    (:func:`tests.services.kill_session_timeout_ms`); :data:`FAST_GROUP` without it."""
+    session = os.environ.get(KAFKA_SESSION_TIMEOUT_ENV)
+    return {**FAST_GROUP, "session_timeout_ms": int(session)} if session else dict(FAST_GROUP)
 
 
 class TestOrders(KafkaConsumer):

@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 
 from tests.integration.kafka.helpers import WorkerProcess, row_counts, total_rows
-from tests.services import KafkaHelper, Outgoing, TestDatabase, unique_name, wait_for
+from tests.services import (
+    KafkaHelper,
+    Outgoing,
+    TestDatabase,
+    kill_session_timeout_ms,
+    unique_name,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -59,6 +66,8 @@ def test_kill_9_three_times_during_4000_messages_loses_and_doubles_nothing(
         "bootstrap": kafka_helper.bootstrap,
         "batch_size": 200,
         "delay": 0.02,
+        # each new worker waits for the group to drop the killed one: sooner where allowed
+        "kafka_config": {"session_timeout_ms": kill_session_timeout_ms(kafka_helper.bootstrap)},
     }
 
     def redelivery_pending() -> list[str]:

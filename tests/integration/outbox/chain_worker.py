@@ -37,6 +37,7 @@ RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.05, max_backoff=0.2)
 def build(config: dict[str, Any]) -> Consumer:
     events = events_table(config["prefix"])
     if config["role"] == "forwarder":
+        group_settings = {**FAST_GROUP, **config.get("kafka_config", {})}
 
         class Forwarder(KafkaConsumer):
             topics = (config["topic"],)
@@ -45,7 +46,7 @@ def build(config: dict[str, Any]) -> Consumer:
             table_prefix = config["prefix"]
             batch_size = int(config.get("batch_size", 50))
             poll_timeout = 0.2
-            kafka_config = FAST_GROUP
+            kafka_config = group_settings
             retry_policy = RETRY
 
             def handle(self, message: Message, ctx: Context) -> Any:

@@ -32,7 +32,7 @@ from tests.integration.outbox.helpers import (
     poll_until,
     relay_thread,
 )
-from tests.services import KafkaHelper, PrivateRabbitMQ, RabbitAdmin
+from tests.services import KafkaHelper, PrivateRabbitMQ, RabbitAdmin, kill_session_timeout_ms
 
 pytestmark = pytest.mark.integration
 
@@ -228,6 +228,8 @@ def test_chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_dupli
         "group": group,
         "kafka": kafka_bootstrap,
         "batch_size": 50,
+        # the restarted A waits for the group to drop the killed one: sooner where allowed
+        "kafka_config": {"session_timeout_ms": kill_session_timeout_ms(kafka_bootstrap)},
     }
     receiver_config = {**base, "role": "receiver", "rabbitmq": rabbitmq_url, "batch_size": 50}
     relay_config = {
