@@ -81,33 +81,21 @@ def kill_session_timeout_ms(bootstrap: str) -> int:
     The group keeps a killed member until its session times out, and the next worker
     waits that long for its partitions. Brokers refuse sessions below their
     ``group.min.session.timeout.ms`` (Kafka's default 6 s; ``scripts/services.sh`` sets
-    1 s), so: 3 s where the broker allows it, else its minimum.
+    1 s), so: 3 s where the broker allows it, else its minimum (the test kit's rule).
     """
-    return max(3000, _kafka_min_session_timeout_ms(bootstrap))
+    if bootstrap not in _KILL_SESSION_TIMEOUTS:
+        from mqdedup.kafka.tools import admin_client
+        from mqdedup.testing.brokers import fast_kafka_group
+
+        admin = admin_client(bootstrap)
+        try:
+            _KILL_SESSION_TIMEOUTS[bootstrap] = fast_kafka_group(admin)["session_timeout_ms"]
+        finally:
+            admin.close()
+    return _KILL_SESSION_TIMEOUTS[bootstrap]
 
 
-_MIN_SESSION_TIMEOUTS: dict[str, int] = {}
-
-
-def _kafka_min_session_timeout_ms(bootstrap: str) -> int:
-    """The broker's ``group.min.session.timeout.ms``; Kafka's default if unreadable."""
-    if bootstrap not in _MIN_SESSION_TIMEOUTS:
-        import kafka
-        from kafka.admin import ConfigResource, ConfigResourceType
-
-        value = 6000
-        with contextlib.suppress(Exception):
-            admin = kafka.KafkaAdminClient(bootstrap_servers=bootstrap)
-            try:
-                broker = str(admin.describe_cluster()["brokers"][0]["broker_id"])
-                name = "group.min.session.timeout.ms"
-                resource = ConfigResource(ConfigResourceType.BROKER, broker, configs=[name])
-                answer = admin.describe_configs([resource], config_filter="all")
-                value = int(answer["broker"][broker][name]["value"])
-            finally:
-                admin.close()
-        _MIN_SESSION_TIMEOUTS[bootstrap] = value
-    return _MIN_SESSION_TIMEOUTS[bootstrap]
+_KILL_SESSION_TIMEOUTS: dict[str, int] = {}
 
 
 def kafka_bootstrap() -> str:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import kafka
+from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.structs import TopicPartition
 
 #: A record read back: its value and its headers.
@@ -20,6 +21,25 @@ RawRecord = tuple[bytes, dict[str, bytes]]
 def admin_client(bootstrap: str) -> Any:
     """A ``KafkaAdminClient`` (create / list / delete topics)."""
     return kafka.KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=30000)
+
+
+#: Kafka's default ``group.min.session.timeout.ms``.
+DEFAULT_MIN_SESSION_TIMEOUT_MS = 6000
+
+
+def min_session_timeout_ms(admin: Any) -> int:
+    """The broker's ``group.min.session.timeout.ms`` (Kafka's default if unreadable).
+
+    Consumers asking for a shorter ``session_timeout_ms`` are refused by the broker.
+    """
+    name = "group.min.session.timeout.ms"
+    try:
+        broker = str(admin.describe_cluster()["brokers"][0]["broker_id"])
+        resource = ConfigResource(ConfigResourceType.BROKER, broker, configs=[name])
+        answer = admin.describe_configs([resource], config_filter="all")
+        return int(answer["broker"][broker][name]["value"])
+    except Exception:  # an old broker or no DescribeConfigs right: assume the default
+        return DEFAULT_MIN_SESSION_TIMEOUT_MS
 
 
 def producer(bootstrap: str) -> Any:

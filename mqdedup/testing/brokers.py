@@ -47,8 +47,18 @@ from mqdedup.testing.worker import CONFIG_ENV, load_class
 
 log = logging.getLogger("mqdedup.testing.plugin")
 
-#: Fast failure detection in tests (Kafka brokers refuse session timeouts below 6 s).
-FAST_KAFKA_GROUP: Mapping[str, Any] = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
+#: The session timeout a harness asks for where the broker allows it: a killed worker's
+#: partitions move on after this long.
+FAST_SESSION_TIMEOUT_MS = 3000
+
+
+def fast_kafka_group(admin: Any) -> dict[str, Any]:
+    """Fast failure detection for a harness's workers: a 3 s session, or the broker's
+    ``group.min.session.timeout.ms`` where that is longer (Kafka's default is 6 s)."""
+    from mqdedup.kafka.tools import min_session_timeout_ms
+
+    session = max(FAST_SESSION_TIMEOUT_MS, min_session_timeout_ms(admin))
+    return {"session_timeout_ms": session, "heartbeat_interval_ms": 1000}
 
 
 class HarnessError(AssertionError):
@@ -369,7 +379,7 @@ class KafkaHarness(BrokerHarness):
             topics=[self.topic],
             group_id=self.group,
             bootstrap_servers=bootstrap,
-            kafka_config={**user_config, **FAST_KAFKA_GROUP},
+            kafka_config={**user_config, **fast_kafka_group(self.admin)},
         )
         self._producer: Any = None
 
