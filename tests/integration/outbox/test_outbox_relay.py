@@ -78,7 +78,7 @@ def test_failing_handler_leaves_no_business_row_no_outbox_row_and_publishes_noth
 
 
 @pytest.mark.parametrize("target", ["kafka", "rabbitmq"])
-def test_5k_rows_from_concurrent_transactions_are_published_once_in_key_order(
+def test_10k_rows_from_concurrent_transactions_are_published_once_in_key_order(
     db: OutboxDb,
     kafka_helper: KafkaHelper,
     rabbit: RabbitAdmin,
@@ -97,26 +97,26 @@ def test_5k_rows_from_concurrent_transactions_are_published_once_in_key_order(
     relay = Relay(db.engine, {target: publisher}, prefix=db.prefix)
 
     with relay_thread(relay) as (_, result):  # publishing while transactions still commit
-        written = write_keyed_rows(db, destination, keys=100, per_key=50, threads=8)
+        written = write_keyed_rows(db, destination, keys=200, per_key=50, threads=8)
         poll_until(lambda: db.status().pending == 0, 120, "every row published")
     metrics = result[0]
 
     all_ids = [message_id for ids in written.values() for message_id in ids]
-    assert len(all_ids) == len(set(all_ids)) == 5_000
+    assert len(all_ids) == len(set(all_ids)) == 10_000
     if target == "kafka":
-        records = kafka_helper.read_all(topic, expected=5_000)
+        records = kafka_helper.read_all(topic, expected=10_000)
         delivered = [kafka_headers(r)["message-id"] for r in records]
         payloads = [json.loads(r.value) for r in records]  # partition by partition
     else:
-        messages = rabbit.drain(queue, expected=5_000)
+        messages = rabbit.drain(queue, expected=10_000)
         delivered = [properties.message_id for properties, _ in messages]
         payloads = [json.loads(body) for _, body in messages]
-    assert len(delivered) == 5_000, "each row published exactly once"
+    assert len(delivered) == 10_000, "each row published exactly once"
     assert set(delivered) == set(all_ids)
     assert order_problems([(p["key"], p["seq"]) for p in payloads]) == []
     status = db.status()
-    assert (status.pending, status.failed, status.published) == (0, 0, 5_000)
-    assert metrics.published == 5_000 and metrics.failed == 0
+    assert (status.pending, status.failed, status.published) == (0, 0, 10_000)
+    assert metrics.published == 10_000 and metrics.failed == 0
 
 
 def test_notify_wakes_the_relay_long_before_its_poll_interval(

@@ -11,7 +11,7 @@
   channel, the broker redelivers it and the dedup skips it: each effect once;
 * a dead letter the broker refuses (publisher nack) is kept in the database with the
   reason, and its batch-mates go on;
-* the database stopped for four heartbeat intervals: the worker waits, keeps its
+* the database stopped for 20 s (ten heartbeat intervals): the worker waits, keeps its
   connection and resumes, nothing dead-lettered.
 """
 
@@ -243,14 +243,14 @@ def test_aio_pika_dead_letter_refused_by_the_broker_is_kept_in_the_database(
 
 
 @pytest.mark.slow
-def test_aio_pika_database_stopped_the_worker_waits_keeps_its_connection_and_loses_nothing(
+def test_aio_pika_database_stopped_20s_the_worker_waits_keeps_its_connection_and_loses_nothing(
     db: Database,
     broker: RabbitAdmin,
     queue: str,
     rabbitmq_url: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The database 'stops' (a proxy on the worker's loop is cut) for four heartbeat
+    """The database 'stops' for 20 s (a proxy on the worker's loop is cut), ten heartbeat
     intervals of a 2 s heartbeat, long enough for the broker to drop a connection whose
     loop stopped answering: the worker waits with its batch unacked, reports the outage,
     dead-letters nothing, keeps its connection (nothing redelivered), then resumes: each
@@ -291,7 +291,7 @@ def test_aio_pika_database_stopped_the_worker_waits_keeps_its_connection_and_los
             await wait_for_on_loop(lambda: metrics.processed >= 40, 60, "the worker to get going")
             await proxy.cut()
             caplog.clear()
-            await asyncio.sleep(4 * heartbeat)  # the outage
+            await asyncio.sleep(10 * heartbeat)  # the outage: 20 s
             assert not task.done(), "the worker gave up during the outage"
             seen["outage"] = metrics.outage
             seen["reconnects"] = consumers(broker, queue)
