@@ -386,7 +386,7 @@ class OutboxStore:
     def _mark_statement(self, dialect: Dialect) -> Any:
         table = self.table
         if traits(dialect).family == "postgresql":  # ids as an array literal
-            ids = cast(bindparam("ids", type_=Text), ARRAY(BigInteger))
+            ids = _array_parameter("ids")
             where = and_(
                 table.c.id.between(
                     bindparam("low", type_=BigInteger), bindparam("high", type_=BigInteger)
@@ -660,6 +660,16 @@ def _records(rows: Sequence[Any]) -> list[OutboxRecord]:
     return records
 
 
+def _array_parameter(name: str) -> ColumnElement[Any]:
+    """PostgreSQL: ``CAST(:name AS bigint[])`` for an :func:`_array_literal` value.
+
+    The parameter is untyped on purpose: the driver sends the text as *unknown*, so the
+    server takes it as a ``bigint[]`` value, a constant of the plan. A text-typed
+    parameter would be cast again on every row the claim examines.
+    """
+    return cast(bindparam(name), ARRAY(BigInteger))
+
+
 def _array_literal(ids: Sequence[int]) -> str:
     """PostgreSQL: ``ids`` as an array literal (``{1,2,3}``), bound as one text value.
 
@@ -682,7 +692,7 @@ def _aware(moment: datetime) -> datetime:
 def _not_in_flight(row_id: Any, postgresql: bool) -> ColumnElement[bool]:
     """The row is not among the ``in_flight`` ids (one array parameter on PostgreSQL)."""
     if postgresql:  # an array literal (see _array_literal)
-        array = cast(bindparam("in_flight", type_=Text), ARRAY(BigInteger))
+        array = _array_parameter("in_flight")
         return row_id != all_(array)  # type: ignore[no-any-return]
     return row_id.not_in(bindparam("in_flight", expanding=True))  # type: ignore[no-any-return]
 
