@@ -634,7 +634,7 @@ def _records(rows: Sequence[Any]) -> list[OutboxRecord]:
     """
     if not rows:
         return []
-    loads = json.loads
+    loads = _load_json
     make = tuple.__new__
     naive = rows[0][10].tzinfo is None
     records: list[OutboxRecord] = [
@@ -658,6 +658,24 @@ def _records(rows: Sequence[Any]) -> list[OutboxRecord]:
     ]
     records.sort(key=_record_id)
     return records
+
+
+#: The C scanner behind ``json.loads`` (not in the type stubs).
+_scan_json: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _load_json(text: str) -> Any:
+    """``json.loads`` of a JSON column's text, with the same C scanner but without its
+    per-call checks (about 3x faster on a small header object; runs per relayed row).
+    Anything unusual (surrounding whitespace, invalid JSON) goes through ``json.loads``.
+    """
+    try:
+        value, end = _scan_json(text, 0)
+    except StopIteration:
+        return json.loads(text)
+    if end != len(text):
+        return json.loads(text)
+    return value
 
 
 def _array_parameter(name: str) -> ColumnElement[Any]:
