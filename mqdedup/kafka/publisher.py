@@ -30,7 +30,12 @@ from typing import Any
 import kafka
 
 from mqdedup.errors import ConfigurationError
-from mqdedup.kafka.producer import Outcome, ProducerRecord, RecoveringProducer
+from mqdedup.kafka.producer import (
+    KeyHashPartitioner,
+    Outcome,
+    ProducerRecord,
+    RecoveringProducer,
+)
 from mqdedup.outbox.publishers import PUBLISHED, OutboxRecord, PublishResult, header_text
 
 log = logging.getLogger(__name__)
@@ -76,6 +81,7 @@ class KafkaPublisher:
             "request_timeout_ms": int(min(flush_timeout, 30.0) * 1000),
             "delivery_timeout_ms": int(max(flush_timeout * 2, 30.0) * 1000),
             "reconnect_backoff_max_ms": 1000,  # back within a second of the broker
+            "partitioner": KeyHashPartitioner(),  # the default partitions, computed once per key
             **(producer_config or {}),
         }
         self._producer = RecoveringProducer(self.config, name=client_id)

@@ -32,6 +32,7 @@ from sqlalchemy import (
     Text,
     all_,
     and_,
+    any_,
     bindparam,
     case,
     cast,
@@ -191,6 +192,7 @@ class OutboxStore:
             )
         if not traits(bind).claim_in_one_statement:
             return self._claim_in_steps(bind, params, shard_filter)
+        params["in_flight"] = _array_literal(in_flight)
         statement = self._claim_statement(shard_filter is not None)
         with relay_transaction(bind, CLAIM_SETTINGS) as connection:
             rows = connection.execute(statement, params).all()
@@ -366,6 +368,8 @@ class OutboxStore:
         ids = [record.id for record in records]
         params = {**ids_params(ids), "now": utcnow()}
         family = traits(bind).family
+        if family == "postgresql":
+            params["ids"] = _array_literal(ids)
         with relay_transaction(bind, MARK_SETTINGS) as connection:
             if not delete_rows:
                 connection.execute(self._mark_statement(bind.dialect), params)
@@ -381,9 +385,19 @@ class OutboxStore:
     @functools.cache  # noqa: B019 - two statements per store, built once
     def _mark_statement(self, dialect: Dialect) -> Any:
         table = self.table
+        if traits(dialect).family == "postgresql":  # ids as an array literal
+            ids = _array_parameter("ids")
+            where = and_(
+                table.c.id.between(
+                    bindparam("low", type_=BigInteger), bindparam("high", type_=BigInteger)
+                ),
+                table.c.id == any_(ids),
+            )
+        else:
+            where = ids_clause(table.c.id, dialect)
         return (
             update(table)
-            .where(ids_clause(table.c.id, dialect))
+            .where(where)
             .values(
                 state=PUBLISHED,
                 published_at=bindparam("now", type_=table.c.published_at.type),
@@ -612,26 +626,75 @@ class OutboxStore:
 
 
 def _records(rows: Sequence[Any]) -> list[OutboxRecord]:
-    """Claimed rows (columns as in the claim's ``RETURNING``) as records sorted by id."""
-    loads = json.loads
-    records = [
-        OutboxRecord(
-            row[0],
-            row[1],
-            row[2],
-            row[3],
-            row[4],
-            row[5],
-            loads(row[6]),
-            None if row[7] is None else loads(row[7]),
-            row[8],
-            row[9],
-            _aware(row[10]),
+    """Claimed rows (columns as in the claim's ``RETURNING``) as records sorted by id.
+
+    Per-row work is kept to what each row needs (this runs for every relayed row): the
+    tuple is made without the named tuple's keyword-argument ``__new__``, and naive
+    timestamps (MySQL, SQLite) are made aware only when the database returns naive ones.
+    """
+    if not rows:
+        return []
+    loads = _load_json
+    make = tuple.__new__
+    naive = rows[0][10].tzinfo is None
+    records: list[OutboxRecord] = [
+        make(
+            OutboxRecord,
+            (
+                row[0],
+                row[1],
+                row[2],
+                row[3],
+                row[4],
+                row[5],
+                loads(row[6]),
+                None if row[7] is None else loads(row[7]),
+                row[8],
+                row[9],
+                _aware(row[10]) if naive else row[10],
+            ),
         )
         for row in rows
     ]
     records.sort(key=_record_id)
     return records
+
+
+#: The C scanner behind ``json.loads`` (not in the type stubs).
+_scan_json: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _load_json(text: str) -> Any:
+    """``json.loads`` of a JSON column's text, with the same C scanner but without its
+    per-call checks (about 3x faster on a small header object; runs per relayed row).
+    Anything unusual (surrounding whitespace, invalid JSON) goes through ``json.loads``.
+    """
+    try:
+        value, end = _scan_json(text, 0)
+    except StopIteration:
+        return json.loads(text)
+    if end != len(text):
+        return json.loads(text)
+    return value
+
+
+def _array_parameter(name: str) -> ColumnElement[Any]:
+    """PostgreSQL: ``CAST(:name AS bigint[])`` for an :func:`_array_literal` value.
+
+    The parameter is untyped on purpose: the driver sends the text as *unknown*, so the
+    server takes it as a ``bigint[]`` value, a constant of the plan. A text-typed
+    parameter would be cast again on every row the claim examines.
+    """
+    return cast(bindparam(name), ARRAY(BigInteger))
+
+
+def _array_literal(ids: Sequence[int]) -> str:
+    """PostgreSQL: ``ids`` as an array literal (``{1,2,3}``), bound as one text value.
+
+    Much cheaper than adapting a Python list element by element (up to ~1,500 ids per
+    claim); the statement casts it to ``bigint[]``.
+    """
+    return "{" + ",".join(map(str, ids)) + "}"
 
 
 def _hour(moment: datetime) -> datetime:
@@ -646,8 +709,9 @@ def _aware(moment: datetime) -> datetime:
 
 def _not_in_flight(row_id: Any, postgresql: bool) -> ColumnElement[bool]:
     """The row is not among the ``in_flight`` ids (one array parameter on PostgreSQL)."""
-    if postgresql:
-        return row_id != all_(bindparam("in_flight", type_=ARRAY(BigInteger)))  # type: ignore[no-any-return]
+    if postgresql:  # an array literal (see _array_literal)
+        array = _array_parameter("in_flight")
+        return row_id != all_(array)  # type: ignore[no-any-return]
     return row_id.not_in(bindparam("in_flight", expanding=True))  # type: ignore[no-any-return]
 
 

@@ -27,6 +27,10 @@ class Refusals:
     user_ids: dict[str, tuple[str, float]] = field(default_factory=dict)
     size: tuple[int, str, float] | None = None  # bodies of at least this size are refused
 
+    def __bool__(self) -> bool:
+        """True while any refusal is remembered (expired ones included)."""
+        return bool(self.exchanges or self.user_ids or self.size is not None)
+
     def reason(self, record: OutboxRecord) -> str | None:
         """The remembered refusal that applies to ``record``, if it has not expired."""
         now = time.monotonic()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from itertools import takewhile
 from typing import Any
 
 import pika
@@ -85,12 +86,15 @@ class ConfirmWindow:
 
     def _risky(self, record: OutboxRecord) -> bool:
         """Whether the broker may close the channel for this record (nothing proven yet)."""
+        if (record.destination != "" and record.destination not in self._proven_exchanges) or len(
+            record.payload
+        ) > self._largest_confirmed:
+            return True
+        properties = record.properties
+        if not properties or "user_id" not in properties:
+            return False
         user_id = user_id_of(record)
-        return (
-            (record.destination != "" and record.destination not in self._proven_exchanges)
-            or len(record.payload) > self._largest_confirmed
-            or (user_id is not None and user_id not in self._proven_user_ids)
-        )
+        return user_id is not None and user_id not in self._proven_user_ids
 
     def _pump(self) -> None:
         batch, channel = self._batch, self._channel
@@ -137,7 +141,8 @@ class ConfirmWindow:
         if batch is None:
             return
         if method.multiple:
-            tags = [tag for tag in batch.inflight if tag <= method.delivery_tag]
+            # Tags enter ``inflight`` in increasing order: stop at the first one above.
+            tags = list(takewhile(method.delivery_tag.__ge__, batch.inflight))
         else:
             tags = [method.delivery_tag] if method.delivery_tag in batch.inflight else []
         for tag in tags:
@@ -165,10 +170,12 @@ class ConfirmWindow:
 
     def _prove(self, record: OutboxRecord) -> None:
         self._proven_exchanges.add(record.destination)
-        self._largest_confirmed = max(self._largest_confirmed, len(record.payload))
-        user_id = user_id_of(record)
-        if user_id is not None:
-            self._proven_user_ids.add(user_id)
+        size = len(record.payload)
+        self._largest_confirmed = max(self._largest_confirmed, size)
+        if record.properties and "user_id" in record.properties:
+            user_id = user_id_of(record)
+            if user_id is not None:
+                self._proven_user_ids.add(user_id)
 
     def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
         batch = self._batch

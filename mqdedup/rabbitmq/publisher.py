@@ -65,10 +65,12 @@ class RabbitMQPublisher(PublisherConnection):
         results: list[PublishResult | None] = [None] * len(records)
         if self._connection is not None:
             self._run_until(lambda: False, 0.0)  # late confirms, unblock notices
-        for index, record in enumerate(records):
-            if record.message_id in self._late_confirmed:
-                self._late_confirmed.discard(record.message_id)
-                results[index] = PUBLISHED
+        late = self._late_confirmed
+        if late:
+            for index, record in enumerate(records):
+                if record.message_id in late:
+                    late.discard(record.message_id)
+                    results[index] = PUBLISHED
         if self._blocked:
             reason = "RabbitMQ blocks publishing (a resource alarm); waiting"
             return [r if r is not None else PublishResult.unavailable(reason) for r in results]
@@ -174,6 +176,8 @@ class RabbitMQPublisher(PublisherConnection):
         return rest, (batch.suspects | earlier) - {culprit}
 
     def _refusal(self, record: OutboxRecord) -> str | None:
+        if not self._missing and not self._refusals:
+            return None  # nothing refused lately (the steady state)
         missing = self._missing.get(record.destination)
         if missing is not None and missing[1] > time.monotonic():
             return missing[0]
