@@ -26,6 +26,7 @@ from mqdedup.consumers.deferral import (
     close_deferral,
     open_deferral,
 )
+from mqdedup.consumers.lean_transactions import LeanLease, LeanTransactions
 from mqdedup.consumers.report import BatchReport, Outcome
 from mqdedup.consumers.sessions import SessionLease, self_deadlock, waits_for_own_lock
 from mqdedup.consumers.staging import StagedWrites, close_stage, open_stage, staged_writes
@@ -87,7 +88,11 @@ class TransactionalRuns:
             and not self.per_message
             and (sessions.kw.get("info") or {}).get(NO_DEFERRED_WRITES) is not True
         )
+        opted_out = (sessions.kw.get("info") or {}).get(NO_DEFERRED_WRITES) is True
+        self.lean: LeanTransactions | None = None
         bind = sessions.kw.get("bind")
+        if isinstance(bind, Engine) and LeanTransactions.applies(processor, sessions, opted_out):
+            self.lean = LeanTransactions(processor, bind, sessions, self.own_transaction)
         self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
         if self._sqlite:
             sqlite_lock.install()  # a handler's own connection to the file fails fast
@@ -127,15 +132,20 @@ class TransactionalRuns:
         On a stop request the rest of the batch is left unsettled for the next owner.
         """
         failures: list[tuple[Delivery[Any], Exception]] = []
-        lease = SessionLease(self.sessions)
+        lean = self.lean  # PostgreSQL: one query per message (lean_transactions.py)
+        lease = lean.lease() if lean is not None else SessionLease(self.sessions)
         try:
             for index, delivery in enumerate(deliveries):
                 if self.p.stop.requested:
                     report.unsettled.extend(deliveries[index:])
                     break
-                outcome = self.p.outages.run(
-                    functools.partial(self.own_transaction, delivery, lease)
-                )
+                call: Callable[[], Outcome]
+                if lean is not None and isinstance(lease, LeanLease):
+                    following = deliveries[index + 1] if index + 1 < len(deliveries) else None
+                    call = functools.partial(lean.run, delivery, lease, following)
+                elif isinstance(lease, SessionLease):
+                    call = functools.partial(self.own_transaction, delivery, lease)
+                outcome = self.p.outages.run(call)
                 self.p.committed(outcome, report)
                 failures.extend(outcome.failures)
         finally:
