@@ -51,9 +51,10 @@ from mqdedup.consumers.deferral import (
 )
 from mqdedup.consumers.report import Outcome
 from mqdedup.consumers.staging import close_stage, open_stage
-from mqdedup.db.dialects import is_transient
+from mqdedup.db.dialects import is_data_error, is_transient
 from mqdedup.dedup.sql_claims import SqlClaimStore
 from mqdedup.dedup.store import utcnow
+from mqdedup.outbox.notify import notify_pending
 
 if TYPE_CHECKING:
     from mqdedup.consumers.pipeline import Pipeline
@@ -120,9 +121,10 @@ class LeanLease:
             if session is not None:
                 session.close()
             if connection is not None and not connection.invalidated:
-                driver = _driver(connection)
-                if not driver.closed:
-                    driver.rollback()  # e.g. a next message's claim, left by a stop
+                try:
+                    _driver(connection).rollback()  # e.g. a next message's claim
+                except Exception:  # a dead connection: not back into the pool
+                    connection.invalidate()
         finally:
             if connection is not None:
                 connection.close()
@@ -209,9 +211,13 @@ class LeanTransactions:
                 },
             )
             return self.fallback(delivery)
-        except BaseException:
+        except BaseException as error:
             lease.close()  # e.g. a dead connection: the retry starts on a fresh one
-            raise
+            if is_transient(error) or not is_data_error(error):
+                raise
+            # Its own data, outside the handler (e.g. its claim refused by a trigger).
+            self.p.log_failure(delivery, error)
+            return Outcome(failures=[(delivery, error)])
 
     # -- one transaction -----------------------------------------------------------------
 
@@ -409,11 +415,11 @@ def _end_orm_transaction(session: Session, connection: Connection, *, commit: bo
     and may already be the next message's). A Session rollback is passed on; it comes
     after the server's ROLLBACK, when psycopg has nothing to send.
     """
-    if session.in_transaction():
-        if commit:
-            session.commit()
-        else:
-            session.rollback()
+    if commit:
+        if session.in_transaction() or notify_pending(session):
+            session.commit()  # a pending outbox NOTIFY is sent in the transaction
+    elif session.in_transaction():
+        session.rollback()
     transaction = connection.get_transaction()
     if commit and (transaction is None or not transaction.is_active):
         # Ending SQLAlchemy's transaction now would end the server's: not this way.

@@ -1,0 +1,151 @@
+"""Transaction mode's lean path on real PostgreSQL (``consumers/lean_transactions.py``).
+
+``failure_isolation = "transaction"`` sends each message's deferred plain inserts,
+stored result and COMMIT with the next message's claim in one query. Every handler
+style still answers as with its writes made at once (reads, generated keys, rowcounts,
+savepoints, the outbox), a write PostgreSQL refuses fails only its message (retried,
+then dead-lettered), a claim refused after the previous message's COMMIT fails only
+the claimed message, and a duplicate gets its stored result.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import event, make_url, text
+
+from mqdedup import InMemoryBroker, Message, run_until_idle
+from mqdedup.consumers.context import Context
+from mqdedup.db.schema import schema
+from mqdedup.outbox.notify import channel_name
+from tests.integration.rabbitmq.support import claims, order_counts
+from tests.integration.test_deferred_writes_pg import Mixed, results
+from tests.services import TestDatabase, prefixed_database, table_prefix
+from tests.support import orders_table
+
+pytestmark = pytest.mark.integration
+
+#: The claim of this id is refused by a trigger (a data error, SQLSTATE 22023).
+REFUSED = "plain-30"
+
+
+@pytest.fixture
+def db(pg_url: str) -> Iterator[TestDatabase]:
+    prefix = table_prefix()
+    with prefixed_database(
+        pg_url, "PostgreSQL", orders_table(prefix).metadata, prefix=prefix
+    ) as database:
+        yield database
+
+
+class PerMessage(Mixed):
+    """The deferred-writes test's handler kinds, one transaction per message, plus an
+    outbox message per message and a record of the duplicates' stored results."""
+
+    failure_isolation = "transaction"
+    batch_size = 100
+
+    def __init__(self) -> None:
+        self.duplicates: dict[str, Any] = {}
+
+    def handle(self, message: Message, ctx: Context) -> Any:
+        result = super().handle(message, ctx)
+        if message.json()["kind"] == "outbox":
+            ctx.outbox.publish({"order": message.id}, topic="events", message_id=f"ev-{message.id}")
+        return result
+
+    def on_duplicate(self, message: Message, stored_result: Any) -> None:
+        assert message.id is not None
+        self.duplicates[message.id] = stored_result
+
+
+def refuse_claim(db: TestDatabase, message_id: str) -> None:
+    processed = schema(db.prefix).processed.name
+    with db.engine.begin() as connection:
+        connection.execute(
+            text(
+                f"CREATE FUNCTION {db.prefix}refuse() RETURNS trigger AS $$ BEGIN "
+                f"IF NEW.message_id = '{message_id}' THEN RAISE EXCEPTION 'refused' "
+                "USING ERRCODE = '22023'; END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
+            )
+        )
+        connection.execute(
+            text(
+                f"CREATE TRIGGER {db.prefix}refuse BEFORE INSERT ON {processed} "
+                f"FOR EACH ROW EXECUTE FUNCTION {db.prefix}refuse()"
+            )
+        )
+
+
+def test_one_query_per_message_keeps_every_answer_and_fails_only_the_culprit(
+    db: TestDatabase,
+) -> None:
+    orders = orders_table(db.prefix)
+    consumer = type("T", (PerMessage,), {"orders": orders, "table_prefix": db.prefix})()
+    refuse_claim(db, REFUSED)
+    through_sqlalchemy: list[str] = []
+
+    @event.listens_for(db.engine, "before_cursor_execute")
+    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.startswith(f"INSERT INTO {orders.name}"):
+            through_sqlalchemy.append(statement)
+
+    kinds = ["plain"] * 100
+    kinds[10], kinds[20], kinds[40], kinds[50] = "key", "read", "upsert", "count"
+    kinds[60], kinds[70], kinds[71] = "catch", "outbox", "outbox"
+    kinds[80] = "bad"  # VARCHAR(2000) refuses its row: fails in the one query
+    broker = InMemoryBroker()
+    ids = []
+    for number, kind in enumerate(kinds):
+        ids.append(f"{kind}-{number}")
+        broker.publish("q", json.dumps({"kind": kind}), message_id=ids[-1])
+    # Copies of messages with stored results, in the next batch, back to back.
+    for message_id in ("key-10", "read-20", "catch-60", "plain-0", "key-10"):
+        broker.publish("q", json.dumps({"kind": "plain"}), message_id=message_id)
+    dsn = make_url(db.url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {channel_name(db.prefix)}")
+        metrics = run_until_idle(consumer, broker.transport("q"), db.engine)
+        woken = list(listener.notifies(timeout=5, stop_after=1))
+
+    good = [i for i in ids if i not in ("bad-80", REFUSED)]
+    counts = order_counts(db.engine, orders)
+    assert {i: counts.get(i) for i in good} == dict.fromkeys(good, 1)
+    assert "bad-80" not in counts and REFUSED not in counts
+    assert claims(db.engine, db.prefix, consumer.consumer_name) == set(good)
+    # Both culprits: tried twice (max_attempts=2), then dead-lettered; nothing else failed.
+    assert metrics.dead_lettered == 2 and metrics.failures == 4
+    assert metrics.processed == len(good) and metrics.duplicates == 5
+    stored = results(db)
+    assert stored["key-10"] == {"row_id": _row_id(db, "key-10")}
+    assert stored["read-20"] == {"own": 1, "all": 21}  # its own row and all before it
+    assert stored["upsert-40"] == {"rowcount": 1}
+    assert stored["count-50"] == {"rowcount": 1, "many": 1}
+    assert stored["catch-60"] == {"caught": True}
+    assert consumer.duplicates == {
+        "key-10": stored["key-10"],
+        "read-20": stored["read-20"],
+        "catch-60": {"caught": True},
+        "plain-0": None,
+    }
+    outbox = schema(db.prefix).outbox
+    with db.engine.connect() as connection:
+        events = connection.execute(text(f"SELECT message_id FROM {outbox.name}")).scalars()
+        assert sorted(events) == ["ev-outbox-70", "ev-outbox-71"]
+    assert woken  # the relay's wake-up went out with the outbox rows' commit
+    # The plain rows did not go through SQLAlchemy one statement each (the Session
+    # path's 100): the special kinds' own writes, the culprits' reruns, a few more.
+    assert len(through_sqlalchemy) < 20
+
+
+def _row_id(db: TestDatabase, message_id: str) -> int:
+    with db.engine.connect() as connection:
+        value = connection.execute(
+            text(f"SELECT row_id FROM {db.prefix}orders WHERE message_id = :id"),
+            {"id": message_id},
+        ).scalar_one()
+    return int(value)
