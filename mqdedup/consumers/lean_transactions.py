@@ -213,7 +213,9 @@ class LeanTransactions:
             return self.fallback(delivery)
         except BaseException as error:
             lease.close()  # e.g. a dead connection: the retry starts on a fresh one
-            if is_transient(error) or not is_data_error(error):
+            if not isinstance(error, Exception) or is_transient(error):
+                raise
+            if not is_data_error(error):
                 raise
             # Its own data, outside the handler (e.g. its claim refused by a trigger).
             self.p.log_failure(delivery, error)
