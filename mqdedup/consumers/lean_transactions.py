@@ -24,7 +24,11 @@ A failing deferred write or commit is not traced to a statement: the transaction
 rolled back and the message runs again at once on the Session path, writes executed
 inside the handler, so it fails (retries, dead-lettering) or succeeds exactly as
 without this path. Sessions that opt out of deferred writes (Django), async consumers,
-other claim stores and other databases keep the Session path.
+other claim stores and other databases keep the Session path, and so do engines with
+``begin`` / ``commit`` / ``rollback`` listeners (SQLAlchemy's transaction on the leased
+connection stands for the whole batch, so they would not fire per message) and session
+factories whose Session would commit the connection's transaction itself
+(``join_transaction_mode``). Careful mode and retries run on the Session path too.
 """
 
 from __future__ import annotations
@@ -34,11 +38,8 @@ import logging
 import time
 from collections.abc import Callable
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-import psycopg
-from psycopg import ClientCursor
-from psycopg.pq import TransactionStatus
 from sqlalchemy import Connection, Engine, Table
 from sqlalchemy.engine.interfaces import Dialect
 from sqlalchemy.orm import Session, sessionmaker
@@ -58,12 +59,19 @@ from mqdedup.dedup.store import utcnow
 from mqdedup.outbox.notify import notify_pending
 
 if TYPE_CHECKING:
+    import psycopg
+    from psycopg import ClientCursor
+
     from mqdedup.consumers.pipeline import Pipeline
     from mqdedup.consumers.transport import Delivery
 
 log = logging.getLogger(__name__)
 
-INTRANS = TransactionStatus.INTRANS
+#: libpq's PQTRANS_INTRANS: idle in a transaction block (psycopg ``TransactionStatus``).
+INTRANS = 2
+
+#: Engine events SQLAlchemy would no longer fire per message on this path.
+_ENGINE_TRANSACTION_EVENTS = ("begin", "commit", "rollback")
 
 
 class LeanLease:
@@ -83,6 +91,8 @@ class LeanLease:
     def open(self) -> tuple[Session, Connection, ClientCursor[Any]]:
         """The lease's session, connection and cursor (connected on first use)."""
         if self.session is None or self.connection is None or self.cursor is None:
+            from psycopg import ClientCursor  # the postgresql extra, here for sure
+
             connection = self._engine.connect()
             try:
                 connection.execution_options(isolation_level="AUTOCOMMIT")
@@ -179,6 +189,7 @@ class LeanTransactions:
     def applies(processor: Pipeline, sessions: sessionmaker[Session], opted_out: bool) -> bool:
         """True when ``processor``'s transaction mode can take this path."""
         bind = sessions.kw.get("bind")
+        joins = sessions.kw.get("join_transaction_mode", "conservative_savepoint")
         return (
             processor.consumer.failure_isolation == "transaction"
             and not processor.consumer.asynchronous
@@ -187,6 +198,11 @@ class LeanTransactions:
             and isinstance(bind, Engine)
             and bind.dialect.name == "postgresql"
             and bind.dialect.driver == "psycopg"
+            # The Session must join the connection's transaction without committing it.
+            and joins in ("conservative_savepoint", "rollback_only")
+            and not sessions.kw.get("binds")
+            # Listeners of the engine's begin / commit expect them once per message.
+            and not any(getattr(bind.dispatch, name) for name in _ENGINE_TRANSACTION_EVENTS)
         )
 
     def lease(self) -> LeanLease:
@@ -414,8 +430,8 @@ def _connection_of(session: Session, connection: Connection, *args: Any, **kwarg
 def _driver(connection: Connection) -> psycopg.Connection[Any]:
     """The psycopg connection under ``connection``."""
     driver = connection.connection.driver_connection
-    assert isinstance(driver, psycopg.Connection)
-    return driver
+    assert driver is not None
+    return cast("psycopg.Connection[Any]", driver)
 
 
 def _rollback(session: Session, connection: Connection) -> None:

@@ -12,7 +12,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sqlalchemy import JSON, Column, Integer, MetaData, String, Table, create_engine, insert
+from sqlalchemy import (
+    JSON,
+    Column,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    event,
+    insert,
+)
 from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -70,20 +80,37 @@ class _Handler(Consumer):
         return None
 
 
+PG = "postgresql+psycopg://u@localhost/db"
+
+
 @pytest.mark.parametrize(
-    ("url", "attributes", "opted_out", "expected"),
+    ("url", "attributes", "session_options", "opted_out", "expected"),
     [
-        ("postgresql+psycopg://u@localhost/db", {}, False, True),
-        ("postgresql+psycopg://u@localhost/db", {"failure_isolation": "auto"}, False, False),
-        ("postgresql+psycopg://u@localhost/db", {}, True, False),  # Django's sessions
-        ("sqlite://", {}, False, False),
+        (PG, {}, {}, False, True),
+        (PG, {"failure_isolation": "auto"}, {}, False, False),
+        (PG, {}, {}, True, False),  # Django's sessions
+        (PG, {}, {"join_transaction_mode": "control_fully"}, False, False),  # would COMMIT
+        ("sqlite://", {}, {}, False, False),
     ],
 )
 def test_the_path_is_taken_by_sync_transaction_mode_on_postgresql_with_psycopg(
-    url: str, attributes: dict[str, Any], opted_out: bool, expected: bool
+    url: str,
+    attributes: dict[str, Any],
+    session_options: dict[str, Any],
+    opted_out: bool,
+    expected: bool,
 ) -> None:
     engine = create_engine(url)  # never connects
-    sessions = sessionmaker(engine)
+    sessions = sessionmaker(engine, **session_options)
     consumer = type("C", (_Handler,), attributes)()
     processor: Any = SimpleNamespace(consumer=consumer, store=SqlClaimStore(sessions))
     assert LeanTransactions.applies(processor, sessions, opted_out) is expected
+
+
+def test_an_engine_that_listens_to_transactions_keeps_the_session_path() -> None:
+    engine = create_engine(PG)
+    sessions = sessionmaker(engine)
+    processor: Any = SimpleNamespace(consumer=_Handler(), store=SqlClaimStore(sessions))
+    assert LeanTransactions.applies(processor, sessions, False)
+    event.listen(engine, "begin", lambda connection: None)  # e.g. SET LOCAL per transaction
+    assert not LeanTransactions.applies(processor, sessions, False)
