@@ -114,7 +114,7 @@ class LeanLease:
         if self.connection is None:
             return None
         driver = _driver(self.connection)
-        if claimed[0] == message_id and driver.info.transaction_status == INTRANS:
+        if claimed[0] == message_id and driver.pgconn.transaction_status == INTRANS:
             return claimed[1]
         driver.rollback()
         return None
