@@ -52,7 +52,6 @@ from mqdedup.consumers.deferral import (
     open_deferral,
 )
 from mqdedup.consumers.report import Outcome
-from mqdedup.consumers.staging import close_stage, open_stage
 from mqdedup.db.dialects import is_data_error, is_transient
 from mqdedup.dedup.sql_claims import SqlClaimStore
 from mqdedup.dedup.store import utcnow
@@ -298,7 +297,6 @@ class LeanTransactions:
         the exception it raised (the transaction then rolled back, the failure in
         ``outcome``)."""
         deferred = open_deferral(session, connection) if self.defer else None
-        open_stage(session, immediate=True)
         guard_session(session)
         namespace = session.__dict__
         namespace["connection"] = functools.partial(_connection_of, session, connection)
@@ -324,7 +322,6 @@ class LeanTransactions:
             unguard_session(session)
             namespace.pop("execute", None)
             namespace.pop("connection", None)
-            close_stage(session)
             if deferred is not None:
                 deferred.leave_handler()
                 close_deferral(deferred)
