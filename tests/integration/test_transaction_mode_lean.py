@@ -54,6 +54,8 @@ class PerMessage(Mixed):
 
     def handle(self, message: Message, ctx: Context) -> Any:
         result = super().handle(message, ctx)
+        if message.json()["kind"] == "stage":  # ctx.stage writes at once here
+            ctx.stage(self.orders, {"message_id": f"{message.id}-staged", "body": "s"})
         if message.json()["kind"] == "outbox":
             ctx.outbox.publish({"order": message.id}, topic="events", message_id=f"ev-{message.id}")
         return result
@@ -97,6 +99,7 @@ def test_one_query_per_message_keeps_every_answer_and_fails_only_the_culprit(
     kinds = ["plain"] * 100
     kinds[10], kinds[20], kinds[40], kinds[50] = "key", "read", "upsert", "count"
     kinds[60], kinds[70], kinds[71] = "catch", "outbox", "outbox"
+    kinds[90] = "stage"
     kinds[80] = "bad"  # VARCHAR(2000) refuses its row: fails in the one query
     broker = InMemoryBroker()
     ids = []
@@ -116,6 +119,7 @@ def test_one_query_per_message_keeps_every_answer_and_fails_only_the_culprit(
     counts = order_counts(db.engine, orders)
     assert {i: counts.get(i) for i in good} == dict.fromkeys(good, 1)
     assert "bad-80" not in counts and REFUSED not in counts
+    assert counts["stage-90-staged"] == 1
     assert claims(db.engine, db.prefix, consumer.consumer_name) == set(good)
     # Both culprits: tried twice (max_attempts=2), then dead-lettered; nothing else failed.
     assert metrics.dead_lettered == 2 and metrics.failures == 4
