@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import psycopg
 import pytest
 from sqlalchemy import event, make_url, text
+from sqlalchemy.orm import registry
 
 from mqdedup import InMemoryBroker, Message, run_until_idle
 from mqdedup.consumers.context import Context
@@ -48,6 +49,7 @@ class PerMessage(Mixed):
 
     failure_isolation = "transaction"
     batch_size = 100
+    row_class: ClassVar[type[Any]]
 
     def __init__(self) -> None:
         self.duplicates: dict[str, Any] = {}
@@ -56,6 +58,8 @@ class PerMessage(Mixed):
         result = super().handle(message, ctx)
         if message.json()["kind"] == "stage":  # ctx.stage writes at once here
             ctx.stage(self.orders, {"message_id": f"{message.id}-staged", "body": "s"})
+        if message.json()["kind"] == "orm":  # an ORM object, flushed in the transaction
+            ctx.session.add(self.row_class(message_id=f"{message.id}-orm", body="o"))
         if message.json()["kind"] == "outbox":
             ctx.outbox.publish({"order": message.id}, topic="events", message_id=f"ev-{message.id}")
         return result
@@ -87,7 +91,10 @@ def test_one_query_per_message_keeps_every_answer_and_fails_only_the_culprit(
     db: TestDatabase,
 ) -> None:
     orders = orders_table(db.prefix)
-    consumer = type("T", (PerMessage,), {"orders": orders, "table_prefix": db.prefix})()
+    row_class = type("Row", (), {})
+    registry().map_imperatively(row_class, orders)
+    attributes = {"orders": orders, "table_prefix": db.prefix, "row_class": row_class}
+    consumer = type("T", (PerMessage,), attributes)()
     refuse_claim(db, REFUSED)
     through_sqlalchemy: list[str] = []
 
@@ -99,7 +106,7 @@ def test_one_query_per_message_keeps_every_answer_and_fails_only_the_culprit(
     kinds = ["plain"] * 100
     kinds[10], kinds[20], kinds[40], kinds[50] = "key", "read", "upsert", "count"
     kinds[60], kinds[70], kinds[71] = "catch", "outbox", "outbox"
-    kinds[90] = "stage"
+    kinds[90], kinds[91] = "stage", "orm"
     kinds[80] = "bad"  # VARCHAR(2000) refuses its row: fails in the one query
     broker = InMemoryBroker()
     ids = []
@@ -119,7 +126,7 @@ def test_one_query_per_message_keeps_every_answer_and_fails_only_the_culprit(
     counts = order_counts(db.engine, orders)
     assert {i: counts.get(i) for i in good} == dict.fromkeys(good, 1)
     assert "bad-80" not in counts and REFUSED not in counts
-    assert counts["stage-90-staged"] == 1
+    assert counts["stage-90-staged"] == 1 and counts["orm-91-orm"] == 1
     assert claims(db.engine, db.prefix, consumer.consumer_name) == set(good)
     # Both culprits: tried twice (max_attempts=2), then dead-lettered; nothing else failed.
     assert metrics.dead_lettered == 2 and metrics.failures == 4
