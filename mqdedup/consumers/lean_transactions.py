@@ -1,4 +1,4 @@
-"""Transaction mode on PostgreSQL (psycopg): a message in two round trips.
+"""Transaction mode on PostgreSQL (psycopg): one query per message.
 
 ``failure_isolation = "transaction"`` commits every message on its own. Through the
 Session that costs four round trips (BEGIN, claim, the handler's write, COMMIT) and
@@ -149,7 +149,7 @@ class _WriteAtOnceError(Exception):
 
 
 class LeanTransactions:
-    """One message per transaction in two round trips (see the module docstring)."""
+    """One message per transaction, one query per message (see the module docstring)."""
 
     def __init__(
         self,
