@@ -42,7 +42,7 @@ rows = Table(
     Column("doc", JSON),
     Column("kind", String(16), default="plain"),
 )
-DIALECT = pg_psycopg.dialect()
+DIALECT = pg_psycopg.dialect()  # type: ignore[no-untyped-call]
 
 
 def test_a_plain_row_is_bound_by_the_path_and_anything_else_by_sqlalchemy() -> None:
