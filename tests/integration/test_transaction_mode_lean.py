@@ -160,3 +160,40 @@ def _row_id(db: TestDatabase, message_id: str) -> int:
             {"id": message_id},
         ).scalar_one()
     return int(value)
+
+
+class Terminating(PerMessage):
+    """Message ``kill-5``'s first handler call ends its own database session from
+    another connection: the one query after it finds the connection dead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def handle(self, message: Message, ctx: Context) -> Any:
+        assert message.id is not None
+        self.calls[message.id] = self.calls.get(message.id, 0) + 1
+        if message.id == "kill-5" and self.calls[message.id] == 1:
+            pid = ctx.session.connection().exec_driver_sql("SELECT pg_backend_pid()").scalar()
+            with self.engine.connect() as admin:
+                admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        return super().handle(message, ctx)
+
+
+def test_a_connection_lost_mid_message_is_waited_out_and_each_effect_stays_once(
+    db: TestDatabase,
+) -> None:
+    orders = orders_table(db.prefix)
+    attributes = {"orders": orders, "table_prefix": db.prefix, "engine": db.engine}
+    consumer = type("K", (Terminating,), attributes)()
+    broker = InMemoryBroker()
+    ids = [f"{kind}-{number}" for number, kind in enumerate(["plain"] * 5 + ["kill"] + ["key"] * 4)]
+    for message_id in ids:
+        broker.publish("q", json.dumps({"kind": message_id.split("-")[0]}), message_id=message_id)
+    metrics = run_until_idle(consumer, broker.transport("q"), db.engine)
+
+    assert order_counts(db.engine, orders) == dict.fromkeys(ids, 1)
+    assert claims(db.engine, db.prefix, consumer.consumer_name) == set(ids)
+    assert consumer.calls["kill-5"] == 2  # its transaction died with the connection
+    assert metrics.database_retries >= 1 and metrics.failures == 0
+    assert metrics.processed == len(ids) and metrics.dead_lettered == 0
