@@ -144,7 +144,9 @@ class Wire:
 
     Several statements in one string run in order and stop at the first error. The
     driver's cursor machinery costs ~60 µs of CPU per query, as much as the rest of a
-    message's path: this is the lean path's one hot call.
+    message's path: this is the lean path's one hot call. libpq waits for the answer
+    with the GIL released; a Ctrl-C is handled once it has come (psycopg's own wait
+    would cancel the query).
     """
 
     def __init__(self, driver: psycopg.Connection[Any]) -> None:
