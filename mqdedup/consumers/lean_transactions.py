@@ -11,14 +11,18 @@ query per message once the handler has run:
   next handler runs. A batch's first message (or one after a failure) is claimed
   with a ``BEGIN; INSERT <claim>`` query of its own.
 
-Values are bound on the client (psycopg's ``ClientCursor``, its own quoting). When
-that query fails, the message's claim row tells whether its COMMIT had run (the next
-claim failed) or not (its writes or commit failed).
+Values are bound on the client (psycopg's quoting, as its ``ClientCursor``) and the
+string goes out in one ``PQexec`` (:class:`Wire`). When that query fails, the
+message's claim row tells whether its COMMIT had run (the next claim failed) or not
+(its writes or commit failed).
+
 The leased connection runs in driver autocommit, so psycopg sends no ``BEGIN`` of its
 own; the Session the handler gets is bound to it and its statements run inside the
-transaction begun here. Anything else the handler does (reads, ORM objects, the
-outbox, savepoints, writes that are not a plain ``insert(table)``) goes through
-SQLAlchemy as usual, in the same transaction.
+transaction begun here. SQLAlchemy keeps one standing transaction on the connection,
+which the Session joins without ever committing it: SQLAlchemy never sends a COMMIT of
+its own, which could end the next message's transaction. Anything else the handler
+does (reads, ORM objects, the outbox, savepoints, writes that are not a plain
+``insert(table)``) goes through SQLAlchemy as usual, in the same transaction.
 
 A failing deferred write or commit is not traced to a statement: the transaction is
 rolled back and the message runs again at once on the Session path, writes executed
@@ -37,7 +41,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import Connection, Engine, Table
@@ -502,7 +505,7 @@ def _standing(connection: Connection) -> None:
     connection.begin()
 
 
-@lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256)
 def _values_sql(table: Table, keys: tuple[str, ...], dialect: Dialect) -> str | None:
     """``INSERT INTO table (keys) VALUES (%s, …)``; None when SQLAlchemy must write the
     row: a key that is no column, a column type with bind processing (JSON, Enum, …),
