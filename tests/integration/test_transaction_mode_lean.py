@@ -11,16 +11,19 @@ the claimed message, and a duplicate gets its stored result.
 from __future__ import annotations
 
 import json
+import random
+import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import psycopg
 import pytest
-from sqlalchemy import event, make_url, text
+from sqlalchemy import Engine, event, make_url, text
 from sqlalchemy.orm import registry
 
 from mqdedup import InMemoryBroker, Message, run_until_idle
 from mqdedup.consumers.context import Context
+from mqdedup.consumers.worker import Worker
 from mqdedup.db.schema import schema
 from mqdedup.outbox.notify import channel_name
 from tests.integration.rabbitmq.support import claims, order_counts
@@ -166,6 +169,8 @@ class Terminating(PerMessage):
     """Message ``kill-5``'s first handler call ends its own database session from
     another connection: the one query after it finds the connection dead."""
 
+    engine: ClassVar[Engine]
+
     def __init__(self) -> None:
         super().__init__()
         self.calls: dict[str, int] = {}
@@ -197,3 +202,28 @@ def test_a_connection_lost_mid_message_is_waited_out_and_each_effect_stays_once(
     assert consumer.calls["kill-5"] == 2  # its transaction died with the connection
     assert metrics.database_retries >= 1 and metrics.failures == 0
     assert metrics.processed == len(ids) and metrics.dead_lettered == 0
+
+
+def test_workers_racing_for_the_same_ids_write_each_effect_once(db: TestDatabase) -> None:
+    """Each worker's open transaction holds one claim at a time (it commits before it
+    claims the next message), so racing workers wait on each other, never deadlock."""
+    orders = orders_table(db.prefix)
+    ids = [f"plain-{number}" for number in range(300)]
+    workers = []
+    for seed in range(3):
+        broker = InMemoryBroker()
+        for message_id in random.Random(seed).sample(ids, len(ids)):
+            broker.publish("q", json.dumps({"kind": "plain"}), message_id=message_id)
+        attributes = {"orders": orders, "table_prefix": db.prefix, "batch_size": 50}
+        consumer = type("R", (PerMessage,), attributes)()
+        workers.append(Worker(consumer, broker.transport("q"), db.engine))
+    threads = [threading.Thread(target=w.run, kwargs={"until_idle": True}) for w in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+
+    assert order_counts(db.engine, orders) == dict.fromkeys(ids, 1)
+    assert sum(worker.metrics.processed for worker in workers) == len(ids)
+    assert sum(worker.metrics.duplicates for worker in workers) == 2 * len(ids)
