@@ -217,6 +217,19 @@ class DeferredWrites:
         else:
             connection.execute(statement, rows[0])
 
+    def take_plain_inserts(self) -> list[tuple[Table, dict[str, Any]]] | None:
+        """Hand over the queue when it holds only plain ``insert(table)`` writes, each
+        as its table and row, to be written by the caller (the queue is then empty);
+        None (the queue kept) when another kind of write is queued."""
+        pending = self._pending
+        rows: list[tuple[Table, dict[str, Any]]] = []
+        for write in pending:
+            if write.table is None:
+                return None
+            rows.append((write.table, write.params))
+        self._pending = []
+        return rows
+
     # -- the connection hook ----------------------------------------------------------
 
     def before_statement(self) -> None:
@@ -313,10 +326,15 @@ class _Hook:
 _HOOK = "_mqdedup_deferral_hook"
 
 
-def open_deferral(session: Session) -> DeferredWrites:
+def open_deferral(session: Session, connection: Connection | None = None) -> DeferredWrites:
     """Defer the writes of ``session``'s transaction; its connection writes the queue
-    before any other statement (the listener is installed once per connection)."""
-    connection = session.connection()
+    before any other statement (the listener is installed once per connection).
+
+    ``connection``: the one the session is bound to, when it is known (asking the
+    session for it would begin the session's transaction).
+    """
+    if connection is None:
+        connection = session.connection()
     writes = DeferredWrites(session, connection)
     hook: _Hook | None = connection.__dict__.get(_HOOK)
     if hook is None:

@@ -4,7 +4,8 @@ The unit of work of a transactional claim store (``SqlDedup``, the default): eac
 transaction claims the ids, runs the handlers for the new ones with ``ctx.session``
 and ``ctx.outbox``, stores their results and commits. A failing handler's writes and
 claim are undone (a savepoint, or a rerun of the transaction without it) and its
-batch-mates still commit (``failure_isolation``).
+batch-mates still commit (``failure_isolation``). Transaction mode on PostgreSQL with
+psycopg runs its messages through :mod:`~mqdedup.consumers.lean_transactions`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from mqdedup.consumers.deferral import (
     close_deferral,
     open_deferral,
 )
+from mqdedup.consumers.lean_transactions import LeanLease, LeanTransactions
 from mqdedup.consumers.report import BatchReport, Outcome
 from mqdedup.consumers.sessions import SessionLease, self_deadlock, waits_for_own_lock
 from mqdedup.consumers.staging import StagedWrites, close_stage, open_stage, staged_writes
@@ -82,12 +84,13 @@ class TransactionalRuns:
         # Transaction mode holds one message per transaction: nothing to write together.
         # Sessions whose connection is also written outside SQLAlchemy (Django's ORM) opt
         # out: those statements would not write the deferred queue before they run.
-        self.defer = (
-            self.consumer.defer_writes
-            and not self.per_message
-            and (sessions.kw.get("info") or {}).get(NO_DEFERRED_WRITES) is not True
-        )
+        opted_out = (sessions.kw.get("info") or {}).get(NO_DEFERRED_WRITES) is True
+        self.defer = self.consumer.defer_writes and not self.per_message and not opted_out
+        # Transaction mode on PostgreSQL (psycopg): one query per message.
+        self.lean: LeanTransactions | None = None
         bind = sessions.kw.get("bind")
+        if isinstance(bind, Engine) and LeanTransactions.applies(processor, sessions, opted_out):
+            self.lean = LeanTransactions(processor, bind, sessions, self.own_transaction)
         self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
         if self._sqlite:
             sqlite_lock.install()  # a handler's own connection to the file fails fast
@@ -127,20 +130,33 @@ class TransactionalRuns:
         On a stop request the rest of the batch is left unsettled for the next owner.
         """
         failures: list[tuple[Delivery[Any], Exception]] = []
-        lease = SessionLease(self.sessions)
+        lease = self.lean.lease() if self.lean is not None else SessionLease(self.sessions)
         try:
             for index, delivery in enumerate(deliveries):
                 if self.p.stop.requested:
                     report.unsettled.extend(deliveries[index:])
                     break
+                following = deliveries[index + 1] if index + 1 < len(deliveries) else None
                 outcome = self.p.outages.run(
-                    functools.partial(self.own_transaction, delivery, lease)
+                    functools.partial(self._one, delivery, following, lease)
                 )
                 self.p.committed(outcome, report)
                 failures.extend(outcome.failures)
         finally:
             lease.close()
         return failures
+
+    def _one(
+        self,
+        delivery: Delivery[Any],
+        following: Delivery[Any] | None,
+        lease: SessionLease | LeanLease,
+    ) -> Outcome:
+        """Transaction mode's first pass over one message (``following`` is next)."""
+        if isinstance(lease, LeanLease):
+            assert self.lean is not None
+            return self.lean.run(delivery, lease, following)
+        return self.own_transaction(delivery, lease)
 
     def own_transaction(
         self, delivery: Delivery[Any], lease: SessionLease | None = None

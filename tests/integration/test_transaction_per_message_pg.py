@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, Table
+from sqlalchemy import Engine, Table, insert
 
 from mqdedup import Message, create_engine
+from mqdedup.consumers.context import Context
 from mqdedup.stopping import StopToken
 from tests.integration.rabbitmq.support import claims, make_consumer, order_counts
 from tests.services import REPO, RabbitAdmin, prefixed_database, table_prefix, wait_for
@@ -51,7 +52,7 @@ def consumer_class(config: dict[str, Any]) -> Any:
             marker.write_text(str(os.getpid()))
             time.sleep(120)  # the test kills this process long before
 
-    return make_consumer(
+    base = make_consumer(
         config["queue"],
         config["prefix"],
         config["url"],
@@ -60,6 +61,24 @@ def consumer_class(config: dict[str, Any]) -> Any:
         failure_isolation="transaction",
         before_write=before_write if hold else None,
     )
+
+    class BothStyles(base):  # type: ignore[valid-type,misc]
+        """Even ids: the row as parameters of a plain ``insert(orders)``, sent with the
+        commit and the next message's claim (consumers/lean_transactions.py); odd ids:
+        ``insert(orders).values(...)``, written through SQLAlchemy before that query."""
+
+        def handle(self, message: Message, ctx: Context) -> Any:
+            assert message.id is not None
+            self.calls[message.id] += 1
+            if self.before_write is not None:
+                self.before_write(message)
+            row = {"message_id": message.id, "body": message.text()[:2000]}
+            if int(message.id[1:]) % 2:
+                ctx.session.execute(insert(self.orders).values(**row))
+            else:
+                ctx.session.execute(insert(self.orders), row)
+
+    return BothStyles
 
 
 def worker_main() -> None:
