@@ -204,7 +204,7 @@ def claim_ids(
         rows = session.execute(
             _pg_claim_statement(table.name), {"consumer": consumer, "ids": list(ids), "now": now}
         )
-        return {row[0] for row in rows}
+        return set(rows.scalars().all())  # one fetchall, not a fetchone per row
     if dialect == "sqlite":
         insert_stmt = sqlite.insert(table).values(
             [{"consumer_name": consumer, "message_id": i, "processed_at": now} for i in ids]

@@ -43,7 +43,7 @@ import kafka
 import kafka.errors as kafka_errors
 
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.transport import DeadLetter, Delivery
+from mqdedup.consumers.transport import DeadLetter, Delivery, new_delivery
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.kafka.assignment import Assignment
 from mqdedup.kafka.clean_stop import stopped_cleanly
@@ -57,6 +57,7 @@ from mqdedup.kafka.records import (
     KafkaToken,
     describe_error,
     is_retriable,
+    kafka_token,
     partition_key,
     to_message,
 )
@@ -242,6 +243,7 @@ class KafkaClient:
             return []
         self._assignment.drop_unassigned()
         deliveries: list[Delivery[KafkaToken]] = []
+        append = deliveries.append
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
             if self._assignment.unchecked(key) and records:
@@ -251,10 +253,10 @@ class KafkaClient:
                 if track is None:
                     continue  # its partition is being rewound; it will come again
                 epoch, redelivered = track
-                deliveries.append(
-                    Delivery(
+                append(
+                    new_delivery(
                         to_message(record, redelivered),
-                        KafkaToken(key, record.offset, epoch, record),
+                        kafka_token(key, record.offset, epoch, record),
                     )
                 )
         return deliveries
