@@ -86,10 +86,9 @@ def to_message(queue: str, method: Any, properties: Any, body: bytes | None) -> 
     props: dict[str, Any] = {
         name: value for name, value in vars(properties).items() if value is not None
     }
-    props.pop("headers", None)
+    raw_headers: Mapping[str, Any] | None = props.pop("headers", None)
     props["exchange"] = method.exchange
     props["routing_key"] = method.routing_key
-    raw_headers: Mapping[str, Any] | None = properties.headers
     redelivered = bool(method.redelivered)
     if raw_headers:
         headers: dict[str, HeaderValue] = {
