@@ -280,10 +280,16 @@ class KafkaClient:
     def current(self, deliveries: Iterable[Delivery[KafkaToken]]) -> list[Delivery[KafkaToken]]:
         """The deliveries whose partition epoch is still current (others were dropped)."""
         deliveries = list(deliveries)
-        current = self.tracker.current_epochs(
-            (d.token.partition, d.token.epoch) for d in deliveries
-        )
-        return [d for d, keep in zip(deliveries, current, strict=True) if keep]
+        # A batch holds a few (partition, epoch) pairs: check each pair once.
+        pairs = list({(d.token.partition, d.token.epoch) for d in deliveries})
+        stale = {
+            pair
+            for pair, keep in zip(pairs, self.tracker.current_epochs(pairs), strict=True)
+            if not keep
+        }
+        if not stale:
+            return deliveries
+        return [d for d in deliveries if (d.token.partition, d.token.epoch) not in stale]
 
     def pause_all(self) -> None:
         """Pause every assigned partition (fetching stops; group membership stays)."""
