@@ -532,6 +532,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in section.rows:
             runs = ", ".join(f"{value:,.0f}" for value in row.values)
             print(f"| {row.variant} | {row.median:,.0f} | {runs} |")
+        medians = {row.variant: row.median for row in section.rows}
+        if medians.get(BULK) and medians.get(HAND_BATCH):
+            # The #11 goal: bulk handle_batch at least as fast as the hand-written batch loop.
+            print(f"\nbulk / hand-written batch loop: {medians[BULK] / medians[HAND_BATCH]:.0%}")
     return 0
 
 

@@ -85,7 +85,7 @@ class Message:
         """
         current = self.id
         if current is None:
-            object.__setattr__(self, "id", message_id)
+            _set_id(self, message_id)  # the slot itself: no frozen-dataclass __setattr__
             return self
         return self if current == message_id else self.with_id(message_id)
 

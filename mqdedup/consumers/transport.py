@@ -53,6 +53,20 @@ class Delivery(Generic[TokenT]):
     token: TokenT
 
 
+def new_delivery(message: Message, token: TokenT) -> Delivery[TokenT]:
+    """``Delivery(message, token)`` for a transport's hot path (one per message): sets
+    the two slots directly, without the frozen dataclass's ``object.__setattr__`` calls."""
+    delivery: Delivery[TokenT] = _new(Delivery)
+    _set_message(delivery, message)
+    _set_token(delivery, token)
+    return delivery
+
+
+_new = object.__new__
+_set_message = Delivery.__dict__["message"].__set__
+_set_token = Delivery.__dict__["token"].__set__
+
+
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
     """Why a message was dead-lettered."""

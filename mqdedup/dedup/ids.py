@@ -48,6 +48,22 @@ class InvalidMessageIdError(MissingMessageIdError):
         MessageError.__init__(self, reason)
 
 
+#: Set on the strategies of this module: what they return passed :func:`check_message_id`.
+_CHECKED = "_mqdedup_returns_checked_ids"
+
+
+def _returns_checked_ids(strategy: MessageIdStrategy) -> MessageIdStrategy:
+    setattr(strategy, _CHECKED, True)
+    return strategy
+
+
+def returns_checked_ids(strategy: object) -> bool:
+    """True for a strategy of this module whose ids are checked already (every one,
+    except :func:`first_of` over a strategy of the user's): the processor then does not
+    check each id a second time."""
+    return getattr(strategy, _CHECKED, False) is True
+
+
 def check_message_id(message_id: object, where: str = "message id") -> str:
     """Return ``message_id`` if every database can store it as a key, else raise.
 
@@ -81,19 +97,23 @@ def check_message_id(message_id: object, where: str = "message id") -> str:
 def from_header(name: str = DEFAULT_HEADER) -> MessageIdStrategy:
     """Take the id from a header (Kafka record header or AMQP application header)."""
 
+    where = f"{name!r} header"
+
     def strategy(message: Message) -> str:
-        return check_message_id(message.header(name), f"{name!r} header")
+        return check_message_id(message.header(name), where)
 
     strategy.__name__ = f"from_header({name!r})"
-    return strategy
+    return _returns_checked_ids(strategy)
 
 
+@_returns_checked_ids
 def from_amqp_message_id(message: Message) -> str:
     """Take the id from the AMQP ``message_id`` basic property."""
     value = message.properties.get("message_id")
     return check_message_id(None if value is None else str(value), "AMQP message_id property")
 
 
+@_returns_checked_ids
 def from_coordinates(message: Message) -> str:
     """Use the broker coordinates ``topic/partition/offset`` as the id (Kafka).
 
@@ -111,6 +131,7 @@ def from_coordinates(message: Message) -> str:
     return check_message_id(coordinates, "topic/partition/offset coordinates")
 
 
+@_returns_checked_ids
 def from_content_hash(message: Message) -> str:
     """Use the sha256 of the body as the id."""
     return "sha256:" + hashlib.sha256(message.body).hexdigest()
@@ -127,7 +148,7 @@ def from_callable(function: Callable[[Message], str | None]) -> MessageIdStrateg
     def strategy(message: Message) -> str:
         return check_message_id(function(message), where)
 
-    return strategy
+    return _returns_checked_ids(strategy)
 
 
 def first_of(*strategies: MessageIdStrategy) -> MessageIdStrategy:
@@ -142,4 +163,6 @@ def first_of(*strategies: MessageIdStrategy) -> MessageIdStrategy:
                 last = exc
         raise last or MissingMessageIdError()
 
+    if all(returns_checked_ids(candidate) for candidate in strategies):
+        return _returns_checked_ids(strategy)
     return strategy

@@ -43,7 +43,7 @@ import kafka
 import kafka.errors as kafka_errors
 
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.transport import DeadLetter, Delivery
+from mqdedup.consumers.transport import DeadLetter, Delivery, new_delivery
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.kafka.assignment import Assignment
 from mqdedup.kafka.clean_stop import stopped_cleanly
@@ -57,6 +57,7 @@ from mqdedup.kafka.records import (
     KafkaToken,
     describe_error,
     is_retriable,
+    kafka_token,
     partition_key,
     to_message,
 )
@@ -242,6 +243,7 @@ class KafkaClient:
             return []
         self._assignment.drop_unassigned()
         deliveries: list[Delivery[KafkaToken]] = []
+        append = deliveries.append
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
             if self._assignment.unchecked(key) and records:
@@ -251,10 +253,10 @@ class KafkaClient:
                 if track is None:
                     continue  # its partition is being rewound; it will come again
                 epoch, redelivered = track
-                deliveries.append(
-                    Delivery(
+                append(
+                    new_delivery(
                         to_message(record, redelivered),
-                        KafkaToken(key, record.offset, epoch, record),
+                        kafka_token(key, record.offset, epoch, record),
                     )
                 )
         return deliveries
@@ -278,10 +280,16 @@ class KafkaClient:
     def current(self, deliveries: Iterable[Delivery[KafkaToken]]) -> list[Delivery[KafkaToken]]:
         """The deliveries whose partition epoch is still current (others were dropped)."""
         deliveries = list(deliveries)
-        current = self.tracker.current_epochs(
-            (d.token.partition, d.token.epoch) for d in deliveries
-        )
-        return [d for d, keep in zip(deliveries, current, strict=True) if keep]
+        # A batch holds a few (partition, epoch) pairs: check each pair once.
+        pairs = list({(d.token.partition, d.token.epoch) for d in deliveries})
+        stale = {
+            pair
+            for pair, keep in zip(pairs, self.tracker.current_epochs(pairs), strict=True)
+            if not keep
+        }
+        if not stale:
+            return deliveries
+        return [d for d in deliveries if (d.token.partition, d.token.epoch) not in stale]
 
     def pause_all(self) -> None:
         """Pause every assigned partition (fetching stops; group membership stays)."""

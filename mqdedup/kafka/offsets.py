@@ -223,8 +223,21 @@ class OffsetTracker:
         many were settled (the others are ignored, as by :meth:`settle`)."""
         count = 0
         with self._lock:
+            partitions = self._partitions
             for key, offset, epoch in settled:
-                count += self._settle(key, offset, epoch)
+                state = partitions.get(key)
+                if state is None or state.epoch != epoch:
+                    continue
+                pending = state.pending
+                if not state.settled and pending and pending[0] == offset:
+                    # The common case: the partition's next offset, nothing settled out
+                    # of order before it: it becomes committable at once.
+                    pending.popleft()
+                    state.outstanding.discard(offset)
+                    state.committable = offset + 1
+                    count += 1
+                else:
+                    count += self._settle(key, offset, epoch)
         return count
 
     def _settle(self, key: PartitionKey, offset: int, epoch: int) -> bool:

@@ -48,7 +48,6 @@ PROPERTY_NAMES: tuple[str, ...] = (
     "app_id",
     "cluster_id",
 )
-_PROPERTY_SET = frozenset(PROPERTY_NAMES)
 PERSISTENT = 2
 
 
@@ -83,14 +82,13 @@ def to_message(queue: str, method: Any, properties: Any, body: bytes | None) -> 
     ``properties`` holds the AMQP basic properties that are set, plus ``exchange`` and
     ``routing_key`` of the delivery. (Hot path: one call per delivery.)
     """
+    # pika's BasicProperties holds the basic properties plus ``headers`` (kept apart).
     props: dict[str, Any] = {
-        name: value
-        for name, value in vars(properties).items()
-        if value is not None and name in _PROPERTY_SET
+        name: value for name, value in vars(properties).items() if value is not None
     }
+    raw_headers: Mapping[str, Any] | None = props.pop("headers", None)
     props["exchange"] = method.exchange
     props["routing_key"] = method.routing_key
-    raw_headers: Mapping[str, Any] | None = properties.headers
     redelivered = bool(method.redelivered)
     if raw_headers:
         headers: dict[str, HeaderValue] = {

@@ -138,11 +138,15 @@ class ConsumingChannel:
     # pika callbacks and commands (I/O thread) -----------------------------------------------
 
     def _on_message(self, _channel: Any, method: Any, properties: Any, body: bytes) -> None:
+        # One call per delivery: the append needs no lock (a deque's append and the
+        # worker's popleft are atomic; only this thread clears the buffer); the lock is
+        # taken to wake the worker, which checks the buffer under it before it waits.
         self._outstanding.add(method.delivery_tag)
-        with self._lock:
-            self._buffer.append((self._io_generation, method, properties, body))
-            self._last_arrival = time.monotonic()
-            if len(self._buffer) >= min(self._wanted, self.prefetch):
+        self._last_arrival = time.monotonic()
+        buffer = self._buffer
+        buffer.append((self._io_generation, method, properties, body))
+        if len(buffer) >= min(self._wanted, self.prefetch):
+            with self._lock:
                 self._lock.notify_all()
 
     def _on_broker_cancel(self, _frame: Any) -> None:

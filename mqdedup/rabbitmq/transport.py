@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.transport import DeadLetter, Delivery
+from mqdedup.consumers.transport import DeadLetter, Delivery, new_delivery
 from mqdedup.errors import BrokerUnavailableError
 from mqdedup.rabbitmq.codec import dead_letter_properties, to_message
 from mqdedup.rabbitmq.io_commands import noop
@@ -48,6 +48,27 @@ class AmqpToken:
     exchange: str
     routing_key: str
     properties: Any  # the original pika.BasicProperties (kept for dead-lettering)
+
+
+def amqp_token(
+    generation: int, delivery_tag: int, exchange: str, routing_key: str, properties: Any
+) -> AmqpToken:
+    """``AmqpToken(...)`` for the fetch loop (one per delivery), about twice as cheap: the
+    frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
+    token = _new(AmqpToken)
+    _set_generation(token, generation)
+    _set_tag(token, delivery_tag)
+    _set_exchange(token, exchange)
+    _set_routing_key(token, routing_key)
+    _set_properties(token, properties)
+    return token
+
+
+_new = object.__new__
+_set_generation, _set_tag, _set_exchange, _set_routing_key, _set_properties = (
+    AmqpToken.__dict__[name].__set__
+    for name in ("generation", "delivery_tag", "exchange", "routing_key", "properties")
+)
 
 
 class RabbitMQTransport(ConsumingConnection):
@@ -197,14 +218,20 @@ class RabbitMQTransport(ConsumingConnection):
             finally:
                 self._wanted = 1 << 30
         deliveries: list[Delivery[AmqpToken]] = []
+        append = deliveries.append
+        handed_out = self._handed_out
+        queue = self.queue
         for generation, method, properties, body in raw:
             if generation != live:
                 continue  # died with its channel; the broker redelivers it
-            token = AmqpToken(
-                generation, method.delivery_tag, method.exchange, method.routing_key, properties
+            tag = method.delivery_tag
+            handed_out[(generation, tag)] = None
+            append(
+                new_delivery(
+                    to_message(queue, method, properties, body),
+                    amqp_token(generation, tag, method.exchange, method.routing_key, properties),
+                )
             )
-            self._handed_out[(generation, method.delivery_tag)] = None
-            deliveries.append(Delivery(to_message(self.queue, method, properties, body), token))
         return deliveries
 
     def settle(self, deliveries: Sequence[Delivery[AmqpToken]]) -> None:

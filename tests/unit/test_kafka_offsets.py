@@ -181,3 +181,28 @@ def test_batch_calls_take_one_lock_and_answer_as_the_single_ones() -> None:
     settled = [(P0, offset, p0_epoch) for offset in (100, 101, 103)] + [(P1, 7, p1_epoch)]
     assert batched.settle_many(settled) == 3  # the old P1 epoch is ignored
     assert batched.to_commit() == {P0: 102}
+
+
+def test_settle_many_in_any_order_commits_only_past_the_first_unsettled_offset() -> None:
+    """Batches settled in order take the fast path (the partition's next offset pops at
+    once); out-of-order ones must still hold the partition back until the gap closes."""
+    rng = random.Random(11)
+    for _ in range(50):
+        tracker = OffsetTracker()
+        offsets = [0, 1, 2, 5, 6, 9, 10, 11, 12, 20]  # gaps (compaction) do not block
+        epoch = track_all(tracker, P0, offsets)
+        order = offsets[:]
+        if rng.random() < 0.7:
+            rng.shuffle(order)
+        done: set[int] = set()
+        while order:
+            batch = order[: rng.randint(1, 4)]
+            order = order[len(batch) :]
+            assert tracker.settle_many([(P0, o, epoch) for o in batch]) == len(batch)
+            done.update(batch)
+            unsettled = [o for o in offsets if o not in done]
+            prefix = [o for o in offsets if not unsettled or o < unsettled[0]]
+            # committable: the offset after the last contiguously settled delivery
+            assert tracker.to_commit().get(P0) == (prefix[-1] + 1 if prefix else None)
+        assert tracker.in_flight() == 0
+        assert tracker.settle_many([(P0, 0, epoch)]) == 0  # settled already

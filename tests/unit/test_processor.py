@@ -15,6 +15,7 @@ from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.transport import Delivery
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.schema import schema
+from mqdedup.dedup import ids as id_strategies
 from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import ConfigurationError, SimulatedCrash
 from tests.support import BulkOrderConsumer, OrderConsumer, order_counts
@@ -463,3 +464,44 @@ def test_transaction_mode_outage_then_stop_settles_only_what_committed(
     metrics = run_until_idle(PerMessageTx(), broker.transport("orders"), sqlite_engine)
     assert (metrics.processed, metrics.duplicates) == (50, 0)
     assert len(order_counts(sqlite_engine)) == 100
+
+
+def test_ids_are_checked_once_but_always_whatever_the_strategy(sqlite_engine: Engine) -> None:
+    """mqdedup's own strategies check the ids they return, so the processor does not
+    check them again; an id from anything else is still checked: a NUL byte or an id
+    too long for the key column is dead-lettered, never claimed."""
+
+    def user_strategy(message: Message) -> str:
+        return message.json()["id"]  # not checked by itself
+
+    class FirstOfUsers(FastOrders):
+        message_id_strategy = id_strategies.first_of(user_strategy, id_strategies.from_header())
+
+    class OverriddenMessageId(FastOrders):
+        def message_id(self, message: Message) -> str:
+            return message.json()["id"]
+
+    assert id_strategies.returns_checked_ids(FastOrders.message_id_strategy)
+    assert id_strategies.returns_checked_ids(
+        id_strategies.first_of(id_strategies.from_header(), id_strategies.from_content_hash)
+    )
+    assert id_strategies.returns_checked_ids(id_strategies.from_callable(user_strategy))
+    assert not id_strategies.returns_checked_ids(FirstOfUsers.message_id_strategy)
+    assert not id_strategies.returns_checked_ids(user_strategy)
+
+    for index, consumer in enumerate((FirstOfUsers(), OverriddenMessageId())):
+        broker = InMemoryBroker()
+        for body in (
+            {"id": f"good-{index}", "order": "o-1", "amount": 1},
+            {"id": "nul\x00byte", "order": "o-2", "amount": 2},
+            {"id": "x" * 256, "order": "o-3", "amount": 3},
+        ):
+            broker.publish("orders", json.dumps(body).encode())
+        metrics = run_until_idle(consumer, broker.transport("orders"), sqlite_engine)
+
+        reasons = sorted(d.record.reason for d in broker.dead_letters["orders"])
+        assert reasons == [
+            "message id contains a NUL byte (the consumer's message id)",
+            "message id is longer than 255 characters (256, the consumer's message id)",
+        ]
+        assert (metrics.processed, metrics.dead_lettered) == (1, 2)
