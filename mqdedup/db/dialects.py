@@ -194,7 +194,8 @@ def claim_ids(
     """
     if not ids:
         return set()
-    dialect = session.get_bind().dialect.name
+    bind_dialect = session.get_bind().dialect
+    dialect = bind_dialect.name
     if dialect == "postgresql":
         if len(ids) == 1:  # one message per transaction: a plain row, no array to unnest
             found = session.connection().exec_driver_sql(
@@ -204,7 +205,8 @@ def claim_ids(
         # Driver SQL on the session's connection (no ORM statement execution), the ids
         # as a binary array (psycopg quotes and escapes every element of a text one).
         claimed = session.connection().exec_driver_sql(
-            _pg_claim_many_sql(table.name), {"consumer": consumer, "ids": list(ids), "now": now}
+            _pg_claim_many_sql(table.name, binary=bind_dialect.driver == "psycopg"),
+            {"consumer": consumer, "ids": list(ids), "now": now},
         )
         return set(claimed.scalars().all())  # one fetchall, not a fetchone per row
     if dialect == "sqlite":
@@ -219,11 +221,13 @@ def claim_ids(
 
 
 @functools.cache
-def _pg_claim_many_sql(table_name: str) -> str:
-    """The batch claim, as psycopg driver SQL (``%(ids)b``: a binary ``text[]``)."""
+def _pg_claim_many_sql(table_name: str, *, binary: bool) -> str:
+    """The batch claim as driver SQL; with psycopg 3 the ids go as a binary ``text[]``
+    (``%(ids)b``), other drivers get the ``%(ids)s`` placeholder."""
+    ids = "%(ids)b" if binary else "%(ids)s"
     return (
         f"INSERT INTO {table_name} (consumer_name, message_id, processed_at) "
-        "SELECT %(consumer)s, i, %(now)s FROM unnest(%(ids)b::text[]) AS i ORDER BY i "
+        f"SELECT %(consumer)s, i, %(now)s FROM unnest({ids}::text[]) AS i ORDER BY i "
         "ON CONFLICT (consumer_name, message_id) DO NOTHING RETURNING message_id"
     )
 
