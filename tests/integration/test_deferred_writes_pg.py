@@ -11,7 +11,6 @@ batch run again with every write made at once: the culprit alone is dead-lettere
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -23,19 +22,10 @@ from mqdedup import Consumer, InMemoryBroker, Message, RetryPolicy, run_until_id
 from mqdedup.consumers.context import Context
 from mqdedup.db.schema import schema
 from tests.integration.rabbitmq.support import order_counts
-from tests.services import TestDatabase, prefixed_database, table_prefix
+from tests.services import TestDatabase
 from tests.support import orders_table
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def db(pg_url: str) -> Iterator[TestDatabase]:
-    prefix = table_prefix()
-    with prefixed_database(
-        pg_url, "PostgreSQL", orders_table(prefix).metadata, prefix=prefix
-    ) as database:
-        yield database
 
 
 class Mixed(Consumer):

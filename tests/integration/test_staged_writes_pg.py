@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,21 +32,10 @@ from mqdedup.consumers.context import Context
 from mqdedup.db.schema import schema
 from mqdedup.stopping import StopToken
 from tests.integration.rabbitmq.support import OrdersConsumer, claims, order_counts
-from tests.services import REPO, RabbitAdmin, TestDatabase, prefixed_database, wait_for
+from tests.services import REPO, RabbitAdmin, TestDatabase, wait_for
 from tests.support import orders_table
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def db(pg_url: str) -> Iterator[TestDatabase]:
-    from tests.services import table_prefix
-
-    prefix = table_prefix()
-    with prefixed_database(
-        pg_url, "PostgreSQL", orders_table(prefix).metadata, prefix=prefix
-    ) as database:
-        yield database
 
 
 def outbox_ids(engine: Engine, prefix: str) -> list[str]:

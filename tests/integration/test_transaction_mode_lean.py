@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import psycopg
@@ -28,22 +27,13 @@ from mqdedup.db.schema import schema
 from mqdedup.outbox.notify import channel_name
 from tests.integration.rabbitmq.support import claims, order_counts
 from tests.integration.test_deferred_writes_pg import Mixed, results
-from tests.services import TestDatabase, prefixed_database, table_prefix
+from tests.services import TestDatabase
 from tests.support import orders_table
 
 pytestmark = pytest.mark.integration
 
 #: The claim of this id is refused by a trigger (a data error, SQLSTATE 22023).
 REFUSED = "plain-30"
-
-
-@pytest.fixture
-def db(pg_url: str) -> Iterator[TestDatabase]:
-    prefix = table_prefix()
-    with prefixed_database(
-        pg_url, "PostgreSQL", orders_table(prefix).metadata, prefix=prefix
-    ) as database:
-        yield database
 
 
 class PerMessage(Mixed):
