@@ -15,8 +15,16 @@ from sqlalchemy import Engine
 
 from mqdedup.db import create_engine
 from tests import services
-from tests.services import KafkaHelper, PrivateRabbitMQ, RabbitAdmin, checked_engine
-from tests.support import reset_database
+from tests.services import (
+    KafkaHelper,
+    PrivateRabbitMQ,
+    RabbitAdmin,
+    TestDatabase,
+    checked_engine,
+    prefixed_database,
+    table_prefix,
+)
+from tests.support import orders_table, reset_database
 
 # -- databases -------------------------------------------------------------------------------
 
@@ -42,6 +50,17 @@ def pg_engine(pg_url: str) -> Iterator[Engine]:
     reset_database(engine)
     yield engine
     engine.dispose()
+
+
+@pytest.fixture
+def db(pg_url: str) -> Iterator[TestDatabase]:
+    """mqdedup's tables and ``<prefix>orders`` under a fresh prefix in the shared
+    PostgreSQL (the outbox and RabbitMQ folders have a ``db`` of their own)."""
+    prefix = table_prefix()
+    with prefixed_database(
+        pg_url, "PostgreSQL", orders_table(prefix).metadata, prefix=prefix
+    ) as database:
+        yield database
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,12 @@ import aio_pika
 import aio_pika.exceptions as aio_errors
 
 from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
-from mqdedup.rabbitmq.aio_topology import declare_dead_letter_topology, describe_error
+from mqdedup.rabbitmq.aio_topology import (
+    CHANNEL_FAILURES,
+    CONNECTION_FAILURES,
+    declare_dead_letter_topology,
+    describe_error,
+)
 from mqdedup.rabbitmq.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -76,12 +81,7 @@ class AioDeadLetterPublisher:
                 raise DeadLetterRefusedError(
                     f"RabbitMQ refused the dead letter: {describe_error(error)}"
                 ) from error
-            except (
-                aio_errors.AMQPError,
-                aio_errors.ChannelInvalidStateError,
-                OSError,
-                TimeoutError,
-            ) as error:
+            except CONNECTION_FAILURES as error:
                 await self.close()
                 if attempt == 2:
                     raise BrokerUnavailableError(
@@ -108,12 +108,7 @@ class AioDeadLetterPublisher:
                     ),
                     self._timeout,
                 )
-            except (
-                aio_errors.AMQPError,
-                aio_errors.ChannelInvalidStateError,
-                OSError,
-                TimeoutError,
-            ) as error:
+            except CONNECTION_FAILURES as error:
                 raise BrokerUnavailableError(
                     f"cannot open the dead-letter connection: {describe_error(error)}"
                 ) from error
@@ -123,7 +118,7 @@ class AioDeadLetterPublisher:
                 self._channel = await self._connection.channel(
                     publisher_confirms=True, on_return_raises=True
                 )
-            except (aio_errors.AMQPError, aio_errors.ChannelInvalidStateError, OSError) as error:
+            except CHANNEL_FAILURES as error:
                 await self.close()
                 raise BrokerUnavailableError(
                     f"cannot open a dead-letter channel: {describe_error(error)}"

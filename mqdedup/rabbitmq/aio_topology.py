@@ -14,6 +14,15 @@ import aio_pika.exceptions as aio_errors
 from mqdedup.errors import ConfigurationError
 from mqdedup.rabbitmq.topology import Topology
 
+#: What a lost or closed channel / connection raises (the broker then redelivers).
+CHANNEL_FAILURES: tuple[type[BaseException], ...] = (
+    aio_errors.AMQPError,
+    aio_errors.ChannelInvalidStateError,
+    OSError,
+)
+#: The same, or no answer in time.
+CONNECTION_FAILURES: tuple[type[BaseException], ...] = (*CHANNEL_FAILURES, TimeoutError)
+
 
 async def declare_topology(channel: Any, topology: Topology) -> Any:
     """Declare (or, with ``declare=False``, passively check) queue, bindings and DLQ.

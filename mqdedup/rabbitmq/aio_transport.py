@@ -47,7 +47,12 @@ from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.masking import mask_url
 from mqdedup.rabbitmq.aio_codec import aio_dead_letter_message, aio_to_message
 from mqdedup.rabbitmq.aio_dead_letters import AioDeadLetterPublisher
-from mqdedup.rabbitmq.aio_topology import declare_topology, describe_error
+from mqdedup.rabbitmq.aio_topology import (
+    CHANNEL_FAILURES,
+    CONNECTION_FAILURES,
+    declare_topology,
+    describe_error,
+)
 from mqdedup.rabbitmq.codec import plan_acks
 from mqdedup.rabbitmq.topology import Topology
 from mqdedup.stopping import StopToken
@@ -60,13 +65,6 @@ WAIT_SLICE = 0.25
 COMMAND_TIMEOUT = 30.0
 #: Seconds between two reads of the queue's depth (``Metrics.lag``).
 LAG_INTERVAL = 15.0
-#: What a lost or closed channel / connection raises (the broker then redelivers).
-CHANNEL_FAILURES: tuple[type[BaseException], ...] = (
-    aio_errors.AMQPError,
-    aio_errors.ChannelInvalidStateError,
-    OSError,
-)
-LAG_FAILURES: tuple[type[BaseException], ...] = (*CHANNEL_FAILURES, TimeoutError)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -382,7 +380,7 @@ class AioPikaTransport:
         tag, self._consumer_tag = self._consumer_tag, None
         if tag is None or self._queue is None:
             return
-        with contextlib.suppress(*CHANNEL_FAILURES, TimeoutError):
+        with contextlib.suppress(*CONNECTION_FAILURES):
             await asyncio.wait_for(self._queue.cancel(tag), COMMAND_TIMEOUT)
         live = await self._current_channel()
         unfetched = [d.token.delivery_tag for d in self._buffer if d.token.channel is live]
@@ -405,7 +403,7 @@ class AioPikaTransport:
             declared = await asyncio.wait_for(
                 channel.queue_declare(self.queue, passive=True), COMMAND_TIMEOUT
             )
-        except LAG_FAILURES as error:
+        except CONNECTION_FAILURES as error:
             log.warning(
                 "queue depth unavailable",
                 extra={"queue": self.queue, "error": describe_error(error)},

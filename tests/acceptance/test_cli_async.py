@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,6 @@ from tests.services import (
     Outgoing,
     TestDatabase,
     free_port,
-    prefixed_database,
-    table_prefix,
     wait_for,
 )
 from tests.support import orders_table
@@ -45,15 +43,6 @@ from tests.support import orders_table
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 COUNT = 150
-
-
-@pytest.fixture
-def db(pg_url: str) -> Iterator[TestDatabase]:
-    prefix = table_prefix()
-    with prefixed_database(
-        pg_url, "PostgreSQL", orders_table(prefix).metadata, prefix=prefix
-    ) as database:
-        yield database
 
 
 def get_json(url: str) -> dict[str, Any]:

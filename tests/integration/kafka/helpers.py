@@ -8,13 +8,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, func, select
+from sqlalchemy.orm import Session
 
-from tests.services import REPO
+from tests.services import REPO, wait_for
 from tests.support import orders_table
 
 
@@ -26,6 +28,39 @@ def row_counts(engine: Engine, prefix: str) -> dict[str, int]:
             select(table.c.message_id, func.count()).group_by(table.c.message_id)
         ).all()
     return {row[0]: row[1] for row in rows}
+
+
+def run_until_parked(consumer: Any, db: Any, good: list[str]) -> tuple[Any, Any]:
+    """Run ``consumer`` in a thread until ``good`` are written and one dead letter the
+    broker refused is parked in the database (``db``: a test database with ``engine``
+    and ``prefix``); stop it. Returns (the parked dead letter, the run's metrics)."""
+    from mqdedup.dedup.dead_letters import DeadLetterTable
+    from mqdedup.stopping import StopToken
+
+    parked_table = DeadLetterTable(db.prefix)
+
+    def parked() -> list[Any]:
+        with Session(db.engine) as session:
+            return parked_table.list(session)
+
+    stop = StopToken()
+    outcome: list[Any] = []
+    runner = threading.Thread(
+        target=lambda: outcome.append(consumer.run(db.engine, stop=stop)), daemon=True
+    )
+    runner.start()
+    try:
+        wait_for(
+            lambda: len(parked()) == 1 and len(row_counts(db.engine, db.prefix)) == len(good),
+            60,
+            "the good messages written and the refused dead letter parked",
+        )
+    finally:
+        stop.request()
+        runner.join(60)
+    assert not runner.is_alive() and len(outcome) == 1, outcome
+    [kept] = parked()
+    return kept, outcome[0]
 
 
 def total_rows(engine: Engine, prefix: str) -> int:

@@ -21,28 +21,24 @@ import asyncio
 import json
 import logging
 import random
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from sqlalchemy import insert, make_url
-from sqlalchemy.orm import Session
 
 from mqdedup import AsyncContext, Message, Metrics, RetryPolicy, StopToken, create_async_engine
-from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.kafka import AsyncKafkaConsumer
 from mqdedup.testing.brokers import KafkaHarness
 from tests.integration.asyncio.proxy import CuttableProxy
 from tests.integration.kafka.consumers import FAST_GROUP
-from tests.integration.kafka.helpers import row_counts
+from tests.integration.kafka.helpers import row_counts, run_until_parked
 from tests.services import (
     KafkaHelper,
     Outgoing,
     TestDatabase,
     kafka_headers,
     unique_name,
-    wait_for,
     wait_for_on_loop,
 )
 from tests.support import orders_table
@@ -160,33 +156,11 @@ def test_aiokafka_dead_letter_refused_by_the_broker_is_kept_in_the_database(
             "poll_timeout": 0.2,
         },
     )()
-    parked_table = DeadLetterTable(db.prefix)
-
-    def parked() -> list[Any]:
-        with Session(db.engine) as session:
-            return parked_table.list(session)
-
-    stop = StopToken()
-    outcome: list[Any] = []
-    runner = threading.Thread(
-        target=lambda: outcome.append(consumer.run(db.engine, stop=stop)), daemon=True
-    )
-    runner.start()
-    try:
-        wait_for(
-            lambda: len(parked()) == 1 and len(row_counts(db.engine, db.prefix)) == len(good),
-            60,
-            "the good messages written and the refused dead letter parked",
-        )
-    finally:
-        stop.request()
-        runner.join(60)
-    assert not runner.is_alive() and len(outcome) == 1, outcome
-    [kept] = parked()
+    kept, outcome = run_until_parked(consumer, db, good)
     assert kept.message.id == POISON and kept.message.body == big
     assert "TooLarge" in kept.refusal and f"{topic}.DLT" in kept.refusal
     assert row_counts(db.engine, db.prefix) == dict.fromkeys(good, 1)
-    assert outcome[0].dead_letters_parked == 1
+    assert outcome.dead_letters_parked == 1
 
 
 @pytest.mark.slow

@@ -26,15 +26,13 @@ from typing import Any, ClassVar
 
 import pytest
 from sqlalchemy import insert, make_url
-from sqlalchemy.orm import Session
 
 from mqdedup import AsyncContext, Message, Metrics, RetryPolicy, create_async_engine
-from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.rabbitmq import AsyncRabbitMQConsumer
 from mqdedup.stopping import StopToken
 from mqdedup.testing.brokers import RabbitMQHarness
 from tests.integration.asyncio.proxy import CuttableProxy
-from tests.integration.kafka.helpers import row_counts
+from tests.integration.kafka.helpers import row_counts, run_until_parked
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import close_connections
 from tests.services import RabbitAdmin, wait_for, wait_for_on_loop
@@ -212,33 +210,11 @@ def test_aio_pika_dead_letter_refused_by_the_broker_is_kept_in_the_database(
     broker.publish(queue, good[:15])
     broker.publish(queue, [POISON], body=lambda _id: b'{"poison": true}')
     broker.publish(queue, good[15:])
-    parked_table = DeadLetterTable(db.prefix)
-
-    def parked() -> list[Any]:
-        with Session(db.engine) as session:
-            return parked_table.list(session)
-
-    stop = StopToken()
-    outcome: list[Any] = []
-    runner = threading.Thread(
-        target=lambda: outcome.append(consumer.run(db.engine, stop=stop)), daemon=True
-    )
-    runner.start()
-    try:
-        wait_for(
-            lambda: len(parked()) == 1 and len(row_counts(db.engine, db.prefix)) == len(good),
-            60,
-            "the good messages written and the refused dead letter parked",
-        )
-    finally:
-        stop.request()
-        runner.join(60)
-    assert not runner.is_alive() and len(outcome) == 1, outcome
-    [kept] = parked()
+    kept, outcome = run_until_parked(consumer, db, good)
     assert kept.message.id == POISON and kept.message.body == b'{"poison": true}'
     assert "refused" in kept.refusal and f"{queue}.dlq" in kept.refusal
     assert row_counts(db.engine, db.prefix) == dict.fromkeys(good, 1)
-    assert outcome[0].dead_letters_parked == 1
+    assert outcome.dead_letters_parked == 1
     assert broker.depth(queue) == 0 and broker.depth(f"{queue}.dlq") == 0
 
 
