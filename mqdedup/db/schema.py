@@ -258,12 +258,15 @@ def _retention_indexes(prefix: str) -> tuple[Index, Index]:
 
     PostgreSQL (schema 3): a BRIN index. Claims append rows in ``processed_at`` order,
     so each block range's min/max summary is narrow and the purge's range predicate
-    finds the old rows through it (a Bitmap Heap Scan); unlike a btree it is not
-    updated entry by entry, so a 500-id claim costs ~15% less (``bench/claim_index_bench.py``:
-    10.5 -> 8.6 ms, the same as no second index). ``autosummarize`` has autovacuum
-    summarize each range as it fills. Without a summary a range is always scanned
-    (never skipped), so a purge right after a burst is correct either way; the
-    summaries only decide how much of the table it reads.
+    finds the old rows through it (a Bitmap Heap Scan). Unlike a btree it is not
+    updated entry by entry, so a 500-id claim costs ~18% less
+    (``bench/claim_index_bench.py``: 10.5 -> 8.6 ms, the same as with no second index).
+    Once purges freed pages that new claims refill, ranges hold old and new rows and
+    their summaries widen: the purge then reads the table instead (see
+    ``DedupStore.purge``), still correct. ``autosummarize`` has autovacuum summarize
+    each range as it fills. A range without a summary is always scanned, never
+    skipped, so a purge right after a burst is correct either way; the summaries only
+    decide how much of the table it reads.
 
     MySQL/MariaDB and SQLite have no BRIN: they keep a btree.
     """
