@@ -5,7 +5,8 @@ claims, the older half 30 days old, the newer half 20 days old:
 
 * schema 2: a btree on ``processed_at``, purged as mqdedup 0.x did before schema 3
   (chunks of 5,000 ``ctid`` picked ``ORDER BY processed_at`` through the btree);
-* schema 3: mqdedup's table (BRIN on ``processed_at``), purged by ``DedupStore.purge``.
+* schema 3: mqdedup's table (BRIN on ``processed_at``), purged by ``DedupStore.purge``
+  (which also purges the empty attempts table and writes the retention horizon: a few ms).
 
 Two layouts, each purging half the table:
 
