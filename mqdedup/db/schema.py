@@ -40,7 +40,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from mqdedup.errors import ConfigurationError
 
 DEFAULT_PREFIX = "mqdedup_"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _PREFIX_PATTERN = re.compile(r"^[a-z_][a-z0-9_]*$")
 #: The longest identifier every supported database accepts: PostgreSQL's 63 bytes
 #: (MySQL/MariaDB allow 64; SQLite has no limit). Longer PostgreSQL names are silently
@@ -64,6 +64,7 @@ MYSQL_TABLE_OPTIONS: dict[str, Any] = {
 # Dialect names for ``Index.ddl_if`` (it takes a tuple; its annotation says ``str``).
 _PARTIAL_INDEX_DIALECTS: Any = ("postgresql", "sqlite")
 _MYSQL_DIALECTS: Any = ("mysql", "mariadb")
+_BTREE_RETENTION_DIALECTS: Any = ("mysql", "mariadb", "sqlite")
 
 
 class KeyString(TypeDecorator[str]):
@@ -171,7 +172,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         Column("processed_at", DateTime(timezone=True), nullable=False),
         Column("result", JSONType, nullable=True),
         PrimaryKeyConstraint("consumer_name", "message_id", name=f"{prefix}processed_pk"),
-        Index(f"{prefix}processed_at_idx", "processed_at"),
+        *_retention_indexes(prefix),
         **MYSQL_TABLE_OPTIONS,
     )
     attempts = Table(
@@ -249,6 +250,36 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         outbox_counts=outbox_counts,
         retention=retention,
         dead_letters=dead_letters,
+    )
+
+
+def _retention_indexes(prefix: str) -> tuple[Index, Index]:
+    """The dedup table's index on ``processed_at``, which only the retention purge reads.
+
+    PostgreSQL (schema 3): a BRIN index. Claims append rows in ``processed_at`` order,
+    so each block range's min/max summary is narrow and the purge's range predicate
+    finds the old rows through it (a Bitmap Heap Scan). Unlike a btree it is not
+    updated entry by entry, so a 500-id claim costs ~18% less
+    (``bench/claim_index_bench.py``: 10.5 -> 8.6 ms, the same as with no second index).
+    Once purges freed pages that new claims refill, ranges hold old and new rows and
+    their summaries widen: the purge then reads the table instead (see
+    ``DedupStore.purge``), still correct. ``autosummarize`` has autovacuum summarize
+    each range as it fills. A range without a summary is always scanned, never
+    skipped, so a purge right after a burst is correct either way; the summaries only
+    decide how much of the table it reads.
+
+    MySQL/MariaDB and SQLite have no BRIN: they keep a btree.
+    """
+    return (
+        Index(f"{prefix}processed_at_idx", "processed_at").ddl_if(
+            dialect=_BTREE_RETENTION_DIALECTS
+        ),
+        Index(
+            f"{prefix}processed_at_brin",
+            "processed_at",
+            postgresql_using="brin",
+            postgresql_with={"autosummarize": "on"},
+        ).ddl_if(dialect="postgresql"),
     )
 
 

@@ -1,6 +1,7 @@
 """The Django example (``examples/django_orders``) end to end, as its README says.
 
-``manage.py migrate`` creates mqdedup's tables (``mqdedup db check`` is then clean);
+``manage.py migrate`` creates mqdedup's tables (``mqdedup db check`` is then clean; a
+database left at 0001 with schema 2's retention btree is brought to schema 3 by 0002);
 the example's own pytest-django tests pass on PostgreSQL; orders placed over HTTP
 write their ``order-placed`` events to the outbox in the view's transaction (each request
 sent twice with its ``Idempotency-Key``: one order each);
@@ -105,7 +106,27 @@ def test_django_example_runs_end_to_end(
     )
     prefix = env["ORDERS_TABLE_PREFIX"]
 
+    # A database migrated by an older version (0001, schema 2: a btree for retention);
+    # 0002 moves it to schema 3 (BRIN on PostgreSQL).
+    older = manage("migrate", "mqdedup", "0001", "--no-input", env=env)
+    assert older.returncode == 0, older.stdout + older.stderr
+    with engine.begin() as connection:
+        connection.execute(text(f"DROP INDEX {prefix}processed_at_brin"))
+        connection.execute(
+            text(
+                f"CREATE INDEX {prefix}processed_at_idx "
+                f"ON {prefix}processed_messages (processed_at)"
+            )
+        )
     migrated(url, env)
+    with engine.connect() as connection:
+        retention = connection.execute(
+            text(
+                "SELECT indexname FROM pg_indexes WHERE tablename = :t AND indexdef LIKE '%brin%'"
+            ),
+            {"t": f"{prefix}processed_messages"},
+        ).scalars()
+        assert list(retention) == [f"{prefix}processed_at_brin"]
     check = run(MQDEDUP, "db", "check", "--database", url, "--table-prefix", prefix, env=env)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "schema matches" in check.stdout

@@ -36,6 +36,8 @@ class ConsumerStats:
 
 def dedup_stats(engine: Engine, prefix: str) -> tuple[list[ConsumerStats], int | None]:
     """Rows per consumer with oldest/newest claim, and the table size in bytes (PostgreSQL)."""
+    # A full read of the table with any index: the retention index (BRIN on PostgreSQL,
+    # a btree elsewhere) has no per-consumer order for min/max to use.
     table = schema(prefix).processed
     with engine.connect() as connection:
         rows = connection.execute(
@@ -101,6 +103,8 @@ def count_purgeable_claims(
     engine: Engine, prefix: str, older_than: timedelta, consumer: str | None
 ) -> int:
     """How many claims ``dedup purge --older-than`` would delete (``--dry-run``)."""
+    # On PostgreSQL a Bitmap Heap Scan of the block ranges the BRIN index on processed_at
+    # leaves in (schema 3; a btree range scan before), as the purge's chunks read them.
     table = schema(prefix).processed
     query = select(func.count()).where(table.c.processed_at < utcnow() - older_than)
     if consumer is not None:

@@ -2,8 +2,10 @@
 
 An outbox table created before the MySQL/MariaDB claim indexes existed, with its
 ``message_id`` in the PAD SPACE ``utf8mb4_bin`` collation (``'id'`` = ``'id '``), or a
-PostgreSQL table missing an index: ``db check`` names each difference and exits 1,
-``db upgrade`` fixes them, and the fixed table behaves as this version's.
+PostgreSQL table missing an index, a PostgreSQL dedup table of schema 2 (a btree on
+``processed_at`` where schema 3 has a BRIN index): ``db check`` names each difference
+and exits 1, ``db upgrade`` fixes them, and the fixed tables behave as this version's
+(byte-wise keys; the purge deletes exactly the old claims).
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, insert, text
+from sqlalchemy import Engine, insert, inspect, select, text
 from sqlalchemy.exc import IntegrityError
 
 from mqdedup.cli import exitcodes
 from mqdedup.db import create_engine
 from mqdedup.db.schema import schema
+from mqdedup.dedup.store import DedupStore
 from tests.services import REPO
 
 pytestmark = pytest.mark.integration
@@ -41,6 +45,14 @@ def old_install(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, str, s
         connection.execute(text(f"DROP INDEX {prefix}outbox_published_idx{on}"))
         # Schema 1 had no batch leases and no published counts.
         connection.execute(text(f"DROP TABLE {prefix}outbox_leases, {prefix}outbox_counts"))
+        if not mysql:  # schema 2's retention index
+            connection.execute(text(f"DROP INDEX {prefix}processed_at_brin"))
+            connection.execute(
+                text(
+                    f"CREATE INDEX {prefix}processed_at_idx "
+                    f"ON {prefix}processed_messages (processed_at)"
+                )
+            )
         if mysql:
             connection.execute(text(f"DROP INDEX {prefix}outbox_claim_idx{on}"))
             connection.execute(
@@ -64,6 +76,35 @@ def db(command: str, url: str, prefix: str) -> subprocess.CompletedProcess[str]:
         timeout=120,
         check=False,
     )
+
+
+def retention_indexes(engine: Engine, prefix: str) -> dict[str, str]:
+    """The dedup table's indexes besides its key, with their access method."""
+    return {
+        str(index["name"]): index.get("dialect_options", {}).get("postgresql_using", "btree")
+        for index in inspect(engine).get_indexes(f"{prefix}processed_messages")
+    }
+
+
+def assert_purge_deletes_exactly_the_old_claims(engine: Engine, prefix: str) -> None:
+    """Claims of two consumers, old ones in between new ones; purges in small chunks."""
+    table = schema(prefix).processed
+    now = datetime.now(UTC)
+    ages = [timedelta(days=10) if n % 3 else timedelta(minutes=5) for n in range(1200)]
+    rows = [
+        {"consumer_name": f"c{n % 2}", "message_id": f"m-{n}", "processed_at": now - age}
+        for n, age in enumerate(ages)
+    ]
+    with engine.begin() as connection:
+        connection.execute(insert(table), rows)
+    new = {(r["consumer_name"], r["message_id"]) for r in rows[::3]}
+    store = DedupStore(prefix)
+    old_c0 = sum(1 for r in rows[1::3] + rows[2::3] if r["consumer_name"] == "c0")
+    assert store.purge(engine, timedelta(days=1), consumer="c0", chunk_size=97) == old_c0
+    assert store.purge(engine, timedelta(days=1), chunk_size=97) == 800 - old_c0
+    with engine.connect() as connection:
+        left = set(connection.execute(select(table.c.consumer_name, table.c.message_id)).all())
+    assert left == new
 
 
 def outbox_row(prefix: str, message_id: str) -> dict[str, object]:
@@ -94,13 +135,23 @@ def test_db_check_names_the_drift_and_db_upgrade_fixes_it(
     if mysql:
         assert f"index {prefix}outbox_claim_idx is missing" in check.stdout
         assert "column message_id has collation utf8mb4_bin" in check.stdout
+    else:
+        assert f"index {prefix}processed_at_brin is missing" in check.stdout
+        assert f"index {prefix}processed_at_idx is not used on this database" in check.stdout
 
     upgrade = db("upgrade", url, prefix)
     assert upgrade.returncode == exitcodes.OK, upgrade.stderr
     assert f"created index {prefix}outbox_published_idx" in upgrade.stdout
     assert f"{prefix}outbox_leases" in upgrade.stdout and f"{prefix}outbox_counts" in upgrade.stdout
+    if not mysql:
+        assert f"created index {prefix}processed_at_brin" in upgrade.stdout
+        assert f"dropped index {prefix}processed_at_idx" in upgrade.stdout
     assert db("check", url, prefix).stdout.strip() == "schema matches this version"
     assert db("upgrade", url, prefix).stdout.strip() == "schema is up to date"
+    assert retention_indexes(engine, prefix) == (
+        {f"{prefix}processed_at_idx": "btree"} if mysql else {f"{prefix}processed_at_brin": "brin"}
+    )
+    assert_purge_deletes_exactly_the_old_claims(engine, prefix)
 
     # The upgraded key column tells ids apart byte for byte, as a new table does.
     table = schema(prefix).outbox
