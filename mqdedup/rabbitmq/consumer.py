@@ -5,7 +5,7 @@
     class OrderConsumer(RabbitMQConsumer):
         queue = "orders"
         bindings = (Binding("shop", routing_key="order.created", exchange_type="topic"),)
-        batch_size = 200                      # also the prefetch
+        batch_size = 200                      # prefetch: two batches
 
         def handle(self, message, ctx):
             ctx.session.add(Order(**message.json()))
@@ -36,6 +36,7 @@ from mqdedup.rabbitmq.codec import (
 from mqdedup.rabbitmq.requeue import RequeueResult, requeue_dead_letters
 from mqdedup.rabbitmq.topology import (
     DEFAULT_DEAD_LETTER_EXCHANGE,
+    MAX_PREFETCH,
     RABBITMQ_URL_ENV,
     Binding,
     QueueType,
@@ -68,8 +69,9 @@ __all__ = [
 class RabbitMQConsumer(Consumer):
     """A consumer of one RabbitMQ queue. Set ``queue`` and implement ``handle``.
 
-    ``batch_size`` is both the number of messages per transaction and, unless
-    ``prefetch`` is set, the channel's prefetch count.
+    ``batch_size`` is the number of messages per transaction; unless ``prefetch`` is set,
+    the channel's prefetch count is two batches, so the broker streams the next batch in
+    while this one commits.
     """
 
     broker: ClassVar[str | None] = "rabbitmq"
@@ -84,7 +86,10 @@ class RabbitMQConsumer(Consumer):
     queue_arguments: ClassVar[Mapping[str, Any]] = {}
     #: ``False``: declare nothing, only check that queue, DLQ and exchanges exist.
     declare: ClassVar[bool] = True
-    #: Unacked deliveries the broker may push; ``None`` means ``batch_size``.
+    #: Unacked deliveries the broker may push; ``None`` means two batches
+    #: (``2 * batch_size``, at most 65,535). ``prefetch = batch_size`` stops the broker
+    #: from sending more while a batch commits (``1`` with ``batch_size = 1``: strict
+    #: one-at-a-time dispatch among competing workers, for slow handlers).
     prefetch: ClassVar[int | None] = None
     #: ``amqp://`` URL; ``None`` means ``MQDEDUP_RABBITMQ_URL`` (or a local broker).
     #: Query options such as ``?heartbeat=30`` are passed to pika.
@@ -113,8 +118,16 @@ class RabbitMQConsumer(Consumer):
 
     @property
     def effective_prefetch(self) -> int:
-        """The channel's prefetch count (``prefetch``, else ``batch_size``)."""
-        return self.prefetch if self.prefetch is not None else self.batch_size
+        """The channel's prefetch count: ``prefetch``, else two batches (at most 65,535).
+
+        Two batches let the I/O thread receive and decode the next batch while the worker
+        commits this one (measured: the bulk path +20-30% on RabbitMQ against a prefetch
+        of one batch, see docs/rabbitmq.md); a larger ``batch_size`` is refused by
+        :func:`validate_prefetch`.
+        """
+        if self.prefetch is not None:
+            return self.prefetch
+        return max(self.batch_size, min(2 * self.batch_size, MAX_PREFETCH))
 
     @property
     def broker_url(self) -> str:

@@ -24,7 +24,7 @@ DEFAULT_DEAD_LETTER_EXCHANGE = "mqdedup.dead-letter"
 QueueType = Literal["classic", "quorum"]
 QUEUE_TYPES: tuple[str, ...] = ("classic", "quorum")
 EXCHANGE_TYPES: tuple[str, ...] = ("direct", "fanout", "topic", "headers")
-_MAX_PREFETCH = 65535  # AMQP prefetch-count is a 16-bit field
+MAX_PREFETCH = 65535  # AMQP prefetch-count is a 16-bit field
 _MAX_NAME = 255  # AMQP short string
 
 
@@ -269,6 +269,6 @@ def validate_prefetch(owner: str, prefetch: int) -> int:
     """Return ``prefetch`` when it fits AMQP's prefetch-count, else raise."""
     if isinstance(prefetch, bool) or not isinstance(prefetch, int):
         raise ConfigurationError(f"{owner}.prefetch must be an integer, not {prefetch!r}")
-    if not 1 <= prefetch <= _MAX_PREFETCH:
-        raise ConfigurationError(f"{owner}.prefetch must be between 1 and {_MAX_PREFETCH}")
+    if not 1 <= prefetch <= MAX_PREFETCH:
+        raise ConfigurationError(f"{owner}.prefetch must be between 1 and {MAX_PREFETCH}")
     return prefetch

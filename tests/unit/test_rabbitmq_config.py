@@ -34,7 +34,8 @@ def test_defaults() -> None:
     consumer = Orders()
     consumer.validate()
     assert consumer.consumer_name == "orders", "the dedup scope is the queue"
-    assert consumer.effective_prefetch == consumer.batch_size
+    assert consumer.effective_prefetch == 2 * consumer.batch_size, "two batches"
+    assert variant(batch_size=40_000).effective_prefetch == 65535, "AMQP's limit"
     topology = consumer.topology()
     assert topology.dead_letter_queue == "orders.dlq"
     assert topology.dead_letter_exchange == "mqdedup.dead-letter"
