@@ -310,11 +310,8 @@ def test_the_live_group_keeps_consuming_while_a_replay_runs(
             exitcodes.DATABASE_UNAVAILABLE,
             "cannot connect to database",
         ),
-        (
-            ["worker", CONSUMER, "--kafka-bootstrap", "127.0.0.1:1"],
-            exitcodes.BROKER_UNAVAILABLE,
-            "Kafka",
-        ),
+        # A worker's unreachable Kafka (exit 6 after its wait, one line): test_cli_edges.py
+        # test_workers_wait_for_an_unreachable_broker_the_same_way, with a 2 s wait.
         (
             # Exit 6 only when no configured broker answers (one is enough to relay).
             [
