@@ -196,7 +196,7 @@ def test_relay_killed_mid_batch_on_mariadb_publishes_all_and_the_consumer_applie
     consumer = receiver(mdb, queue, rabbitmq_url)  # its dedup table is on MariaDB too
     declare_topology(rabbit.channel(), consumer.topology())
     rabbit.created.append(f"{queue}.dlq")
-    ids = write_rows(mdb, queue, 3_000)
+    ids = write_rows(mdb, queue, 2_000)
     config = {
         "database_url": mdb.url,
         "prefix": mdb.prefix,
@@ -208,9 +208,11 @@ def test_relay_killed_mid_batch_on_mariadb_publishes_all_and_the_consumer_applie
     killed = {**config, "batch_pause": 0.05}  # slower, so the kills land before the end
     rng = random.Random(7)
     held_rows = 0
-    for kill in range(4):
+    # Two kills (the PostgreSQL run in test_outbox_faults.py has five): what is MariaDB's
+    # own here is the claim, the lease and the consumer's dedup, not the number of kills.
+    for kill in range(2):
         published_before = rabbit.depth(queue)
-        if kill % 2 == 0:  # at the most dangerous moment: published, not marked
+        if kill == 0:  # at the most dangerous moment: published, not marked
             relay = RelayProcess({**killed, "hold_batch": rng.randint(2, 3)})
             relay.wait_for_line("UNMARKED", 90)
             held_rows += int(relay.value_of("UNMARKED"))
@@ -231,16 +233,16 @@ def test_relay_killed_mid_batch_on_mariadb_publishes_all_and_the_consumer_applie
     final_metrics = final.stop()
 
     deliveries = rabbit.depth(queue)
-    assert deliveries >= 3_000 + held_rows, "the held batches were published again"
+    assert deliveries >= 2_000 + held_rows, "the held batches were published again"
     metrics = consume_all(mdb, consumer, deliveries, timeout=180)
     assert rabbit.depth(queue) == 0
 
     counts = mdb.event_counts("B")
     assert set(counts) == set(ids), "every row published at least once"
     assert set(counts.values()) == {1}, "each message id applied exactly once"
-    assert (metrics.processed, metrics.duplicates) == (3_000, deliveries - 3_000)
+    assert (metrics.processed, metrics.duplicates) == (2_000, deliveries - 2_000)
     status = mdb.status()
-    assert (status.pending, status.failed, status.published) == (0, 0, 3_000)
+    assert (status.pending, status.failed, status.published) == (0, 0, 2_000)
     assert final_metrics["failed"] == 0
 
 
