@@ -8,7 +8,7 @@
   the offset commit, a poison message: a rerun drains the topic, each effect once, the
   poison message in the dead-letter topic with its reason;
 * a rebalance: a second worker joins while the first holds a committed batch whose
-  offsets are not committed: each effect once;
+  offsets are not committed: each effect once (side by side with the kills);
 * a dead letter the broker refuses (too large for the DLT) is kept in the database with
   the broker's reason, and its batch-mates go on;
 * the database stopped for 20 s: ``tests/integration/asyncio/test_aio_database_outage.py``
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import pytest
@@ -74,52 +75,66 @@ def publish_with_duplicates(harness: KafkaHarness, count: int) -> list[str]:
     return ids
 
 
+def killed_after_commit_with_duplicates_and_a_poison_message(
+    harness: KafkaHarness, kafka_helper: KafkaHelper
+) -> None:
+    ids = publish_with_duplicates(harness, 200)
+    harness.publish({"poison": True}, message_id=POISON)
+
+    assert harness.run_killing_after_commit(times=3) == 3
+    harness.run_until_drained()
+
+    assert row_counts(harness.engine, harness.prefix) == dict.fromkeys(ids, 1)
+    [dead] = kafka_helper.read_all(f"{harness.topic}.DLT", 1, timeout=30)
+    headers = kafka_headers(dead)
+    assert headers["message-id"] == POISON
+    assert headers["x-mqdedup-error-class"].endswith("ValueError")
+    assert headers["x-mqdedup-attempts"] == "2"
+    assert "cannot handle poison-1" in headers["x-mqdedup-error-message"]
+    assert headers["x-mqdedup-source-topic"] == harness.topic
+    assert dead.value == b'{"poison": true}'
+
+
+def rebalance_while_a_committed_batch_is_unsettled(harness: KafkaHarness) -> None:
+    ids = publish_with_duplicates(harness, 300)
+
+    moved = harness.run_with_rebalance(batch_pause=0.05)
+    assert moved["first"] > 0 and moved["second"] > 0, moved
+    harness.run_until_drained()
+
+    assert row_counts(harness.engine, harness.prefix) == dict.fromkeys(ids, 1)
+
+
 @pytest.mark.slow
-def test_aiokafka_workers_killed_after_commit_with_duplicates_and_a_poison_message(
+def test_aiokafka_workers_killed_after_commit_or_rebalanced_with_a_committed_batch_apply_each_once(
     mqdedup_kafka_harness: Callable[..., KafkaHarness], pg_url: str, kafka_helper: KafkaHelper
 ) -> None:
-    harness = mqdedup_kafka_harness(AioKafkaOrders, database_url=pg_url)
-    orders = orders_table(harness.prefix)
-    orders.create(harness.engine)
-    try:
-        ids = publish_with_duplicates(harness, 200)
-        harness.publish({"poison": True}, message_id=POISON)
-
-        assert harness.run_killing_after_commit(times=3) == 3
-        harness.run_until_drained()
-
-        assert row_counts(harness.engine, harness.prefix) == dict.fromkeys(ids, 1)
-        [dead] = kafka_helper.read_all(f"{harness.topic}.DLT", 1, timeout=30)
-        headers = kafka_headers(dead)
-        assert headers["message-id"] == POISON
-        assert headers["x-mqdedup-error-class"].endswith("ValueError")
-        assert headers["x-mqdedup-attempts"] == "2"
-        assert "cannot handle poison-1" in headers["x-mqdedup-error-message"]
-        assert headers["x-mqdedup-source-topic"] == harness.topic
-        assert dead.value == b'{"poison": true}'
-    finally:
-        orders.drop(harness.engine, checkfirst=True)
-
-
-@pytest.mark.slow
-def test_aiokafka_rebalance_while_a_committed_batch_is_unsettled_applies_each_once(
-    mqdedup_kafka_harness: Callable[..., KafkaHarness], pg_url: str
-) -> None:
-    harness = mqdedup_kafka_harness(
+    """Two harness runs side by side (a thread each; own topic, group and tables): three
+    workers killed after their commit with 30% duplicates and a poison message, and a
+    rebalance while the first worker holds a committed batch whose offsets are not
+    committed. Each asserts its own outcome; their worker starts and session timeouts
+    overlap."""
+    killed = mqdedup_kafka_harness(AioKafkaOrders, database_url=pg_url)
+    rebalanced = mqdedup_kafka_harness(
         AioKafkaOrders, database_url=pg_url, attributes={"batch_size": 10}
     )
-    orders = orders_table(harness.prefix)
-    orders.create(harness.engine)
+    tables = [orders_table(harness.prefix) for harness in (killed, rebalanced)]
+    for table, harness in zip(tables, (killed, rebalanced), strict=True):
+        table.create(harness.engine)
     try:
-        ids = publish_with_duplicates(harness, 300)
-
-        moved = harness.run_with_rebalance(batch_pause=0.05)
-        assert moved["first"] > 0 and moved["second"] > 0, moved
-        harness.run_until_drained()
-
-        assert row_counts(harness.engine, harness.prefix) == dict.fromkeys(ids, 1)
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="aiokafka") as pool:
+            runs = [
+                pool.submit(
+                    killed_after_commit_with_duplicates_and_a_poison_message, killed, kafka_helper
+                ),
+                pool.submit(rebalance_while_a_committed_batch_is_unsettled, rebalanced),
+            ]
+            wait(runs)
+        for future in runs:
+            future.result()
     finally:
-        orders.drop(harness.engine, checkfirst=True)
+        for table, harness in zip(tables, (killed, rebalanced), strict=True):
+            table.drop(harness.engine, checkfirst=True)
 
 
 def test_aiokafka_dead_letter_refused_by_the_broker_is_kept_in_the_database(
