@@ -2,7 +2,7 @@
 
 Processes are real subprocesses killed with ``kill -9`` at the dangerous moments (after
 publishing, before marking); the broker outage uses a private RabbitMQ instance started
-by the test (never the shared one).
+by the test (never the shared one), and the chain runs on the shared brokers meanwhile.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import random
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import pika
@@ -148,7 +149,7 @@ BROKER_BACKOFF_MAX = 2.0
 OUTAGE_SECONDS = 20.0
 
 
-def test_broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
+def broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
     db: OutboxDb, private_rabbit: PrivateRabbitMQ
 ) -> None:
     service, url = private_rabbit.service, private_rabbit.url
@@ -195,7 +196,7 @@ def test_broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
     assert delivered == set(ids), "nothing lost: every row reached the queue"
 
 
-def test_chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_duplicates_and_crashes(
+def chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_duplicates_and_crashes(
     db: OutboxDb,
     kafka_helper: KafkaHelper,
     rabbit: RabbitAdmin,
@@ -278,6 +279,36 @@ def test_chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_dupli
     assert set(counts_b) == expected_b and set(counts_b.values()) == {1}, "B's effects = unique"
     status = db.status()
     assert (status.pending, status.failed, status.published) == (0, 0, 4_000)
+
+
+def test_broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost_beside_a_chain(
+    db: OutboxDb,
+    other_db: OutboxDb,
+    private_rabbit: PrivateRabbitMQ,
+    kafka_helper: KafkaHelper,
+    rabbit: RabbitAdmin,
+    kafka_bootstrap: str,
+    rabbitmq_url: str,
+) -> None:
+    """The private RabbitMQ down for 20 s under a relay, and meanwhile, on the shared
+    brokers with tables of its own, the whole chain with duplicates and crashes (in a
+    thread): the outage's 20 s are not waited for twice. Each asserts its own outcome."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="chain") as pool:
+        chain = pool.submit(
+            chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_duplicates_and_crashes,
+            other_db,
+            kafka_helper,
+            rabbit,
+            kafka_bootstrap,
+            rabbitmq_url,
+        )
+        try:
+            broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
+                db, private_rabbit
+            )
+        finally:
+            wait([chain])
+    chain.result()
 
 
 def kafka_tool_producer(bootstrap: str) -> Any:
