@@ -8,7 +8,7 @@ tables, business table) and its own topics and queues (uuid names).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -33,7 +33,7 @@ def db(pg_url: str) -> Iterator[OutboxDb]:
 
 
 @pytest.fixture
-def other_db(pg_url: str) -> Iterator[OutboxDb]:
-    """A second table set like :func:`db`, for a scenario running beside the first."""
-    with outbox_db(pg_url) as database:
-        yield database
+def outbox_dbs(pg_url: str) -> Iterator[Callable[[], OutboxDb]]:
+    """Table sets like :func:`db`, one per call, for scenarios running side by side."""
+    with contextlib.ExitStack() as stack:
+        yield lambda: stack.enter_context(outbox_db(pg_url))

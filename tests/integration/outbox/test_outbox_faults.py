@@ -2,7 +2,8 @@
 
 Processes are real subprocesses killed with ``kill -9`` at the dangerous moments (after
 publishing, before marking); the broker outage uses a private RabbitMQ instance started
-by the test (never the shared one), and the chain runs on the shared brokers meanwhile.
+by the test (never the shared one); the relay kills and the chain run on the shared
+brokers meanwhile, in one test.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
@@ -90,7 +92,7 @@ def consume_all(
     return metrics
 
 
-def test_relay_killed_mid_batch_five_times_publishes_all_and_the_consumer_applies_each_once(
+def relay_killed_mid_batch_five_times_publishes_all_and_the_consumer_applies_each_once(
     db: OutboxDb, rabbit: RabbitAdmin, rabbitmq_url: str
 ) -> None:
     queue = rabbit.queue()
@@ -281,34 +283,51 @@ def chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_duplicates
     assert (status.pending, status.failed, status.published) == (0, 0, 4_000)
 
 
-def test_broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost_beside_a_chain(
-    db: OutboxDb,
-    other_db: OutboxDb,
+def test_broker_down_20_seconds_beside_relays_killed_five_times_and_a_chain_with_crashes(
+    outbox_dbs: Callable[[], OutboxDb],
     private_rabbit: PrivateRabbitMQ,
     kafka_helper: KafkaHelper,
-    rabbit: RabbitAdmin,
     kafka_bootstrap: str,
     rabbitmq_url: str,
 ) -> None:
-    """The private RabbitMQ down for 20 s under a relay, and meanwhile, on the shared
-    brokers with tables of its own, the whole chain with duplicates and crashes (in a
-    thread): the outage's 20 s are not waited for twice. Each asserts its own outcome."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="chain") as pool:
-        chain = pool.submit(
-            chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_duplicates_and_crashes,
-            other_db,
-            kafka_helper,
-            rabbit,
-            kafka_bootstrap,
-            rabbitmq_url,
-        )
+    """Three outbox fault runs side by side, each with tables of its own and asserting
+    its own outcome, so the outage's 20 s are waited for once:
+
+    * the private RabbitMQ down for 20 s under a relay: rows wait, then publish, none
+      failed or lost (this thread);
+    * on the shared RabbitMQ, relays killed with ``kill -9`` five times mid-batch: all
+      rows published, the consumer applies each once (a thread);
+    * on the shared brokers, the whole chain Kafka -> A -> relay -> RabbitMQ -> B with
+      duplicates and crashes (a thread).
+    """
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="outbox-fault") as pool:
+        admins = [RabbitAdmin(rabbitmq_url) for _ in range(2)]  # pika: one per thread
+        runs = [
+            pool.submit(
+                relay_killed_mid_batch_five_times_publishes_all_and_the_consumer_applies_each_once,
+                outbox_dbs(),
+                admins[0],
+                rabbitmq_url,
+            ),
+            pool.submit(
+                chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_duplicates_and_crashes,
+                outbox_dbs(),
+                kafka_helper,
+                admins[1],
+                kafka_bootstrap,
+                rabbitmq_url,
+            ),
+        ]
         try:
             broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
-                db, private_rabbit
+                outbox_dbs(), private_rabbit
             )
         finally:
-            wait([chain])
-    chain.result()
+            wait(runs)
+            for admin in admins:
+                admin.close()
+    for future in runs:
+        future.result()
 
 
 def kafka_tool_producer(bootstrap: str) -> Any:
