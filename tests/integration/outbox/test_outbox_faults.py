@@ -283,6 +283,7 @@ def chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_duplicates
     assert (status.pending, status.failed, status.published) == (0, 0, 4_000)
 
 
+@pytest.mark.slow
 def test_broker_down_20_seconds_beside_relays_killed_five_times_and_a_chain_with_crashes(
     outbox_dbs: Callable[[], OutboxDb],
     private_rabbit: PrivateRabbitMQ,
