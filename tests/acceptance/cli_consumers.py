@@ -31,7 +31,6 @@ class Orders(BulkTestOrders):
     poll_timeout = 0.2
     kafka_config = kill_group()
     metrics_interval = 5.0
-    connect_timeout = 8.0  # the unreachable-broker test waits this long
 
 
 class NotAConsumer:

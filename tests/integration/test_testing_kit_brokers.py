@@ -3,12 +3,14 @@ the notifier that publishes directly (issue #8).
 
 Real Kafka / RabbitMQ, the shared PostgreSQL, real worker processes killed with
 ``kill -9`` (``mqdedup.testing.brokers``), the real relay. Each harness has its own
-topic / queue, group and table prefix.
+topic / queue, group and table prefix; the four runs go side by side in one test.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import pytest
@@ -95,10 +97,9 @@ def rabbitmq_kit(
     return make
 
 
-def test_kafka_outbox_notifier_is_effectively_once_under_kills_and_a_rebalance(
-    kafka_kit: Callable[[type[OrderNotifier]], tuple[KafkaHarness, str]],
+def kafka_outbox_notifier_is_effectively_once_under_kills_and_a_rebalance(
+    harness: KafkaHarness, notifications: str
 ) -> None:
-    harness, notifications = kafka_kit(OrderNotifier)
     assert harness.run_killing_after_commit(times=2) == 2
     assert harness.run_killing_mid_batch(after_messages=3)
     shares = harness.run_with_rebalance()
@@ -114,10 +115,9 @@ def test_kafka_outbox_notifier_is_effectively_once_under_kills_and_a_rebalance(
     assert_effectively_once(downstream_effects(sent), harness.ids)
 
 
-def test_kafka_kit_catches_the_handler_that_publishes_directly(
-    kafka_kit: Callable[[type[OrderNotifier]], tuple[KafkaHarness, str]],
+def kafka_kit_catches_the_handler_that_publishes_directly(
+    harness: KafkaHarness, notifications: str
 ) -> None:
-    harness, notifications = kafka_kit(DirectOrderNotifier)
     assert harness.run_killing_mid_batch(after_messages=3)
     harness.run_until_drained()
 
@@ -127,10 +127,9 @@ def test_kafka_kit_catches_the_handler_that_publishes_directly(
         assert_effectively_once(downstream_effects(sent), harness.ids)
 
 
-def test_rabbitmq_outbox_notifier_is_effectively_once_under_kills(
-    rabbitmq_kit: Callable[[type[RabbitOrderNotifier]], tuple[RabbitMQHarness, str]],
+def rabbitmq_outbox_notifier_is_effectively_once_under_kills(
+    harness: RabbitMQHarness, notifications: str
 ) -> None:
-    harness, notifications = rabbitmq_kit(RabbitOrderNotifier)
     assert harness.run_killing_after_commit(times=2) == 2
     assert harness.run_killing_mid_batch(after_messages=3)
     harness.run_until_drained()
@@ -141,10 +140,9 @@ def test_rabbitmq_outbox_notifier_is_effectively_once_under_kills(
     assert_effectively_once(downstream_effects(sent), harness.ids)
 
 
-def test_rabbitmq_kit_catches_the_handler_that_publishes_directly(
-    rabbitmq_kit: Callable[[type[RabbitOrderNotifier]], tuple[RabbitMQHarness, str]],
+def rabbitmq_kit_catches_the_handler_that_publishes_directly(
+    harness: RabbitMQHarness, notifications: str
 ) -> None:
-    harness, notifications = rabbitmq_kit(DirectRabbitOrderNotifier)
     assert harness.run_killing_mid_batch(after_messages=3)
     harness.run_until_drained()
 
@@ -152,3 +150,36 @@ def test_rabbitmq_kit_catches_the_handler_that_publishes_directly(
     sent: list[Any] = harness.read_queue(notifications, at_least=ORDERS + 3)
     with pytest.raises(EffectivelyOnceError, match=r"3 message id\(s\) applied more than once"):
         assert_effectively_once(downstream_effects(sent), harness.ids)
+
+
+def test_the_kit_passes_the_outbox_notifiers_and_catches_the_direct_ones_on_both_brokers(
+    kafka_kit: Callable[[type[OrderNotifier]], tuple[KafkaHarness, str]],
+    rabbitmq_kit: Callable[[type[RabbitOrderNotifier]], tuple[RabbitMQHarness, str]],
+) -> None:
+    """The four harness runs above side by side, each in a thread of its own with its own
+    topic / queue, group, tables and worker processes: their worker starts and Kafka's
+    session timeouts after each kill overlap instead of adding up. Each run asserts its
+    own outcome; the first failure is raised with its traceback."""
+    runs: dict[str, Callable[[], None]] = {
+        "kafka outbox notifier": functools.partial(
+            kafka_outbox_notifier_is_effectively_once_under_kills_and_a_rebalance,
+            *kafka_kit(OrderNotifier),
+        ),
+        "kafka direct notifier": functools.partial(
+            kafka_kit_catches_the_handler_that_publishes_directly,
+            *kafka_kit(DirectOrderNotifier),
+        ),
+        "rabbitmq outbox notifier": functools.partial(
+            rabbitmq_outbox_notifier_is_effectively_once_under_kills,
+            *rabbitmq_kit(RabbitOrderNotifier),
+        ),
+        "rabbitmq direct notifier": functools.partial(
+            rabbitmq_kit_catches_the_handler_that_publishes_directly,
+            *rabbitmq_kit(DirectRabbitOrderNotifier),
+        ),
+    }
+    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="kit") as pool:
+        futures = {name: pool.submit(run) for name, run in runs.items()}
+        wait(futures.values())
+    for future in futures.values():
+        future.result()

@@ -19,11 +19,13 @@ database migrated with ``manage.py migrate``:
   repeat after its commit the stored response.
 
 On MariaDB (Django's mysql backend through PyMySQL) the migration, ``mqdedup db check``,
-the RabbitMQ duplicates, the failed handlers and the Idempotency-Key run too.
+the RabbitMQ duplicates, the failed handlers and the Idempotency-Key run too, side by
+side with the PostgreSQL run.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -41,59 +43,72 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SCENARIOS = Path(__file__).with_name("scenarios.py")
 
 
-def test_django_consumers_under_duplicates_kills_and_lost_connections(
-    pg_url: str, kafka_bootstrap: str, rabbitmq_url: str
+def scenarios_on_postgresql(database_url: str, kafka_bootstrap: str, rabbitmq_url: str) -> None:
+    """Every scenario on PostgreSQL."""
+    env = example_env(
+        database_url, MQDEDUP_KAFKA_BOOTSTRAP=kafka_bootstrap, MQDEDUP_RABBITMQ_URL=rabbitmq_url
+    )
+    migrated(database_url, env)
+    result = run(
+        PYTHON,
+        "-m",
+        "pytest",
+        str(SCENARIOS),
+        "-p",
+        "no:django",  # Django is set up by the module itself, on the real database
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-x",
+        "--durations=0",
+        env=env,
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "6 passed" in result.stdout, result.stdout[-3000:]
+
+
+def scenarios_on_mariadb(database_url: str, rabbitmq_url: str) -> None:
+    """``db check`` after the migration, then the RabbitMQ, failed-handler and
+    Idempotency-Key scenarios on MariaDB."""
+    env = example_env(database_url, MQDEDUP_RABBITMQ_URL=rabbitmq_url)
+    migrated(database_url, env)
+    prefix = env["ORDERS_TABLE_PREFIX"]
+    check = run(
+        MQDEDUP, "db", "check", "--database", database_url, "--table-prefix", prefix, env=env
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    result = run(
+        PYTHON,
+        "-m",
+        "pytest",
+        str(SCENARIOS),
+        "-p",
+        "no:django",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-x",
+        "-k",
+        "rabbitmq_duplicates or failed_handlers or idempotency",
+        env=env,
+        timeout=200,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "4 passed" in result.stdout, result.stdout[-3000:]
+
+
+def test_django_consumers_under_duplicates_kills_and_lost_connections_on_postgresql_and_mariadb(
+    pg_url: str, mariadb_url: str, kafka_bootstrap: str, rabbitmq_url: str
 ) -> None:
-    with fresh_database(pg_url) as database_url:
-        env = example_env(
-            database_url,
-            MQDEDUP_KAFKA_BOOTSTRAP=kafka_bootstrap,
-            MQDEDUP_RABBITMQ_URL=rabbitmq_url,
-        )
-        migrated(database_url, env)
-        result = run(
-            PYTHON,
-            "-m",
-            "pytest",
-            str(SCENARIOS),
-            "-p",
-            "no:django",  # Django is set up by the module itself, on the real database
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "-x",
-            "--durations=0",
-            env=env,
-            timeout=280,
-        )
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-        assert "6 passed" in result.stdout, result.stdout[-3000:]
-
-
-def test_django_consumers_on_mariadb(mariadb_url: str, rabbitmq_url: str) -> None:
-    with fresh_database(mariadb_url) as database_url:
-        env = example_env(database_url, MQDEDUP_RABBITMQ_URL=rabbitmq_url)
-        migrated(database_url, env)
-        prefix = env["ORDERS_TABLE_PREFIX"]
-        check = run(
-            MQDEDUP, "db", "check", "--database", database_url, "--table-prefix", prefix, env=env
-        )
-        assert check.returncode == 0, check.stdout + check.stderr
-        result = run(
-            PYTHON,
-            "-m",
-            "pytest",
-            str(SCENARIOS),
-            "-p",
-            "no:django",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "-x",
-            "-k",
-            "rabbitmq_duplicates or failed_handlers or idempotency",
-            env=env,
-            timeout=200,
-        )
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-        assert "4 passed" in result.stdout, result.stdout[-3000:]
+    """The PostgreSQL and MariaDB runs side by side (a fresh database and a pytest
+    process each); each asserts its own outcome."""
+    with fresh_database(pg_url) as on_postgresql, fresh_database(mariadb_url) as on_mariadb:
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="django") as pool:
+            runs = [
+                pool.submit(scenarios_on_postgresql, on_postgresql, kafka_bootstrap, rabbitmq_url),
+                pool.submit(scenarios_on_mariadb, on_mariadb, rabbitmq_url),
+            ]
+            wait(runs)
+        for future in runs:
+            future.result()

@@ -8,29 +8,27 @@
   the offset commit, a poison message: a rerun drains the topic, each effect once, the
   poison message in the dead-letter topic with its reason;
 * a rebalance: a second worker joins while the first holds a committed batch whose
-  offsets are not committed: each effect once;
+  offsets are not committed: each effect once (side by side with the kills);
 * a dead letter the broker refuses (too large for the DLT) is kept in the database with
   the broker's reason, and its batch-mates go on;
-* the database stops for 20 s, over three poll deadlines: the worker waits, the group
-  keeps it, nothing is dead-lettered, then each effect once.
+* the database stopped for 20 s: ``tests/integration/asyncio/test_aio_database_outage.py``
+  (side by side with the aio-pika worker's outage).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import random
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import pytest
-from sqlalchemy import insert, make_url
+from sqlalchemy import insert
 
-from mqdedup import AsyncContext, Message, Metrics, RetryPolicy, StopToken, create_async_engine
+from mqdedup import AsyncContext, Message, RetryPolicy
 from mqdedup.kafka import AsyncKafkaConsumer
 from mqdedup.testing.brokers import KafkaHarness
-from tests.integration.asyncio.proxy import CuttableProxy
 from tests.integration.kafka.consumers import FAST_GROUP
 from tests.integration.kafka.helpers import row_counts, run_until_parked
 from tests.services import (
@@ -39,7 +37,6 @@ from tests.services import (
     TestDatabase,
     kafka_headers,
     unique_name,
-    wait_for_on_loop,
 )
 from tests.support import orders_table
 
@@ -78,52 +75,66 @@ def publish_with_duplicates(harness: KafkaHarness, count: int) -> list[str]:
     return ids
 
 
+def killed_after_commit_with_duplicates_and_a_poison_message(
+    harness: KafkaHarness, kafka_helper: KafkaHelper
+) -> None:
+    ids = publish_with_duplicates(harness, 200)
+    harness.publish({"poison": True}, message_id=POISON)
+
+    assert harness.run_killing_after_commit(times=3) == 3
+    harness.run_until_drained()
+
+    assert row_counts(harness.engine, harness.prefix) == dict.fromkeys(ids, 1)
+    [dead] = kafka_helper.read_all(f"{harness.topic}.DLT", 1, timeout=30)
+    headers = kafka_headers(dead)
+    assert headers["message-id"] == POISON
+    assert headers["x-mqdedup-error-class"].endswith("ValueError")
+    assert headers["x-mqdedup-attempts"] == "2"
+    assert "cannot handle poison-1" in headers["x-mqdedup-error-message"]
+    assert headers["x-mqdedup-source-topic"] == harness.topic
+    assert dead.value == b'{"poison": true}'
+
+
+def rebalance_while_a_committed_batch_is_unsettled(harness: KafkaHarness) -> None:
+    ids = publish_with_duplicates(harness, 300)
+
+    moved = harness.run_with_rebalance(batch_pause=0.05)
+    assert moved["first"] > 0 and moved["second"] > 0, moved
+    harness.run_until_drained()
+
+    assert row_counts(harness.engine, harness.prefix) == dict.fromkeys(ids, 1)
+
+
 @pytest.mark.slow
-def test_aiokafka_workers_killed_after_commit_with_duplicates_and_a_poison_message(
+def test_aiokafka_workers_killed_after_commit_or_rebalanced_with_a_committed_batch_apply_each_once(
     mqdedup_kafka_harness: Callable[..., KafkaHarness], pg_url: str, kafka_helper: KafkaHelper
 ) -> None:
-    harness = mqdedup_kafka_harness(AioKafkaOrders, database_url=pg_url)
-    orders = orders_table(harness.prefix)
-    orders.create(harness.engine)
-    try:
-        ids = publish_with_duplicates(harness, 200)
-        harness.publish({"poison": True}, message_id=POISON)
-
-        assert harness.run_killing_after_commit(times=3) == 3
-        harness.run_until_drained()
-
-        assert row_counts(harness.engine, harness.prefix) == dict.fromkeys(ids, 1)
-        [dead] = kafka_helper.read_all(f"{harness.topic}.DLT", 1, timeout=30)
-        headers = kafka_headers(dead)
-        assert headers["message-id"] == POISON
-        assert headers["x-mqdedup-error-class"].endswith("ValueError")
-        assert headers["x-mqdedup-attempts"] == "2"
-        assert "cannot handle poison-1" in headers["x-mqdedup-error-message"]
-        assert headers["x-mqdedup-source-topic"] == harness.topic
-        assert dead.value == b'{"poison": true}'
-    finally:
-        orders.drop(harness.engine, checkfirst=True)
-
-
-@pytest.mark.slow
-def test_aiokafka_rebalance_while_a_committed_batch_is_unsettled_applies_each_once(
-    mqdedup_kafka_harness: Callable[..., KafkaHarness], pg_url: str
-) -> None:
-    harness = mqdedup_kafka_harness(
+    """Two harness runs side by side (a thread each; own topic, group and tables): three
+    workers killed after their commit with 30% duplicates and a poison message, and a
+    rebalance while the first worker holds a committed batch whose offsets are not
+    committed. Each asserts its own outcome; their worker starts and session timeouts
+    overlap."""
+    killed = mqdedup_kafka_harness(AioKafkaOrders, database_url=pg_url)
+    rebalanced = mqdedup_kafka_harness(
         AioKafkaOrders, database_url=pg_url, attributes={"batch_size": 10}
     )
-    orders = orders_table(harness.prefix)
-    orders.create(harness.engine)
+    tables = [orders_table(harness.prefix) for harness in (killed, rebalanced)]
+    for table, harness in zip(tables, (killed, rebalanced), strict=True):
+        table.create(harness.engine)
     try:
-        ids = publish_with_duplicates(harness, 300)
-
-        moved = harness.run_with_rebalance(batch_pause=0.05)
-        assert moved["first"] > 0 and moved["second"] > 0, moved
-        harness.run_until_drained()
-
-        assert row_counts(harness.engine, harness.prefix) == dict.fromkeys(ids, 1)
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="aiokafka") as pool:
+            runs = [
+                pool.submit(
+                    killed_after_commit_with_duplicates_and_a_poison_message, killed, kafka_helper
+                ),
+                pool.submit(rebalance_while_a_committed_batch_is_unsettled, rebalanced),
+            ]
+            wait(runs)
+        for future in runs:
+            future.result()
     finally:
-        orders.drop(harness.engine, checkfirst=True)
+        for table, harness in zip(tables, (killed, rebalanced), strict=True):
+            table.drop(harness.engine, checkfirst=True)
 
 
 def test_aiokafka_dead_letter_refused_by_the_broker_is_kept_in_the_database(
@@ -161,73 +172,3 @@ def test_aiokafka_dead_letter_refused_by_the_broker_is_kept_in_the_database(
     assert "TooLarge" in kept.refusal and f"{topic}.DLT" in kept.refusal
     assert row_counts(db.engine, db.prefix) == dict.fromkeys(good, 1)
     assert outcome.dead_letters_parked == 1
-
-
-@pytest.mark.slow
-def test_aiokafka_database_stopped_20s_keeps_the_member_and_loses_nothing(
-    kafka_helper: KafkaHelper, db: TestDatabase, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The database 'stops' for 20 s (a proxy on the worker's loop is cut), over three times
-    ``max_poll_interval_ms`` and longer than the session timeout: the worker waits, the
-    poll task keeps the member in the group (no rebalance), nothing is dead-lettered;
-    afterwards each effect once."""
-    max_poll_interval_ms = 6000
-    outage = 20.0  # over three poll deadlines and three session timeouts
-    topic = kafka_helper.create_topic(partitions=2)
-    ids = [f"o-{n:03d}" for n in range(400)]
-    kafka_helper.produce(topic, [Outgoing(i, b"{}") for i in ids])
-    group = unique_name("group")
-    consumer = type(
-        "AioKafkaOutage",
-        (AioKafkaOrders,),
-        {
-            "topics": (topic,),
-            "group_id": group,
-            "bootstrap_servers": kafka_helper.bootstrap,
-            "table_prefix": db.prefix,
-            "batch_size": 20,
-            "poll_timeout": 0.2,
-            "kafka_config": {**FAST_GROUP, "max_poll_interval_ms": max_poll_interval_ms},
-            # resume within a second of the database being back
-            "retry_policy": RetryPolicy(
-                max_attempts=2,
-                initial_backoff=0.01,
-                max_backoff=0.02,
-                infrastructure_backoff_max=1.0,
-            ),
-        },
-    )()
-    target = make_url(db.url)
-    stop = StopToken()
-    metrics = Metrics()
-    seen: dict[str, Any] = {}
-
-    async def scenario() -> None:
-        proxy = CuttableProxy(target.host or "127.0.0.1", target.port or 5432)
-        await proxy.open()
-        engine = create_async_engine(target.set(host="127.0.0.1", port=proxy.listen_port))
-        task = asyncio.create_task(consumer.run_async(engine, stop=stop, metrics=metrics))
-        try:
-            await wait_for_on_loop(lambda: metrics.processed >= 60, 60, "the worker to get going")
-            await proxy.cut()
-            caplog.clear()
-            await asyncio.sleep(outage)  # over three times the poll deadline
-            assert not task.done(), "the worker gave up during the outage"
-            seen["outage"] = metrics.outage
-            seen["revoked"] = [r for r in caplog.records if "partitions revoked" in r.message]
-            await proxy.open()  # the database is back
-            await wait_for_on_loop(lambda: metrics.processed >= len(ids), 60, "every message")
-        finally:
-            stop.request()
-            await asyncio.wait_for(task, 60)
-            await engine.dispose()
-            await proxy.cut()
-
-    with caplog.at_level(logging.INFO, logger="mqdedup.kafka.aio_transport"):
-        asyncio.run(scenario())
-
-    assert str(seen["outage"]).startswith("database unavailable"), seen
-    assert seen["revoked"] == [], "the group dropped the member during the outage"
-    assert metrics.dead_lettered == 0
-    assert row_counts(db.engine, db.prefix) == dict.fromkeys(ids, 1)
-    assert kafka_helper.committed(group, topic) == kafka_helper.end_offsets(topic)

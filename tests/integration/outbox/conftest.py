@@ -7,7 +7,8 @@ tables, business table) and its own topics and queues (uuid names).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -15,10 +16,24 @@ from tests.integration.outbox.helpers import OutboxDb, events_table
 from tests.services import prefixed_database, table_prefix
 
 
-@pytest.fixture
-def db(pg_url: str) -> Iterator[OutboxDb]:
-    """The shared PostgreSQL with this test's own framework tables and business table."""
+@contextlib.contextmanager
+def outbox_db(pg_url: str) -> Iterator[OutboxDb]:
+    """Fresh framework tables and business table in the shared PostgreSQL; dropped after."""
     prefix = table_prefix()
     events = events_table(prefix)
     with prefixed_database(pg_url, "PostgreSQL", events.metadata, prefix=prefix) as shared:
         yield OutboxDb(url=shared.url, engine=shared.engine, prefix=prefix, events=events)
+
+
+@pytest.fixture
+def db(pg_url: str) -> Iterator[OutboxDb]:
+    """The shared PostgreSQL with this test's own framework tables and business table."""
+    with outbox_db(pg_url) as database:
+        yield database
+
+
+@pytest.fixture
+def outbox_dbs(pg_url: str) -> Iterator[Callable[[], OutboxDb]]:
+    """Table sets like :func:`db`, one per call, for scenarios running side by side."""
+    with contextlib.ExitStack() as stack:
+        yield lambda: stack.enter_context(outbox_db(pg_url))

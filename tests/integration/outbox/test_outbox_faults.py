@@ -2,7 +2,8 @@
 
 Processes are real subprocesses killed with ``kill -9`` at the dangerous moments (after
 publishing, before marking); the broker outage uses a private RabbitMQ instance started
-by the test (never the shared one).
+by the test (never the shared one); the relay kills and the chain run on the shared
+brokers meanwhile, in one test.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import pika
@@ -89,7 +92,7 @@ def consume_all(
     return metrics
 
 
-def test_relay_killed_mid_batch_five_times_publishes_all_and_the_consumer_applies_each_once(
+def relay_killed_mid_batch_five_times_publishes_all_and_the_consumer_applies_each_once(
     db: OutboxDb, rabbit: RabbitAdmin, rabbitmq_url: str
 ) -> None:
     queue = rabbit.queue()
@@ -148,7 +151,7 @@ BROKER_BACKOFF_MAX = 2.0
 OUTAGE_SECONDS = 20.0
 
 
-def test_broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
+def broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
     db: OutboxDb, private_rabbit: PrivateRabbitMQ
 ) -> None:
     service, url = private_rabbit.service, private_rabbit.url
@@ -195,7 +198,7 @@ def test_broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
     assert delivered == set(ids), "nothing lost: every row reached the queue"
 
 
-def test_chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_duplicates_and_crashes(
+def chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_duplicates_and_crashes(
     db: OutboxDb,
     kafka_helper: KafkaHelper,
     rabbit: RabbitAdmin,
@@ -278,6 +281,54 @@ def test_chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_dupli
     assert set(counts_b) == expected_b and set(counts_b.values()) == {1}, "B's effects = unique"
     status = db.status()
     assert (status.pending, status.failed, status.published) == (0, 0, 4_000)
+
+
+@pytest.mark.slow
+def test_broker_down_20_seconds_beside_relays_killed_five_times_and_a_chain_with_crashes(
+    outbox_dbs: Callable[[], OutboxDb],
+    private_rabbit: PrivateRabbitMQ,
+    kafka_helper: KafkaHelper,
+    kafka_bootstrap: str,
+    rabbitmq_url: str,
+) -> None:
+    """Three outbox fault runs side by side, each with tables of its own and asserting
+    its own outcome, so the outage's 20 s are waited for once:
+
+    * the private RabbitMQ down for 20 s under a relay: rows wait, then publish, none
+      failed or lost (this thread);
+    * on the shared RabbitMQ, relays killed with ``kill -9`` five times mid-batch: all
+      rows published, the consumer applies each once (a thread);
+    * on the shared brokers, the whole chain Kafka -> A -> relay -> RabbitMQ -> B with
+      duplicates and crashes (a thread).
+    """
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="outbox-fault") as pool:
+        admins = [RabbitAdmin(rabbitmq_url) for _ in range(2)]  # pika: one per thread
+        runs = [
+            pool.submit(
+                relay_killed_mid_batch_five_times_publishes_all_and_the_consumer_applies_each_once,
+                outbox_dbs(),
+                admins[0],
+                rabbitmq_url,
+            ),
+            pool.submit(
+                chain_kafka_to_consumer_a_to_relay_to_rabbitmq_to_consumer_b_with_duplicates_and_crashes,
+                outbox_dbs(),
+                kafka_helper,
+                admins[1],
+                kafka_bootstrap,
+                rabbitmq_url,
+            ),
+        ]
+        try:
+            broker_down_for_20_seconds_rows_wait_then_publish_none_failed_or_lost(
+                outbox_dbs(), private_rabbit
+            )
+        finally:
+            wait(runs)
+            for admin in admins:
+                admin.close()
+    for future in runs:
+        future.result()
 
 
 def kafka_tool_producer(bootstrap: str) -> Any:

@@ -34,7 +34,6 @@ from sqlalchemy.orm import Session
 
 from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError
-from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import MemoryPublisher, OutboxStore, OutboxWriter, Relay, RelayConfig
 from mqdedup.outbox.mysql_coordination import MySQLCoordinator
 from mqdedup.outbox.store import ShardFilter
@@ -75,25 +74,20 @@ def mdb(mariadb_url: str) -> Iterator[OutboxDb]:
         yield OutboxDb(url=shared.url, engine=shared.engine, prefix=prefix, events=events)
 
 
-@pytest.mark.parametrize("target", ["kafka", "rabbitmq"])
 def test_10k_rows_from_concurrent_transactions_are_published_once_in_key_order_on_mariadb(
-    mdb: OutboxDb,
-    kafka_helper: KafkaHelper,
-    rabbit: RabbitAdmin,
-    kafka_bootstrap: str,
-    rabbitmq_url: str,
-    target: str,
+    mdb: OutboxDb, rabbit: RabbitAdmin, rabbitmq_url: str
 ) -> None:
-    if target == "kafka":
-        topic = kafka_helper.create_topic(partitions=4)
-        destination: dict[str, Any] = {"topic": topic}
-        publisher: Any = KafkaPublisher(kafka_bootstrap)
-    else:
-        queue = rabbit.queue()
-        destination = {"exchange": "", "routing_key": queue}
-        publisher = RabbitMQPublisher(rabbitmq_url)
+    """MariaDB's claim under 8 writing threads, through RabbitMQ (one queue: one total
+    order to check). The same volume through Kafka runs on PostgreSQL
+    (test_outbox_relay.py); Kafka on MariaDB in the two-relays test below: the publisher
+    does not depend on the database (tests/contract/test_publisher.py)."""
+    queue = rabbit.queue()
+    destination: dict[str, Any] = {"exchange": "", "routing_key": queue}
     relay = Relay(
-        mdb.engine, {target: publisher}, prefix=mdb.prefix, config=RelayConfig(poll_interval=0.2)
+        mdb.engine,
+        {"rabbitmq": RabbitMQPublisher(rabbitmq_url)},
+        prefix=mdb.prefix,
+        config=RelayConfig(poll_interval=0.2),
     )
 
     with relay_thread(relay) as (_, result):  # publishing while transactions still commit
@@ -103,14 +97,9 @@ def test_10k_rows_from_concurrent_transactions_are_published_once_in_key_order_o
 
     all_ids = [message_id for ids in written.values() for message_id in ids]
     assert len(all_ids) == len(set(all_ids)) == 10_000
-    if target == "kafka":
-        records = kafka_helper.read_all(topic, expected=10_000)
-        delivered = [kafka_headers(r)["message-id"] for r in records]
-        payloads = [json.loads(r.value) for r in records]  # partition by partition
-    else:
-        messages = rabbit.drain(queue, expected=10_000)
-        delivered = [properties.message_id for properties, _ in messages]
-        payloads = [json.loads(body) for _, body in messages]
+    messages = rabbit.drain(queue, expected=10_000)
+    delivered = [properties.message_id for properties, _ in messages]
+    payloads = [json.loads(body) for _, body in messages]
     assert len(delivered) == 10_000, "each row published exactly once"
     assert set(delivered) == set(all_ids)
     assert order_problems([(p["key"], p["seq"]) for p in payloads]) == []
@@ -207,7 +196,7 @@ def test_relay_killed_mid_batch_on_mariadb_publishes_all_and_the_consumer_applie
     consumer = receiver(mdb, queue, rabbitmq_url)  # its dedup table is on MariaDB too
     declare_topology(rabbit.channel(), consumer.topology())
     rabbit.created.append(f"{queue}.dlq")
-    ids = write_rows(mdb, queue, 3_000)
+    ids = write_rows(mdb, queue, 2_000)
     config = {
         "database_url": mdb.url,
         "prefix": mdb.prefix,
@@ -219,9 +208,11 @@ def test_relay_killed_mid_batch_on_mariadb_publishes_all_and_the_consumer_applie
     killed = {**config, "batch_pause": 0.05}  # slower, so the kills land before the end
     rng = random.Random(7)
     held_rows = 0
-    for kill in range(4):
+    # Two kills (the PostgreSQL run in test_outbox_faults.py has five): what is MariaDB's
+    # own here is the claim, the lease and the consumer's dedup, not the number of kills.
+    for kill in range(2):
         published_before = rabbit.depth(queue)
-        if kill % 2 == 0:  # at the most dangerous moment: published, not marked
+        if kill == 0:  # at the most dangerous moment: published, not marked
             relay = RelayProcess({**killed, "hold_batch": rng.randint(2, 3)})
             relay.wait_for_line("UNMARKED", 90)
             held_rows += int(relay.value_of("UNMARKED"))
@@ -242,16 +233,16 @@ def test_relay_killed_mid_batch_on_mariadb_publishes_all_and_the_consumer_applie
     final_metrics = final.stop()
 
     deliveries = rabbit.depth(queue)
-    assert deliveries >= 3_000 + held_rows, "the held batches were published again"
+    assert deliveries >= 2_000 + held_rows, "the held batches were published again"
     metrics = consume_all(mdb, consumer, deliveries, timeout=180)
     assert rabbit.depth(queue) == 0
 
     counts = mdb.event_counts("B")
     assert set(counts) == set(ids), "every row published at least once"
     assert set(counts.values()) == {1}, "each message id applied exactly once"
-    assert (metrics.processed, metrics.duplicates) == (3_000, deliveries - 3_000)
+    assert (metrics.processed, metrics.duplicates) == (2_000, deliveries - 2_000)
     status = mdb.status()
-    assert (status.pending, status.failed, status.published) == (0, 0, 3_000)
+    assert (status.pending, status.failed, status.published) == (0, 0, 2_000)
     assert final_metrics["failed"] == 0
 
 

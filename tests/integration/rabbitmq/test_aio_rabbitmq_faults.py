@@ -11,31 +11,29 @@
   channel, the broker redelivers it and the dedup skips it: each effect once;
 * a dead letter the broker refuses (publisher nack) is kept in the database with the
   reason, and its batch-mates go on;
-* the database stopped for 20 s (ten heartbeat intervals): the worker waits, keeps its
-  connection and resumes, nothing dead-lettered.
+* the database stopped for 20 s: ``tests/integration/asyncio/test_aio_database_outage.py``
+  (side by side with the aiokafka worker's outage).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import pytest
-from sqlalchemy import insert, make_url
+from sqlalchemy import insert
 
-from mqdedup import AsyncContext, Message, Metrics, RetryPolicy, create_async_engine
+from mqdedup import AsyncContext, Message, RetryPolicy
 from mqdedup.rabbitmq import AsyncRabbitMQConsumer
 from mqdedup.stopping import StopToken
 from mqdedup.testing.brokers import RabbitMQHarness
-from tests.integration.asyncio.proxy import CuttableProxy
 from tests.integration.kafka.helpers import row_counts, run_until_parked
 from tests.integration.rabbitmq.conftest import Database
 from tests.integration.rabbitmq.support import close_connections
-from tests.services import RabbitAdmin, wait_for, wait_for_on_loop
+from tests.services import RabbitAdmin, wait_for
 from tests.support import orders_table
 
 pytestmark = [pytest.mark.integration]
@@ -216,78 +214,3 @@ def test_aio_pika_dead_letter_refused_by_the_broker_is_kept_in_the_database(
     assert row_counts(db.engine, db.prefix) == dict.fromkeys(good, 1)
     assert outcome.dead_letters_parked == 1
     assert broker.depth(queue) == 0 and broker.depth(f"{queue}.dlq") == 0
-
-
-@pytest.mark.slow
-def test_aio_pika_database_stopped_20s_the_worker_waits_keeps_its_connection_and_loses_nothing(
-    db: Database,
-    broker: RabbitAdmin,
-    queue: str,
-    rabbitmq_url: str,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """The database 'stops' for 20 s (a proxy on the worker's loop is cut), ten heartbeat
-    intervals of a 2 s heartbeat, long enough for the broker to drop a connection whose
-    loop stopped answering: the worker waits with its batch unacked, reports the outage,
-    dead-letters nothing, keeps its connection (nothing redelivered), then resumes: each
-    effect once, queue drained."""
-    heartbeat = 2
-    separator = "&" if "?" in rabbitmq_url else "?"
-    ids = [f"o-{n:03d}" for n in range(300)]
-    consumer = type(
-        "AioRabbitOutage",
-        (AioRabbitOrders,),
-        {
-            "queue": queue,
-            "url": f"{rabbitmq_url}{separator}heartbeat={heartbeat}",
-            "table_prefix": db.prefix,
-            "poll_timeout": 0.2,
-            # resume within a second of the database being back
-            "retry_policy": RetryPolicy(
-                max_attempts=2,
-                initial_backoff=0.01,
-                max_backoff=0.02,
-                infrastructure_backoff_max=1.0,
-            ),
-        },
-    )()
-    broker.declare(consumer)
-    broker.publish(queue, ids)
-    target = make_url(db.url)
-    stop = StopToken()
-    metrics = Metrics()
-    seen: dict[str, Any] = {}
-
-    async def scenario() -> None:
-        proxy = CuttableProxy(target.host or "127.0.0.1", target.port or 5432)
-        await proxy.open()
-        engine = create_async_engine(target.set(host="127.0.0.1", port=proxy.listen_port))
-        task = asyncio.create_task(consumer.run_async(engine, stop=stop, metrics=metrics))
-        try:
-            await wait_for_on_loop(lambda: metrics.processed >= 40, 60, "the worker to get going")
-            await proxy.cut()
-            caplog.clear()
-            await asyncio.sleep(10 * heartbeat)  # the outage: 20 s
-            assert not task.done(), "the worker gave up during the outage"
-            seen["outage"] = metrics.outage
-            seen["reconnects"] = consumers(broker, queue)
-            seen["lost"] = [r for r in caplog.records if "connection lost" in r.message]
-            await proxy.open()  # the database is back
-            await wait_for_on_loop(lambda: metrics.processed >= len(ids), 60, "every message")
-        finally:
-            stop.request()
-            await asyncio.wait_for(task, 60)
-            await engine.dispose()
-            await proxy.cut()
-
-    with caplog.at_level(logging.INFO, logger="mqdedup.rabbitmq.aio_transport"):
-        asyncio.run(scenario())
-
-    assert str(seen["outage"]).startswith("database unavailable"), seen
-    assert seen["reconnects"] == 1, "the worker's consumer left the queue during the outage"
-    assert seen["lost"] == [], "the connection was lost during the outage"
-    assert metrics.duplicates == 0, "the unacked batch was redelivered: the connection broke"
-    assert metrics.dead_lettered == 0
-    assert row_counts(db.engine, db.prefix) == dict.fromkeys(ids, 1)
-    wait_for(lambda: broker.depth(queue) == 0, 30, "the queue drained")
-    assert broker.depth(f"{queue}.dlq") == 0
