@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sqlalchemy import Engine, text
 
+from bench.suite_dedup import delete_in_ctid_chunks
 from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
 from mqdedup.dedup.store import DedupStore
@@ -66,20 +67,14 @@ def vacuum(engine: Engine, table: str) -> None:
 
 def schema2_purge(engine: Engine, table: str, older_than: timedelta) -> int:
     """The schema-2 purge: ordered chunks through the btree."""
-    total = 0
-    while True:
-        with engine.begin() as connection:
-            deleted = connection.execute(
-                text(
-                    f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
-                    "WHERE processed_at < now() - CAST(:age AS interval) "
-                    "ORDER BY processed_at LIMIT :chunk))"
-                ),
-                {"age": f"{older_than.days} days", "chunk": CHUNK},
-            ).rowcount
-        total += deleted
-        if deleted < CHUNK:
-            return total
+    return delete_in_ctid_chunks(
+        engine,
+        table,
+        "processed_at < now() - CAST(:age AS interval)",
+        {"age": f"{older_than.days} days"},
+        CHUNK,
+        order_by="processed_at",
+    )
 
 
 def plan(engine: Engine, table: str, older_than: timedelta) -> str:

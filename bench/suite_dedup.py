@@ -90,23 +90,37 @@ def retention_index(prefix: str) -> Index:
     return next(index for index in indexes if index.name == f"{prefix}processed_at_brin")
 
 
+def delete_in_ctid_chunks(
+    engine: Engine,
+    table: str,
+    condition: str,
+    params: dict[str, Any],
+    chunk: int,
+    order_by: str = "",
+) -> int:
+    """``DELETE … WHERE ctid = ANY(ARRAY(SELECT ctid … WHERE condition [ORDER BY] LIMIT
+    chunk))``, one short transaction per chunk, until a chunk comes back short."""
+    order = f" ORDER BY {order_by}" if order_by else ""
+    statement = text(
+        f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
+        f"WHERE {condition}{order} LIMIT :chunk))"
+    )
+    total = 0
+    while True:
+        with engine.begin() as connection:
+            deleted = int(connection.execute(statement, {**params, "chunk": chunk}).rowcount)
+        total += deleted
+        if deleted < chunk:
+            return total
+
+
 def ctid_purge(engine: Engine, prefix: str, older_than: timedelta, chunk: int) -> int:
     """Reference chunked purge (what a set-based DELETE costs): not mqdedup's code."""
     table = schema(prefix).processed.name
     cutoff = datetime.now(UTC) - older_than
-    total = 0
-    while True:
-        with engine.begin() as connection:
-            deleted = connection.execute(
-                text(
-                    f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
-                    "WHERE processed_at < :cutoff LIMIT :chunk))"
-                ),
-                {"cutoff": cutoff, "chunk": chunk},
-            ).rowcount
-        total += deleted
-        if deleted < chunk:
-            break
+    total = delete_in_ctid_chunks(
+        engine, table, "processed_at < :cutoff", {"cutoff": cutoff}, chunk
+    )
     with engine.connect() as connection:
         left = connection.execute(
             text(f"SELECT count(*) FROM {table} WHERE processed_at < :cutoff"), {"cutoff": cutoff}

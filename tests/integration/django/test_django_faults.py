@@ -43,12 +43,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SCENARIOS = Path(__file__).with_name("scenarios.py")
 
 
-def scenarios_on_postgresql(database_url: str, kafka_bootstrap: str, rabbitmq_url: str) -> None:
-    """Every scenario on PostgreSQL."""
-    env = example_env(
-        database_url, MQDEDUP_KAFKA_BOOTSTRAP=kafka_bootstrap, MQDEDUP_RABBITMQ_URL=rabbitmq_url
-    )
-    migrated(database_url, env)
+def run_scenarios(env: dict[str, str], passed: int, *options: str, timeout: float) -> None:
+    """The example's scenarios module in a pytest process; ``passed`` of them must pass."""
     result = run(
         PYTHON,
         "-m",
@@ -60,12 +56,21 @@ def scenarios_on_postgresql(database_url: str, kafka_bootstrap: str, rabbitmq_ur
         "no:cacheprovider",
         "-q",
         "-x",
-        "--durations=0",
+        *options,
         env=env,
-        timeout=280,
+        timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "6 passed" in result.stdout, result.stdout[-3000:]
+    assert f"{passed} passed" in result.stdout, result.stdout[-3000:]
+
+
+def scenarios_on_postgresql(database_url: str, kafka_bootstrap: str, rabbitmq_url: str) -> None:
+    """Every scenario on PostgreSQL."""
+    env = example_env(
+        database_url, MQDEDUP_KAFKA_BOOTSTRAP=kafka_bootstrap, MQDEDUP_RABBITMQ_URL=rabbitmq_url
+    )
+    migrated(database_url, env)
+    run_scenarios(env, 6, "--durations=0", timeout=280)
 
 
 def scenarios_on_mariadb(database_url: str, rabbitmq_url: str) -> None:
@@ -78,24 +83,9 @@ def scenarios_on_mariadb(database_url: str, rabbitmq_url: str) -> None:
         MQDEDUP, "db", "check", "--database", database_url, "--table-prefix", prefix, env=env
     )
     assert check.returncode == 0, check.stdout + check.stderr
-    result = run(
-        PYTHON,
-        "-m",
-        "pytest",
-        str(SCENARIOS),
-        "-p",
-        "no:django",
-        "-p",
-        "no:cacheprovider",
-        "-q",
-        "-x",
-        "-k",
-        "rabbitmq_duplicates or failed_handlers or idempotency",
-        env=env,
-        timeout=200,
+    run_scenarios(
+        env, 4, "-k", "rabbitmq_duplicates or failed_handlers or idempotency", timeout=200
     )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "4 passed" in result.stdout, result.stdout[-3000:]
 
 
 def test_django_consumers_under_duplicates_kills_and_lost_connections_on_postgresql_and_mariadb(
