@@ -25,6 +25,7 @@ import pika.exceptions
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.rabbitmq.codec import plan_acks
 from mqdedup.rabbitmq.io_commands import Command
+from mqdedup.rabbitmq.io_frames import DeliveryFastPath
 from mqdedup.rabbitmq.reconnecting import describe
 from mqdedup.rabbitmq.topology import Topology, connection_parameters, mask_amqp_url
 from mqdedup.stopping import StopToken
@@ -79,7 +80,8 @@ class ConsumingChannel:
 
         # Shared between the threads, guarded by _lock.
         self._lock = threading.Condition()
-        self._buffer: deque[tuple[int, Any, Any, bytes]] = deque()
+        #: (generation, delivery_tag, redelivered, exchange, routing_key, properties, body)
+        self._buffer: deque[tuple[int, int, bool, Any, Any, Any, bytes]] = deque()
         self._pending: list[Command] = []
         self._generation = 0
         self._live_generation: int | None = None
@@ -102,6 +104,7 @@ class ConsumingChannel:
         self._channel: Any = None
         self._admin_channel: Any = None  # passive declares (queue depth); never publishes
         self._consumer_tag: str | None = None
+        self._fast_path: DeliveryFastPath | None = None
         self._consuming = False
         self._broker_cancelled = False
         self._io_generation = 0
@@ -138,13 +141,42 @@ class ConsumingChannel:
     # pika callbacks and commands (I/O thread) -----------------------------------------------
 
     def _on_message(self, _channel: Any, method: Any, properties: Any, body: bytes) -> None:
+        """pika's consumer callback (when the fast path of :mod:`.io_frames` is not used)."""
+        self._on_delivery(
+            method.delivery_tag,
+            bool(method.redelivered),
+            method.exchange,
+            method.routing_key,
+            properties,
+            body,
+        )
+
+    def _on_delivery(
+        self,
+        delivery_tag: int,
+        redelivered: bool,
+        exchange: Any,
+        routing_key: Any,
+        properties: Any,
+        body: bytes,
+    ) -> None:
         # One call per delivery: the append needs no lock (a deque's append and the
         # worker's popleft are atomic; only this thread clears the buffer); the lock is
         # taken to wake the worker, which checks the buffer under it before it waits.
-        self._outstanding.add(method.delivery_tag)
+        self._outstanding.add(delivery_tag)
         self._last_arrival = time.monotonic()
         buffer = self._buffer
-        buffer.append((self._io_generation, method, properties, body))
+        buffer.append(
+            (
+                self._io_generation,
+                delivery_tag,
+                redelivered,
+                exchange,
+                routing_key,
+                properties,
+                body,
+            )
+        )
         if len(buffer) >= min(self._wanted, self.prefetch):
             with self._lock:
                 self._lock.notify_all()
@@ -192,14 +224,12 @@ class ConsumingChannel:
     def _cancel_consuming(self) -> None:
         """Stop receiving (graceful stop) and return the not-yet-fetched deliveries."""
         self._consuming = False
+        if self._fast_path is not None:
+            self._fast_path.active = False  # pika rejects what still arrives for us
         if self._consumer_tag is not None and self._channel is not None:
             self._channel.basic_cancel(self._consumer_tag)
         with self._lock:
-            unfetched = [
-                method.delivery_tag
-                for generation, method, _properties, _body in self._buffer
-                if generation == self._io_generation
-            ]
+            unfetched = [entry[1] for entry in self._buffer if entry[0] == self._io_generation]
             self._buffer.clear()
             self._lock.notify_all()
         self._nack(self._io_generation, unfetched)

@@ -23,6 +23,8 @@ import pika
 
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.rabbitmq.io_channel import ConsumingChannel
+from mqdedup.rabbitmq.io_frames import install as install_fast_path
+from mqdedup.rabbitmq.io_frames import new_consumer_tag
 from mqdedup.rabbitmq.reconnecting import (
     ClosingError,
     close_quietly,
@@ -175,7 +177,14 @@ class ConsumingConnection(ConsumingChannel):
             self._channel = channel
             self._admin_channel = admin_channel
             self._consumer_tag = channel.basic_consume(
-                queue=self.queue, on_message_callback=self._on_message, auto_ack=False
+                queue=self.queue,
+                on_message_callback=self._on_message,
+                auto_ack=False,
+                consumer_tag=new_consumer_tag(channel.channel_number),
+            )
+            # Our deliveries decoded without pika's per-frame layers (io_frames.py).
+            self._fast_path = install_fast_path(
+                connection, channel, self._consumer_tag, self._on_delivery
             )
             self._consuming = True
         except BaseException:
@@ -248,5 +257,6 @@ class ConsumingConnection(ConsumingChannel):
         connection, self._connection = self._connection, None
         self._channel = None
         self._admin_channel = None
+        self._fast_path = None
         if connection is not None:
             close_quietly(connection)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery, new_delivery
 from mqdedup.errors import BrokerUnavailableError
-from mqdedup.rabbitmq.codec import dead_letter_properties, to_message
+from mqdedup.rabbitmq.codec import dead_letter_properties, delivery_message
 from mqdedup.rabbitmq.io_commands import noop
 from mqdedup.rabbitmq.io_thread import ConsumingConnection
 from mqdedup.rabbitmq.publishing import DeadLetterPublisher
@@ -202,15 +202,14 @@ class RabbitMQTransport(ConsumingConnection):
         append = deliveries.append
         handed_out = self._handed_out
         queue = self.queue
-        for generation, method, properties, body in raw:
+        for generation, tag, redelivered, exchange, routing_key, properties, body in raw:
             if generation != live:
                 continue  # died with its channel; the broker redelivers it
-            tag = method.delivery_tag
             handed_out[(generation, tag)] = None
             append(
                 new_delivery(
-                    to_message(queue, method, properties, body),
-                    AmqpToken(generation, tag, method.exchange, method.routing_key, properties),
+                    delivery_message(queue, redelivered, exchange, routing_key, properties, body),
+                    AmqpToken(generation, tag, exchange, routing_key, properties),
                 )
             )
         return deliveries
