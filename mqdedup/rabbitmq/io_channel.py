@@ -162,7 +162,8 @@ class ConsumingChannel:
     ) -> None:
         # One call per delivery: the append needs no lock (a deque's append and the
         # worker's popleft are atomic; only this thread clears the buffer); the lock is
-        # taken to wake the worker, which checks the buffer under it before it waits.
+        # taken to wake the worker, which checks the buffer under it before it waits, so
+        # waking it once, as the buffer reaches what it waits for, is enough.
         self._outstanding.add(delivery_tag)
         self._last_arrival = time.monotonic()
         buffer = self._buffer
@@ -177,7 +178,7 @@ class ConsumingChannel:
                 body,
             )
         )
-        if len(buffer) >= min(self._wanted, self.prefetch):
+        if len(buffer) == min(self._wanted, self.prefetch):
             with self._lock:
                 self._lock.notify_all()
 

@@ -203,9 +203,11 @@ def install(
 ) -> DeliveryFastPath | None:
     """Route ``channel``'s deliveries for ``consumer_tag`` straight to ``on_delivery``.
 
-    Call it after ``basic_consume(..., consumer_tag=consumer_tag)``, before the I/O loop
-    runs again. ``connection`` / ``channel`` are pika's blocking ones. Returns None
-    (pika's own path stays, unchanged) when this pika lacks an internal it relies on.
+    Call it after ``basic_consume(..., consumer_tag=consumer_tag)``, once the deliveries
+    pika has queued as ``BlockingChannel`` events are dispatched (``process_data_events``),
+    so none of them is overtaken. ``connection`` / ``channel`` are pika's blocking ones.
+    Returns None (pika's own path stays, unchanged) when this pika lacks an internal it
+    relies on.
     """
     impl = getattr(connection, "_impl", None)
     channel_impl = getattr(channel, "_impl", None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import pika
 
@@ -182,10 +183,6 @@ class ConsumingConnection(ConsumingChannel):
                 auto_ack=False,
                 consumer_tag=new_consumer_tag(channel.channel_number),
             )
-            # Our deliveries decoded without pika's per-frame layers (io_frames.py).
-            self._fast_path = install_fast_path(
-                connection, channel, self._consumer_tag, self._on_delivery
-            )
             self._consuming = True
         except BaseException:
             self._connection = None
@@ -211,6 +208,7 @@ class ConsumingConnection(ConsumingChannel):
 
     def _serve(self) -> None:
         connection = self._connection
+        self._decode_deliveries_ourselves(connection)
         while True:
             if self._closing.is_set():
                 self._drain_commands()  # the last acks go out before the connection closes
@@ -233,6 +231,21 @@ class ConsumingConnection(ConsumingChannel):
                 )
             if self._lag_interval > 0 and time.monotonic() >= self._next_lag_update:
                 self._update_lag()
+
+    def _decode_deliveries_ourselves(self, connection: Any) -> None:
+        """From now on, decode our deliveries without pika's layers (:mod:`.io_frames`).
+
+        Deliveries that came in with the ``ConsumeOk`` wait as ``BlockingChannel``
+        events: they are dispatched first, so the buffer keeps the broker's order (a
+        ``multiple=True`` ack must never cover a tag that is not in it yet). Called once
+        the generation is live: ``fetch`` hands out only deliveries of the live one.
+        """
+        if not self._consuming or self._consumer_tag is None:
+            return
+        connection.process_data_events(time_limit=0)
+        self._fast_path = install_fast_path(
+            connection, self._channel, self._consumer_tag, self._on_delivery
+        )
 
     def _teardown(self) -> None:
         """Forget the connection: buffered deliveries and pending commands die with it."""
