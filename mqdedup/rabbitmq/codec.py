@@ -127,10 +127,19 @@ def delivery_message(
         queue,
         None,
         None,
-        datetime.fromtimestamp(timestamp, UTC) if timestamp is not None else None,
+        None if timestamp is None else _datetime(timestamp),
         redelivered,
         attempt,
     )
+
+
+def _datetime(timestamp: int) -> datetime | None:
+    """The AMQP ``timestamp`` property as a datetime; None when no datetime can hold it
+    (``Message.properties["timestamp"]`` keeps the number the producer sent)."""
+    try:
+        return datetime.fromtimestamp(timestamp, UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
 
 
 class AmqpProperties(Mapping[str, Any]):

@@ -17,13 +17,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pika
 import pika.exceptions
 
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.rabbitmq.codec import plan_acks
+from mqdedup.consumers.transport import Delivery, new_delivery
+from mqdedup.rabbitmq.codec import delivery_message, plan_acks
 from mqdedup.rabbitmq.io_commands import Command
 from mqdedup.rabbitmq.io_frames import DeliveryFastPath
 from mqdedup.rabbitmq.reconnecting import describe
@@ -34,6 +35,20 @@ from mqdedup.stopping import StopToken
 log = logging.getLogger("mqdedup.rabbitmq.transport")
 
 _DEFAULT_BLOCKED_TIMEOUT = 60.0
+
+
+class AmqpToken(NamedTuple):
+    """``Delivery.token`` of a RabbitMQ delivery: where to ack it and what it looked like.
+
+    A named tuple, not a frozen dataclass: one is built per delivery (0.3 µs against
+    about 1.5 µs for the dataclass built field by field).
+    """
+
+    generation: int
+    delivery_tag: int
+    exchange: str
+    routing_key: str
+    properties: Any  # the original pika.BasicProperties (kept for dead-lettering)
 
 
 class ConsumingChannel:
@@ -80,8 +95,9 @@ class ConsumingChannel:
 
         # Shared between the threads, guarded by _lock.
         self._lock = threading.Condition()
-        #: (generation, delivery_tag, redelivered, exchange, routing_key, properties, body)
-        self._buffer: deque[tuple[int, int, bool, Any, Any, Any, bytes]] = deque()
+        #: Deliveries received, not yet fetched (built on the I/O thread, which has time
+        #: to spare while the worker waits for its database).
+        self._buffer: deque[Delivery[AmqpToken]] = deque()
         self._pending: list[Command] = []
         self._generation = 0
         self._live_generation: int | None = None
@@ -168,14 +184,9 @@ class ConsumingChannel:
         self._last_arrival = time.monotonic()
         buffer = self._buffer
         buffer.append(
-            (
-                self._io_generation,
-                delivery_tag,
-                redelivered,
-                exchange,
-                routing_key,
-                properties,
-                body,
+            new_delivery(
+                delivery_message(self.queue, redelivered, exchange, routing_key, properties, body),
+                AmqpToken(self._io_generation, delivery_tag, exchange, routing_key, properties),
             )
         )
         if len(buffer) == min(self._wanted, self.prefetch):
@@ -230,7 +241,11 @@ class ConsumingChannel:
         if self._consumer_tag is not None and self._channel is not None:
             self._channel.basic_cancel(self._consumer_tag)
         with self._lock:
-            unfetched = [entry[1] for entry in self._buffer if entry[0] == self._io_generation]
+            unfetched = [
+                delivery.token.delivery_tag
+                for delivery in self._buffer
+                if delivery.token.generation == self._io_generation
+            ]
             self._buffer.clear()
             self._lock.notify_all()
         self._nack(self._io_generation, unfetched)
