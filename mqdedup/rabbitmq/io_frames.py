@@ -37,13 +37,15 @@ log = logging.getLogger("mqdedup.rabbitmq.transport")
 OnDelivery = Callable[[int, bool, Any, Any, Any, bytes], None]
 
 _FRAME_HEAD = struct.Struct(">BHL")  # type, channel, payload size
-_METHOD_ID = struct.Struct(">I")
-_TAG_AND_BITS = struct.Struct(">QB")
-_CONTENT_HEAD = struct.Struct(">HHQ")  # class id, weight, body size
+#: A content header frame's head: type, channel, size, class id, weight, body size.
+_HEADER_HEAD = struct.Struct(">BHLHHQ")
+#: After basic.deliver's consumer tag: delivery tag, redelivered bit, exchange length.
+_TAG_BITS_LENGTH = struct.Struct(">QBB")
 _FRAME_END = 0xCE
 _METHOD, _HEADER, _BODY = 1, 2, 3
-_BASIC_DELIVER = 0x003C003C  # class 60 (basic), method 60 (deliver)
+_BASIC_DELIVER = struct.pack(">HH", 60, 60)  # class basic, method deliver
 _BASIC_CLASS = 60
+_NAMES_KEPT = 1000
 _NOT_OURS = -1
 _new_properties = object.__new__
 _BasicProperties = spec.BasicProperties
@@ -52,16 +54,6 @@ _BasicProperties = spec.BasicProperties
 def new_consumer_tag(channel_number: int) -> str:
     """A consumer tag chosen by the client (the fast path must know it before consuming)."""
     return f"mqdedup.{channel_number}.{uuid.uuid4().hex}"
-
-
-def _short_string(data: bytes, at: int) -> tuple[Any, int]:
-    """An AMQP short string at ``at``: (text, or bytes when not UTF-8, next offset)."""
-    end = at + 1 + data[at]
-    raw = data[at + 1 : end]
-    try:
-        return raw.decode("utf-8"), end
-    except UnicodeDecodeError:
-        return raw, end  # as pika does
 
 
 class DeliveryFastPath:
@@ -81,6 +73,7 @@ class DeliveryFastPath:
         self._held: list[bytes] = []
         self._held_size = 0
         self._needed = 0
+        self._names: dict[bytes, Any] = {}
 
     # pika calls this with each chunk read from the socket (I/O thread).
     def data_available(self, data_in: bytes) -> None:
@@ -145,30 +138,27 @@ class DeliveryFastPath:
         method_end = at + 8 + size
         if method_end > end:
             return self._need(method_end)
-        if (
-            data[method_end - 1] != _FRAME_END
-            or _METHOD_ID.unpack_from(data, at + 7)[0] != _BASIC_DELIVER
-        ):
+        if data[method_end - 1] != _FRAME_END or data[at + 7 : at + 11] != _BASIC_DELIVER:
             return _NOT_OURS
-        offset = at + 11
-        tag_end = offset + 1 + data[offset]
-        if data[offset + 1 : tag_end] != self._tag:
+        tag_end = at + 12 + data[at + 11]
+        if data[at + 12 : tag_end] != self._tag:
             return _NOT_OURS
-        delivery_tag, bits = _TAG_AND_BITS.unpack_from(data, tag_end)
-        exchange, offset = _short_string(data, tag_end + 9)
-        routing_key, _ = _short_string(data, offset)
+        delivery_tag, bits, length = _TAG_BITS_LENGTH.unpack_from(data, tag_end)
+        offset = tag_end + 10
+        exchange = self._name(data[offset : offset + length])
+        offset += length
+        routing_key = self._name(data[offset + 1 : offset + 1 + data[offset]])
         # The content header frame.
         header = method_end
-        if end - header < 7:
-            return self._need(header + 7)
-        kind, channel, size = _FRAME_HEAD.unpack_from(data, header)
-        if kind != _HEADER or channel != self._channel or size < 14:
+        if end - header < 19:
+            return self._need(header + 19)
+        kind, channel, size, class_id, _weight, remaining = _HEADER_HEAD.unpack_from(data, header)
+        if kind != _HEADER or channel != self._channel or size < 14 or class_id != _BASIC_CLASS:
             return _NOT_OURS
         header_end = header + 8 + size
         if header_end > end:
             return self._need(header_end)
-        class_id, _weight, remaining = _CONTENT_HEAD.unpack_from(data, header + 7)
-        if data[header_end - 1] != _FRAME_END or class_id != _BASIC_CLASS:
+        if data[header_end - 1] != _FRAME_END:
             return _NOT_OURS
         # The body frames (none for an empty body).
         position: int = header_end
@@ -191,11 +181,29 @@ class DeliveryFastPath:
             position = frame_end
         properties = _new_properties(_BasicProperties)
         properties.decode(data, header + 19)  # sets every property (None when absent)
-        body = parts[0] if len(parts) == 1 else b"".join(parts)
-        impl = self._impl
-        impl.frames_received += 2 + len(parts)
+        if len(parts) == 1:
+            body = parts[0]
+            self._impl.frames_received += 3
+        else:
+            body = b"".join(parts)
+            self._impl.frames_received += 2 + len(parts)
         self._on_delivery(delivery_tag, bool(bits & 1), exchange, routing_key, properties, body)
         return position
+
+    def _name(self, raw: bytes) -> Any:
+        """An exchange or routing key: text, or bytes when not UTF-8 (as pika decodes
+        short strings). Most deliveries repeat a few names: they are decoded once."""
+        names = self._names
+        name = names.get(raw)
+        if name is None:
+            if len(names) >= _NAMES_KEPT:
+                names.clear()
+            try:
+                name = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                name = raw
+            names[raw] = name
+        return name
 
 
 def install(
