@@ -46,6 +46,45 @@ _METHOD, _HEADER, _BODY = 1, 2, 3
 _BASIC_DELIVER = struct.pack(">HH", 60, 60)  # class basic, method deliver
 _BASIC_CLASS = 60
 _NAMES_KEPT = 1000
+_TIMESTAMP = struct.Struct(">Q")
+#: Flag bits that leave the properties to pika: headers (a table), a second flag word.
+_PIKA_DECODES = spec.BasicProperties.FLAG_HEADERS | 1
+_SHORT, _OCTET, _STAMP = "short string", "octet", "timestamp"
+#: The basic properties but headers, in wire order: (flag bit, attribute, AMQP type).
+_FIELDS = (
+    (spec.BasicProperties.FLAG_CONTENT_TYPE, "content_type", _SHORT),
+    (spec.BasicProperties.FLAG_CONTENT_ENCODING, "content_encoding", _SHORT),
+    (spec.BasicProperties.FLAG_DELIVERY_MODE, "delivery_mode", _OCTET),
+    (spec.BasicProperties.FLAG_PRIORITY, "priority", _OCTET),
+    (spec.BasicProperties.FLAG_CORRELATION_ID, "correlation_id", _SHORT),
+    (spec.BasicProperties.FLAG_REPLY_TO, "reply_to", _SHORT),
+    (spec.BasicProperties.FLAG_EXPIRATION, "expiration", _SHORT),
+    (spec.BasicProperties.FLAG_MESSAGE_ID, "message_id", _SHORT),
+    (spec.BasicProperties.FLAG_TIMESTAMP, "timestamp", _STAMP),
+    (spec.BasicProperties.FLAG_TYPE, "type", _SHORT),
+    (spec.BasicProperties.FLAG_USER_ID, "user_id", _SHORT),
+    (spec.BasicProperties.FLAG_APP_ID, "app_id", _SHORT),
+    (spec.BasicProperties.FLAG_CLUSTER_ID, "cluster_id", _SHORT),
+)
+#: Every attribute pika's decoder sets, unset (pika's order).
+_NO_PROPERTIES: dict[str, Any] = dict.fromkeys(
+    (
+        "content_type",
+        "content_encoding",
+        "headers",
+        "delivery_mode",
+        "priority",
+        "correlation_id",
+        "reply_to",
+        "expiration",
+        "message_id",
+        "timestamp",
+        "type",
+        "user_id",
+        "app_id",
+        "cluster_id",
+    )
+)
 _NOT_OURS = -1
 _new_properties = object.__new__
 _BasicProperties = spec.BasicProperties
@@ -74,6 +113,7 @@ class DeliveryFastPath:
         self._held_size = 0
         self._needed = 0
         self._names: dict[bytes, Any] = {}
+        self._layouts: dict[int, tuple[tuple[str, str], ...]] = {}
 
     # pika calls this with each chunk read from the socket (I/O thread).
     def data_available(self, data_in: bytes) -> None:
@@ -179,8 +219,7 @@ class DeliveryFastPath:
             parts.append(data[position + 7 : frame_end - 1])
             remaining -= size
             position = frame_end
-        properties = _new_properties(_BasicProperties)
-        properties.decode(data, header + 19)  # sets every property (None when absent)
+        properties = self._properties(data, header + 19)
         if len(parts) == 1:
             body = parts[0]
             self._impl.frames_received += 3
@@ -189,6 +228,43 @@ class DeliveryFastPath:
             self._impl.frames_received += 2 + len(parts)
         self._on_delivery(delivery_tag, bool(bits & 1), exchange, routing_key, properties, body)
         return position
+
+    def _properties(self, data: bytes, at: int) -> Any:
+        """The basic properties at ``at``, as pika's ``BasicProperties``.
+
+        Decoded here when they hold no headers (a table) and one flag word, which
+        covers most messages; otherwise by pika. Every property is set (None when
+        absent), as pika's decoder sets them.
+        """
+        properties = _new_properties(_BasicProperties)
+        flags = data[at] << 8 | data[at + 1]
+        if flags & _PIKA_DECODES:
+            properties.decode(data, at)
+            return properties
+        layout = self._layouts.get(flags)
+        if layout is None:
+            layout = self._layouts[flags] = tuple(
+                (name, kind) for flag, name, kind in _FIELDS if flags & flag
+            )
+        values = dict(_NO_PROPERTIES)
+        at += 2
+        for name, kind in layout:
+            if kind is _SHORT:
+                end = at + 1 + data[at]
+                raw = data[at + 1 : end]
+                try:
+                    values[name] = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    values[name] = raw  # as pika decodes short strings
+                at = end
+            elif kind is _OCTET:
+                values[name] = data[at]
+                at += 1
+            else:
+                values[name] = _TIMESTAMP.unpack_from(data, at)[0]
+                at += 8
+        properties.__dict__ = values
+        return properties
 
     def _name(self, raw: bytes) -> Any:
         """An exchange or routing key: text, or bytes when not UTF-8 (as pika decodes

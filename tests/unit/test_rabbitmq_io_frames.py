@@ -11,6 +11,8 @@ from typing import Any
 
 import pika
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pika import frame, spec
 
 from mqdedup.rabbitmq.codec import delivery_message
@@ -190,3 +192,51 @@ def test_install_declines_a_pika_without_the_internals() -> None:
         pass
 
     assert install(Opaque(), Opaque(), TAG, lambda *d: None) is None
+
+
+_SHORT_STRING = st.one_of(
+    st.text(max_size=40).filter(lambda t: len(t.encode("utf-8")) <= 255),
+    st.binary(max_size=40).filter(lambda b: not _utf8(b)),  # kept as bytes, as pika does
+)
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "content_type": _SHORT_STRING,
+            "content_encoding": _SHORT_STRING,
+            "headers": st.dictionaries(st.text(max_size=5), st.integers(0, 99), max_size=3),
+            "delivery_mode": st.integers(1, 2),
+            "priority": st.integers(0, 255),
+            "correlation_id": _SHORT_STRING,
+            "reply_to": _SHORT_STRING,
+            "expiration": st.integers(0, 10**9).map(str),
+            "message_id": _SHORT_STRING,
+            "timestamp": st.integers(0, 2**64 - 1),
+            "type": _SHORT_STRING,
+            "user_id": _SHORT_STRING,
+            "app_id": _SHORT_STRING,
+            "cluster_id": _SHORT_STRING,
+        },
+    )
+)
+def test_properties_decode_as_pika_decodes_them(values: dict[str, Any]) -> None:
+    """Whatever properties a producer sets, the fast path's BasicProperties equal pika's."""
+    path, _impl, got = fast_path()
+    properties = pika.BasicProperties(**values)
+    path.data_available(deliver(1, b"x", properties=properties))
+    header = frame.Header(CHANNEL, 1, properties).marshal()
+    expected = spec.BasicProperties()
+    expected.decode(header, 19)
+    assert vars(got[0][4]) == vars(expected)
+    assert list(vars(got[0][4])) == list(vars(expected))
