@@ -65,7 +65,24 @@ def header_value(value: Any) -> HeaderValue:
         return str(value)
     if isinstance(value, datetime | date):
         return value.isoformat()
-    return json.dumps(value, default=str, sort_keys=True)
+    try:
+        return json.dumps(value, default=str, sort_keys=True)
+    except (TypeError, ValueError):  # a nested table's key that is not UTF-8 (bytes)
+        return json.dumps(_text_keys(value), default=str, sort_keys=True)
+
+
+def _text_keys(value: Any) -> Any:
+    """``value`` with every table key as text (JSON objects have text keys only)."""
+    if isinstance(value, dict):
+        return {
+            (key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)): (
+                _text_keys(item)
+            )
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_text_keys(item) for item in value]
+    return value
 
 
 def delivery_attempt(redelivered: bool, headers: Mapping[str, Any]) -> int:

@@ -97,6 +97,13 @@ class TestToMessage:
         assert pickle.loads(pickle.dumps(view)) == as_dict
         assert json.loads(json.dumps(dict(view))) == as_dict
 
+    def test_a_nested_table_key_that_is_not_utf8_still_makes_a_message(self) -> None:
+        # pika decodes a short string that is not UTF-8 as bytes, table keys included
+        headers = {"t": {b"\xff": 1, "a": [{b"\xfe": None}]}}
+        properties = pika.BasicProperties(message_id="m-1", headers=headers)
+        message = to_message("orders", deliver(), properties, b"")
+        assert message.headers == {"t": '{"a": [{"\\ufffd": null}], "\\ufffd": 1}'}
+
     def test_a_timestamp_no_datetime_holds_leaves_message_timestamp_unset(self) -> None:
         for huge in (2**64 - 1, 2**63 - 1, 253_402_300_800):
             properties = pika.BasicProperties(message_id="m-1", timestamp=huge)
