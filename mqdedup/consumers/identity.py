@@ -37,19 +37,24 @@ def identify(
     seen: set[str] = set()
     strategy = checked_strategy(consumer)
     for delivery in deliveries:
+        message = delivery.message
         try:
-            message_id = message_id_of(consumer, delivery, strategy)
+            if strategy is None:
+                message_id = message_id_of(consumer, delivery)
+            else:  # message_id_of's checked-strategy path, inlined (one call per message)
+                message_id = strategy(message)
         except MessageError as error:
             report.dead_lettered.append((delivery, dead_letter(error, 1)))
+            continue
+        except Exception as error:
+            report.dead_lettered.append((delivery, dead_letter(strategy_failed(error), 1)))
             continue
         if message_id in seen:
             repeats.append((delivery, message_id))
             continue
         seen.add(message_id)
-        message = delivery.message.identified(message_id)
-        unique.append(
-            delivery if message is delivery.message else Delivery(message, delivery.token)
-        )
+        identified = message.identified(message_id)
+        unique.append(delivery if identified is message else Delivery(identified, delivery.token))
     return unique, repeats
 
 
@@ -82,10 +87,17 @@ def message_id_of(
     except MessageError:
         raise
     except Exception as error:
-        raise InvalidMessageIdError(
-            f"the message id strategy failed: {type(error).__name__}: {error}"
-        ) from error
+        raise strategy_failed(error) from error
     return check_message_id(message_id, "the consumer's message id")
+
+
+def strategy_failed(error: Exception) -> InvalidMessageIdError:
+    """What a message id strategy's own failure makes of its message (dead-lettered)."""
+    failure = InvalidMessageIdError(
+        f"the message id strategy failed: {type(error).__name__}: {error}"
+    )
+    failure.__cause__ = error
+    return failure
 
 
 def resolve_repeats(

@@ -71,6 +71,14 @@ def check_message_id(message_id: object, where: str = "message id") -> str:
     the dead-letter reason. Raises :class:`~mqdedup.errors.MissingMessageIdError` for
     ``None`` or an empty / blank id and :class:`InvalidMessageIdError` for the others.
     """
+    if (
+        type(message_id) is str
+        and message_id.isascii()  # no lone surrogate, so UTF-8 encodes it
+        and 0 < len(message_id) <= MAX_ID_LENGTH
+        and "\x00" not in message_id
+        and not message_id.isspace()
+    ):
+        return message_id  # the common id, checked in one pass (hot path)
     if message_id is None:
         raise MissingMessageIdError(f"no {where}")
     if not isinstance(message_id, str):
@@ -110,7 +118,9 @@ def from_header(name: str = DEFAULT_HEADER) -> MessageIdStrategy:
 def from_amqp_message_id(message: Message) -> str:
     """Take the id from the AMQP ``message_id`` basic property."""
     value = message.properties.get("message_id")
-    return check_message_id(None if value is None else str(value), "AMQP message_id property")
+    if value is not None and type(value) is not str:
+        value = str(value)
+    return check_message_id(value, "AMQP message_id property")
 
 
 @_returns_checked_ids

@@ -6,7 +6,7 @@ No I/O here, so everything is unit-tested without a broker.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from decimal import Decimal
@@ -65,7 +65,24 @@ def header_value(value: Any) -> HeaderValue:
         return str(value)
     if isinstance(value, datetime | date):
         return value.isoformat()
-    return json.dumps(value, default=str, sort_keys=True)
+    try:
+        return json.dumps(value, default=str, sort_keys=True)
+    except (TypeError, ValueError):  # a nested table's key that is not UTF-8 (bytes)
+        return json.dumps(_text_keys(value), default=str, sort_keys=True)
+
+
+def _text_keys(value: Any) -> Any:
+    """``value`` with every table key as text (JSON objects have text keys only)."""
+    if isinstance(value, dict):
+        return {
+            (key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)): (
+                _text_keys(item)
+            )
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_text_keys(item) for item in value]
+    return value
 
 
 def delivery_attempt(redelivered: bool, headers: Mapping[str, Any]) -> int:
@@ -77,19 +94,32 @@ def delivery_attempt(redelivered: bool, headers: Mapping[str, Any]) -> int:
 
 
 def to_message(queue: str, method: Any, properties: Any, body: bytes | None) -> Message:
-    """Build the handler's :class:`Message` from a pika delivery.
+    """Build the handler's :class:`Message` from a pika delivery (``method`` is its
+    ``Basic.Deliver``); see :func:`delivery_message`."""
+    return delivery_message(
+        queue,
+        bool(method.redelivered),
+        method.exchange,
+        method.routing_key,
+        properties,
+        body,
+    )
 
-    ``properties`` holds the AMQP basic properties that are set, plus ``exchange`` and
-    ``routing_key`` of the delivery. (Hot path: one call per delivery.)
+
+def delivery_message(
+    queue: str,
+    redelivered: bool,
+    exchange: str,
+    routing_key: str,
+    properties: Any,
+    body: bytes | None,
+) -> Message:
+    """Build the handler's :class:`Message` from a delivery's parts.
+
+    ``Message.properties`` is an :class:`AmqpProperties` view of ``properties`` (pika's
+    ``BasicProperties``). (Hot path: one call per delivery.)
     """
-    # pika's BasicProperties holds the basic properties plus ``headers`` (kept apart).
-    props: dict[str, Any] = {
-        name: value for name, value in vars(properties).items() if value is not None
-    }
-    raw_headers: Mapping[str, Any] | None = props.pop("headers", None)
-    props["exchange"] = method.exchange
-    props["routing_key"] = method.routing_key
-    redelivered = bool(method.redelivered)
+    raw_headers: Mapping[str, Any] | None = properties.headers
     if raw_headers:
         headers: dict[str, HeaderValue] = {
             str(key): value
@@ -101,19 +131,107 @@ def to_message(queue: str, method: Any, properties: Any, body: bytes | None) -> 
     else:
         headers = {}
         attempt = 2 if redelivered else 1
-    timestamp = props.get("timestamp")
+    timestamp = properties.timestamp
+    view = _new(AmqpProperties)
+    _set_basic(view, properties)
+    _set_exchange(view, exchange)
+    _set_routing_key(view, routing_key)
     return delivered_message(
         body or b"",
         None,
         headers,
-        props,
+        view,
         queue,
         None,
         None,
-        datetime.fromtimestamp(timestamp, UTC) if timestamp is not None else None,
+        None if timestamp is None else _datetime(timestamp),
         redelivered,
         attempt,
     )
+
+
+def _datetime(timestamp: int) -> datetime | None:
+    """The AMQP ``timestamp`` property as a datetime; None when no datetime can hold it
+    (``Message.properties["timestamp"]`` keeps the number the producer sent)."""
+    try:
+        return datetime.fromtimestamp(timestamp, UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+class AmqpProperties(Mapping[str, Any]):
+    """``Message.properties`` of a RabbitMQ delivery: a read-only mapping of the AMQP
+    basic properties that are set (:data:`PROPERTY_NAMES`, in that order), then
+    ``exchange`` and ``routing_key`` of the delivery.
+
+    A view over pika's ``BasicProperties``, read on access: building a dict per
+    delivery cost more than most handlers spend reading it. Compares equal to the dict
+    with the same items; ``dict(message.properties)`` makes that dict.
+    """
+
+    __slots__ = ("_basic", "_exchange", "_routing_key")
+
+    _basic: Any
+    _exchange: str
+    _routing_key: str
+
+    def __init__(self, basic: Any, exchange: str, routing_key: str) -> None:
+        self._basic = basic
+        self._exchange = exchange
+        self._routing_key = routing_key
+
+    def __getitem__(self, key: str) -> Any:
+        if key in _PROPERTY_SET:
+            value = getattr(self._basic, key)
+            if value is not None:
+                return value
+        elif key == "exchange":
+            return self._exchange
+        elif key == "routing_key":
+            return self._routing_key
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The property, or ``default`` when it is not set."""
+        if key in _PROPERTY_SET:
+            value = getattr(self._basic, key)
+            return default if value is None else value
+        if key == "exchange":
+            return self._exchange
+        if key == "routing_key":
+            return self._routing_key
+        return default
+
+    def __contains__(self, key: object) -> bool:
+        if key in _PROPERTY_SET:
+            return getattr(self._basic, key) is not None
+        return key in _DELIVERY_KEYS
+
+    def __iter__(self) -> Iterator[str]:
+        basic = self._basic
+        for name in PROPERTY_NAMES:
+            if getattr(basic, name) is not None:
+                yield name
+        yield "exchange"
+        yield "routing_key"
+
+    def __len__(self) -> int:
+        basic = self._basic
+        return 2 + sum(1 for name in PROPERTY_NAMES if getattr(basic, name) is not None)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (AmqpProperties, (self._basic, self._exchange, self._routing_key))
+
+
+_PROPERTY_SET = frozenset(PROPERTY_NAMES)
+_DELIVERY_KEYS = frozenset(("exchange", "routing_key"))
+_new = object.__new__
+_set_basic, _set_exchange, _set_routing_key = (
+    AmqpProperties.__dict__[name].__set__ for name in ("_basic", "_exchange", "_routing_key")
+)
 
 
 def dead_letter_properties(

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import pika
 
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.rabbitmq.io_channel import ConsumingChannel
+from mqdedup.rabbitmq.io_frames import install as install_fast_path
+from mqdedup.rabbitmq.io_frames import new_consumer_tag
 from mqdedup.rabbitmq.reconnecting import (
     ClosingError,
     close_quietly,
@@ -175,7 +178,10 @@ class ConsumingConnection(ConsumingChannel):
             self._channel = channel
             self._admin_channel = admin_channel
             self._consumer_tag = channel.basic_consume(
-                queue=self.queue, on_message_callback=self._on_message, auto_ack=False
+                queue=self.queue,
+                on_message_callback=self._on_message,
+                auto_ack=False,
+                consumer_tag=new_consumer_tag(channel.channel_number),
             )
             self._consuming = True
         except BaseException:
@@ -202,6 +208,7 @@ class ConsumingConnection(ConsumingChannel):
 
     def _serve(self) -> None:
         connection = self._connection
+        self._decode_deliveries_ourselves(connection)
         while True:
             if self._closing.is_set():
                 self._drain_commands()  # the last acks go out before the connection closes
@@ -224,6 +231,21 @@ class ConsumingConnection(ConsumingChannel):
                 )
             if self._lag_interval > 0 and time.monotonic() >= self._next_lag_update:
                 self._update_lag()
+
+    def _decode_deliveries_ourselves(self, connection: Any) -> None:
+        """From now on, decode our deliveries without pika's layers (:mod:`.io_frames`).
+
+        Deliveries that came in with the ``ConsumeOk`` wait as ``BlockingChannel``
+        events: they are dispatched first, so the buffer keeps the broker's order (a
+        ``multiple=True`` ack must never cover a tag that is not in it yet). Called once
+        the generation is live: ``fetch`` hands out only deliveries of the live one.
+        """
+        if not self._consuming or self._consumer_tag is None:
+            return
+        connection.process_data_events(time_limit=0)
+        self._fast_path = install_fast_path(
+            connection, self._channel, self._consumer_tag, self._on_delivery
+        )
 
     def _teardown(self) -> None:
         """Forget the connection: buffered deliveries and pending commands die with it."""
@@ -248,5 +270,6 @@ class ConsumingConnection(ConsumingChannel):
         connection, self._connection = self._connection, None
         self._channel = None
         self._admin_channel = None
+        self._fast_path = None
         if connection is not None:
             close_quietly(connection)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import pickle
 from datetime import UTC, datetime
 from decimal import Decimal
 
@@ -73,6 +75,41 @@ class TestToMessage:
         assert (message.redelivered, message.attempt) == (False, 1)
         assert message.id is None, "the processor attaches the id"
         assert from_amqp_message_id(message) == "m-1"
+
+    def test_properties_are_a_read_only_mapping_equal_to_the_dict_of_set_ones(self) -> None:
+        properties = pika.BasicProperties(message_id="m-1", delivery_mode=2, app_id="shop")
+        view = to_message("orders", deliver(), properties, b"").properties
+        as_dict = {
+            "delivery_mode": 2,
+            "message_id": "m-1",
+            "app_id": "shop",
+            "exchange": "shop",
+            "routing_key": "order.created",
+        }
+        assert view == as_dict and as_dict == view
+        assert list(view) == list(as_dict) and len(view) == 5
+        assert view.get("reply_to") is None and view.get("reply_to", "-") == "-"
+        assert "message_id" in view and "reply_to" not in view and "nope" not in view
+        with pytest.raises(KeyError):
+            view["reply_to"]
+        with pytest.raises(TypeError):
+            view["message_id"] = "other"  # type: ignore[index]
+        assert pickle.loads(pickle.dumps(view)) == as_dict
+        assert json.loads(json.dumps(dict(view))) == as_dict
+
+    def test_a_nested_table_key_that_is_not_utf8_still_makes_a_message(self) -> None:
+        # pika decodes a short string that is not UTF-8 as bytes, table keys included
+        headers = {"t": {b"\xff": 1, "a": [{b"\xfe": None}]}}
+        properties = pika.BasicProperties(message_id="m-1", headers=headers)
+        message = to_message("orders", deliver(), properties, b"")
+        assert message.headers == {"t": '{"a": [{"\\ufffd": null}], "\\ufffd": 1}'}
+
+    def test_a_timestamp_no_datetime_holds_leaves_message_timestamp_unset(self) -> None:
+        for huge in (2**64 - 1, 2**63 - 1, 253_402_300_800):
+            properties = pika.BasicProperties(message_id="m-1", timestamp=huge)
+            message = to_message("orders", deliver(), properties, b"")
+            assert message.timestamp is None
+            assert message.properties["timestamp"] == huge
 
     def test_no_message_id_is_a_missing_id(self) -> None:
         message = to_message("orders", deliver(), pika.BasicProperties(), None)
