@@ -51,7 +51,9 @@ def run_relay(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
             kafka_bootstrap=options.get("kafka_bootstrap"), rabbitmq_url=options.get("rabbitmq_url")
         )
         config = RelayConfig(
-            batch_size=options["relay_batch_size"], poll_interval=options["poll_interval"]
+            batch_size=options["relay_batch_size"],
+            poll_interval=options["poll_interval"],
+            delete_published=not options.get("relay_keep_published", False),
         )
         relay = Relay(engine, publishers, prefix=options["table_prefix"], config=config)
         metrics.source = relay.metrics
