@@ -285,7 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     from bench.suite_report import charts, machine, results_markdown, section_markdown
+    from mqdedup import tune_gc
 
+    # The process runs with the garbage collector settings of `mqdedup worker` and
+    # `mqdedup relay`, for every variant (raw and hand-written loops included).
+    tune_gc()
     started = time.perf_counter()
     info = machine(settings)
     progress(f"bench ({mode}): suites {', '.join(names)}; {info['nproc']} cores, {info['memory']}")

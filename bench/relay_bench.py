@@ -63,7 +63,8 @@ from mqdedup.outbox.writer import shard_hash
 from mqdedup.rabbitmq import RabbitMQPublisher
 from mqdedup.stopping import StopToken
 
-BATCH = 500
+#: The raw Kafka loop flushes once per relay batch (the relay's default size).
+BATCH = RelayConfig().batch_size
 WINDOW = 1000
 
 

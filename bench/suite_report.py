@@ -149,7 +149,10 @@ def results_markdown(
         "",
         f"Produced by `python -m bench{' --quick' if mode == 'quick' else ''}` ({mode} mode, "
         f"medians of {runs} runs unless a row shows one value; wall time {wall / 60:.1f} min). "
-        "All services on loopback on the same machine as the benchmark.",
+        "All services on loopback on the same machine as the benchmark. The benchmark "
+        "process runs with `mqdedup.tune_gc()` applied, the garbage collector settings of "
+        "`mqdedup worker` and `mqdedup relay`, for every variant: the raw and hand-written "
+        "loops too.",
         "",
         "## Machine",
         "",

@@ -36,6 +36,7 @@ from mqdedup.errors import (
     MqdedupError,
     UndecodableMessageError,
 )
+from mqdedup.gc_tuning import tune_gc
 from mqdedup.message import Message
 from mqdedup.outbox.async_writer import AsyncOutboxWriter
 
@@ -76,4 +77,5 @@ __all__ = [
     "ids",
     "init_schema",
     "run_until_idle",
+    "tune_gc",
 ]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import difflib
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,9 +44,21 @@ class Setting:
     key: str
     env: str | None
     default: Any
-    kind: type = str
+    kind: Callable[[Any], Any] = str
     #: Inclusive bounds of a number (``None``: any).
     bounds: tuple[int, int] | None = None
+
+
+def boolean(raw: Any) -> bool:
+    """A yes/no setting: TOML ``true`` / ``false``, or 1/0, true/false, yes/no, on/off."""
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"not a yes/no value: {raw!r}")
 
 
 SETTINGS: dict[str, Setting] = {
@@ -71,7 +83,10 @@ SETTINGS: dict[str, Setting] = {
     "health_host": Setting("worker", "health_host", "MQDEDUP_HEALTH_HOST", "0.0.0.0"),  # noqa: S104
     "relay_processes": Setting("relay", "processes", "MQDEDUP_RELAY_PROCESSES", 1, int),
     "poll_interval": Setting("relay", "poll_interval", "MQDEDUP_POLL_INTERVAL", 1.0, float),
-    "relay_batch_size": Setting("relay", "batch_size", "MQDEDUP_RELAY_BATCH_SIZE", 500, int),
+    "relay_batch_size": Setting("relay", "batch_size", "MQDEDUP_RELAY_BATCH_SIZE", 2000, int),
+    "relay_keep_published": Setting(
+        "relay", "keep_published", "MQDEDUP_RELAY_KEEP_PUBLISHED", False, boolean
+    ),
 }
 
 

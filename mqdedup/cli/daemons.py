@@ -111,6 +111,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
         "relay_processes",
         "poll_interval",
         "relay_batch_size",
+        "relay_keep_published",
         "shutdown_timeout",
         "health_port",
         "health_host",

@@ -179,6 +179,7 @@ def resolve_settings(args: argparse.Namespace, *names: str) -> dict[str, Any]:
         "relay_processes": getattr(args, "processes", None),
         "poll_interval": getattr(args, "poll_interval", None),
         "relay_batch_size": getattr(args, "batch_size", None),
+        "relay_keep_published": getattr(args, "keep_published", None),
         "database_url": getattr(args, "database", None),
         "table_prefix": getattr(args, "table_prefix", None),
         "kafka_bootstrap": getattr(args, "kafka_bootstrap", None),

@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument(
         "--batch-size", type=int, default=None, help="rows per claim" + env_help("relay_batch_size")
     )
+    relay.add_argument(
+        "--keep-published",
+        action="store_true",
+        default=None,
+        help="mark published rows and keep them (purged after 7 days) instead of deleting "
+        "them; status counts them either way" + env_help("relay_keep_published"),
+    )
     daemon_options(relay)
     relay.set_defaults(run=cmd_relay)
 

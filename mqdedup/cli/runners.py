@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from mqdedup.cli.supervisor import ChildSpec, MetricsHolder
+from mqdedup.gc_tuning import tune_gc
 from mqdedup.stopping import StopToken
 
 
@@ -19,6 +20,7 @@ def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> No
     consumer = create_consumer(spec.options["consumer"])
     consumer.validate()
     if not consumer.dedup.needs_database:  # claims in Redis: no database to connect to
+        tune_gc()
         consumer.run(None, stop=stop, metrics=metrics.source)
         return
     # The supervisor resolved the consumer's table prefix (flag / env / TOML / class).
@@ -28,6 +30,7 @@ def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> No
         check_connection(engine)
         if consumer.asynchronous:  # it runs on an AsyncEngine of the same URL: no idle pool
             engine.dispose()
+        tune_gc()
         consumer.run(engine, stop=stop, metrics=metrics.source)
     finally:
         engine.dispose()
@@ -48,10 +51,13 @@ def run_relay(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
             kafka_bootstrap=options.get("kafka_bootstrap"), rabbitmq_url=options.get("rabbitmq_url")
         )
         config = RelayConfig(
-            batch_size=options["relay_batch_size"], poll_interval=options["poll_interval"]
+            batch_size=options["relay_batch_size"],
+            poll_interval=options["poll_interval"],
+            delete_published=not options.get("relay_keep_published", False),
         )
         relay = Relay(engine, publishers, prefix=options["table_prefix"], config=config)
         metrics.source = relay.metrics
+        tune_gc()
         relay.run(stop)
     finally:
         engine.dispose()

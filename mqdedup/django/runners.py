@@ -12,6 +12,7 @@ from mqdedup.cli.config import use_table_prefix
 from mqdedup.cli.loading import create_consumer
 from mqdedup.cli.runners import _export_environment
 from mqdedup.cli.supervisor import ChildSpec, MetricsHolder
+from mqdedup.gc_tuning import tune_gc
 from mqdedup.stopping import StopToken
 
 
@@ -25,7 +26,10 @@ def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> No
     consumer = create_consumer(spec.options["consumer"])
     consumer.validate()
     if not consumer.dedup.needs_database:
+        tune_gc()
         consumer.run(None, stop=stop, metrics=metrics.source)
         return
     use_table_prefix(consumer, spec.options["table_prefix"])
-    consumer.run(sessions(), stop=stop, metrics=metrics.source)
+    factory = sessions()
+    tune_gc()
+    consumer.run(factory, stop=stop, metrics=metrics.source)

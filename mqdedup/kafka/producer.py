@@ -140,9 +140,10 @@ class KeyHashPartitioner(DefaultPartitioner):  # type: ignore[misc]
             if len(self._hashes) >= self.max_keys:
                 self._hashes.clear()
             hashed = self._hashes[serialized_key] = murmur2(serialized_key) & 0x7FFFFFFF
-        if topic not in cluster.topics():
+        known = cluster.partitions_for_topic(topic)  # None: no metadata for it yet
+        if known is None:
             raise ValueError(f"Topic {topic} not found in ClusterMetadata")
-        partitions = sorted(cluster.partitions_for_topic(topic))
+        partitions = sorted(known)
         return partitions[hashed % len(partitions)]
 
 

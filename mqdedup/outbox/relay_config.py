@@ -13,7 +13,10 @@ from mqdedup.errors import ConfigurationError
 class RelayConfig:
     """How a relay claims, retries and cleans up.
 
-    * ``batch_size``: rows per claim (and per flush / confirm round).
+    * ``batch_size``: rows per claim (and per flush / confirm round). A relay holds up to
+      three batches (one claimed ahead, one publishing, one being marked): lower it when
+      rows are large. Larger batches spread each batch's fixed costs (the claim's round
+      trip, the final flush or the last confirms) over more rows.
     * ``poll_interval``: seconds between polls when no notification arrives.
     * ``lease``: seconds a claimed row stays reserved; must exceed the time to publish a
       batch (the publishers' own timeouts), or a slow batch is published twice.
@@ -21,16 +24,20 @@ class RelayConfig:
       broker refused the row (unroutable, too large); then the row is ``failed``.
     * ``broker_backoff_max``: longest pause between tries while a broker is unavailable.
     * ``database_backoff_max``: longest pause between tries while the database is down.
-    * ``delete_published``: delete rows once published instead of marking them.
-    * ``retention``: published rows older than this are purged every ``purge_interval``
-      seconds, ``purge_chunk_size`` rows per transaction (``None``: never).
+    * ``delete_published``: delete rows once published and count them per destination
+      and hour in ``<prefix>outbox_counts`` (the default: a delete costs the database
+      about a fifth of the mark's update); ``False`` marks them ``published`` and keeps
+      them for ``retention``.
+    * ``retention``: published rows kept (``delete_published=False``) older than this are
+      purged every ``purge_interval`` seconds, ``purge_chunk_size`` rows per transaction
+      (``None``: never).
     * ``shards``: PostgreSQL and MySQL/MariaDB; every relay of one table must use the
       same number.
     * ``rebalance_interval``: seconds between shard rebalancing checks.
     * ``listen``: use ``LISTEN``/``NOTIFY`` on PostgreSQL (MySQL/MariaDB always poll).
     """
 
-    batch_size: int = 500
+    batch_size: int = 2000
     poll_interval: float = 1.0
     lease: float = 60.0
     max_attempts: int = 10
@@ -38,7 +45,7 @@ class RelayConfig:
     max_backoff: float = 300.0
     broker_backoff_max: float = 10.0
     database_backoff_max: float = 5.0
-    delete_published: bool = False
+    delete_published: bool = True
     retention: timedelta | None = timedelta(days=7)
     purge_interval: float = 600.0
     purge_chunk_size: int = 5000

@@ -23,6 +23,7 @@ from sqlalchemy import Engine, func, inspect, select
 from mqdedup.cli import exitcodes
 from mqdedup.db import create_engine
 from mqdedup.db.schema import schema
+from mqdedup.outbox.store import OutboxStore
 from tests.services import REPO, KafkaHelper, Outgoing, wait_for
 
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
@@ -116,11 +117,9 @@ def test_every_command_uses_the_configured_prefix(
             text=True,
         )
         try:
-            published = tables.outbox.c.state == "published"
+            store = OutboxStore(prefix)  # rows deleted and counted (the default)
             wait_for(
-                lambda: (
-                    relay.poll() is not None or _count(engine, tables.outbox, published) == MESSAGES
-                ),
+                lambda: relay.poll() is not None or store.status(engine).published == MESSAGES,
                 60,
                 "the relay to publish the prefix's outbox",
             )

@@ -50,7 +50,7 @@ def test_committed_rows_are_published_in_id_order_and_marked(sqlite_engine: Engi
     ids = write(sqlite_engine, 120)
     publisher = MemoryPublisher()
 
-    metrics = relay_for(sqlite_engine, publisher).drain(timeout=10)
+    metrics = relay_for(sqlite_engine, publisher, delete_published=False).drain(timeout=10)
 
     assert publisher.published_ids() == ids
     assert set(states(sqlite_engine).values()) == {"published"}
@@ -59,11 +59,11 @@ def test_committed_rows_are_published_in_id_order_and_marked(sqlite_engine: Engi
     assert (status.pending, status.failed, status.published) == (0, 0, 120)
 
 
-def test_delete_published_removes_rows_and_status_still_counts_them(
+def test_published_rows_are_deleted_by_default_and_status_still_counts_them(
     sqlite_engine: Engine,
 ) -> None:
     write(sqlite_engine, 10)
-    relay = relay_for(sqlite_engine, MemoryPublisher(), delete_published=True)
+    relay = Relay(sqlite_engine, {"kafka": MemoryPublisher()})  # the default settings
     relay.drain(timeout=10)
     write(sqlite_engine, 5)  # this hour's counter grows
     relay.drain(timeout=10)
@@ -100,7 +100,9 @@ def test_refused_row_is_retried_with_backoff_then_failed_and_kept(sqlite_engine:
     publisher = MemoryPublisher(
         reject=lambda r: "too large" if r.destination == "too-large" else None
     )
-    relay = relay_for(sqlite_engine, publisher, initial_backoff=0.4, max_backoff=0.4)
+    relay = relay_for(
+        sqlite_engine, publisher, initial_backoff=0.4, max_backoff=0.4, delete_published=False
+    )
 
     relay.run_once()  # attempt 1: the good rows go out, the bad one waits for its backoff
     assert publisher.published_ids() == good
@@ -248,7 +250,9 @@ def test_delayed_row_waits_until_due(sqlite_engine: Engine) -> None:
 
 def test_purge_deletes_old_published_rows_in_chunks_only(sqlite_engine: Engine) -> None:
     old = write(sqlite_engine, 25)
-    relay_for(sqlite_engine, MemoryPublisher(), retention=None).drain(timeout=10)
+    relay_for(sqlite_engine, MemoryPublisher(), retention=None, delete_published=False).drain(
+        timeout=10
+    )
     failed = write(sqlite_engine, 3, topic="unpublished")
     with sqlite_engine.begin() as connection:
         connection.execute(
@@ -262,7 +266,11 @@ def test_purge_deletes_old_published_rows_in_chunks_only(sqlite_engine: Engine) 
         sqlite_engine,
         {"kafka": publisher},
         config=RelayConfig(
-            max_attempts=1, retention=timedelta(days=7), purge_chunk_size=10, poll_interval=0.01
+            max_attempts=1,
+            retention=timedelta(days=7),
+            purge_chunk_size=10,
+            poll_interval=0.01,
+            delete_published=False,
         ),
     )
 
@@ -304,9 +312,8 @@ def test_run_stops_gracefully_after_marking_its_batch(sqlite_engine: Engine) -> 
             return super().publish_batch(records)
 
     publisher = StopAfterFirstBatch()
-    relay = Relay(
-        sqlite_engine, {"kafka": publisher}, config=RelayConfig(batch_size=10, poll_interval=0.01)
-    )
+    config = RelayConfig(batch_size=10, poll_interval=0.01, delete_published=False)
+    relay = Relay(sqlite_engine, {"kafka": publisher}, config=config)
     metrics = relay.run(stop)
 
     assert metrics.published == 10
@@ -399,7 +406,7 @@ def test_chain_with_duplicates_and_republished_rows_has_each_effect_once(
     run_until_idle(Forwarder(), broker.transport("in"), sqlite_engine)
 
     publisher = MemoryPublisher(broker)
-    relay = relay_for(sqlite_engine, publisher)
+    relay = relay_for(sqlite_engine, publisher, delete_published=False)
     relay.drain(timeout=10)
     with sqlite_engine.begin() as connection:  # a relay crash before marking: all again
         connection.execute(update(OUTBOX).values(state="pending"))

@@ -13,6 +13,7 @@ from mqdedup.cli.commands.tables import render_table
 from mqdedup.consumers.base import Consumer
 from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import ConfigurationError
+from mqdedup.gc_tuning import tune_gc
 from mqdedup.stopping import StopToken
 
 BEGINNING = ("beginning", "earliest", "start")
@@ -73,6 +74,7 @@ def replay_kafka(
     reporter = threading.Thread(target=_progress, args=(replay, done, progress), daemon=True)
     reporter.start()
     try:
+        tune_gc()
         return replay.run()
     finally:
         done.set()
@@ -135,6 +137,7 @@ def replay_stream(
         stop=stop,
         stream=stream,
     )
+    tune_gc()
     return replay.run()
 
 

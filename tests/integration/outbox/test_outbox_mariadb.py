@@ -264,7 +264,10 @@ def test_mqdedup_relay_and_outbox_commands_run_on_mariadb(
     ids = write_rows(mdb, queue, 500)
     common = ["--database", mdb.url, "--table-prefix", mdb.prefix]
     relay = subprocess.Popen(
-        [MQDEDUP, "relay", *common, "--rabbitmq-url", rabbitmq_url, "--shutdown-timeout", "60"],
+        [
+            *(MQDEDUP, "relay", *common, "--rabbitmq-url", rabbitmq_url),
+            *("--shutdown-timeout", "60", "--keep-published"),  # rows kept: `outbox purge` below
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
