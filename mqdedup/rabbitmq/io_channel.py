@@ -26,7 +26,7 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import Delivery, new_delivery
 from mqdedup.rabbitmq.codec import delivery_message, plan_acks
 from mqdedup.rabbitmq.io_commands import Command
-from mqdedup.rabbitmq.io_frames import DeliveryFastPath
+from mqdedup.rabbitmq.io_frames import DeliveryFastPath, from_pika
 from mqdedup.rabbitmq.reconnecting import describe
 from mqdedup.rabbitmq.topology import Topology, connection_parameters, mask_amqp_url
 from mqdedup.stopping import StopToken
@@ -156,16 +156,9 @@ class ConsumingChannel:
 
     # pika callbacks and commands (I/O thread) -----------------------------------------------
 
-    def _on_message(self, _channel: Any, method: Any, properties: Any, body: bytes) -> None:
+    def _on_message(self, channel: Any, method: Any, properties: Any, body: bytes) -> None:
         """pika's consumer callback (when the fast path of :mod:`.io_frames` is not used)."""
-        self._on_delivery(
-            method.delivery_tag,
-            bool(method.redelivered),
-            method.exchange,
-            method.routing_key,
-            properties,
-            body,
-        )
+        from_pika(self._on_delivery, channel, method, properties, body)
 
     def _on_delivery(
         self,

@@ -22,6 +22,7 @@ pika lacks an internal it relies on; pika's own path then does everything, as be
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 import uuid
@@ -30,6 +31,8 @@ from typing import Any
 
 from pika import spec
 from pika.frame import decode_frame
+
+from mqdedup.rabbitmq.codec import PROPERTY_NAMES
 
 log = logging.getLogger("mqdedup.rabbitmq.transport")
 
@@ -67,23 +70,9 @@ _FIELDS = (
     (spec.BasicProperties.FLAG_CLUSTER_ID, "cluster_id", _SHORT),
 )
 #: Every attribute pika's decoder sets, unset (pika's order).
+# pika's BasicProperties attributes, in its order: headers after the first two.
 _NO_PROPERTIES: dict[str, Any] = dict.fromkeys(
-    (
-        "content_type",
-        "content_encoding",
-        "headers",
-        "delivery_mode",
-        "priority",
-        "correlation_id",
-        "reply_to",
-        "expiration",
-        "message_id",
-        "timestamp",
-        "type",
-        "user_id",
-        "app_id",
-        "cluster_id",
-    )
+    (*PROPERTY_NAMES[:2], "headers", *PROPERTY_NAMES[2:])
 )
 _NOT_OURS = -1
 _new_properties = object.__new__
@@ -282,6 +271,20 @@ class DeliveryFastPath:
         return name
 
 
+def from_pika(
+    on_delivery: OnDelivery, _channel: Any, method: Any, properties: Any, body: bytes
+) -> None:
+    """Hand a delivery pika decoded (a consumer callback's arguments) to ``on_delivery``."""
+    on_delivery(
+        method.delivery_tag,
+        bool(method.redelivered),
+        method.exchange,
+        method.routing_key,
+        properties,
+        body,
+    )
+
+
 def install(
     connection: Any, channel: Any, consumer_tag: str, on_delivery: OnDelivery
 ) -> DeliveryFastPath | None:
@@ -308,17 +311,8 @@ def install(
         log.info("pika's internals differ from what the delivery fast path expects; not used")
         return None
 
-    def direct(_channel: Any, method: Any, properties: Any, body: bytes) -> None:
-        on_delivery(
-            method.delivery_tag,
-            bool(method.redelivered),
-            method.exchange,
-            method.routing_key,
-            properties,
-            body,
-        )
-
-    consumers[consumer_tag] = direct  # pika's own path, synchronous too (frame order)
+    # pika's own path, synchronous too (frame order)
+    consumers[consumer_tag] = functools.partial(from_pika, on_delivery)
     fast = DeliveryFastPath(impl, channel.channel_number, consumer_tag, on_delivery)
     impl._on_data_available = fast.data_available
     return fast
