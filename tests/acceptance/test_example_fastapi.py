@@ -78,7 +78,11 @@ def test_fastapi_orders_example_places_publishes_and_ships_each_order_once(
             str(CLIENTS),
             "--relay",
         ],
-        env={**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"},
+        env={
+            **env,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+            "MQDEDUP_RELAY_KEEP_PUBLISHED": "1",  # rows kept: counted by state below
+        },
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -212,7 +212,10 @@ def test_order_service_and_payments_examples_run_end_to_end(
             env=env,
             log=logs["orders"],
         ),
-        "relay": start("relay", env=env, log=logs["relay"]),
+        # Rows kept (not deleted once published): each event is matched to its row below.
+        "relay": start(
+            "relay", env={**env, "MQDEDUP_RELAY_KEEP_PUBLISHED": "1"}, log=logs["relay"]
+        ),
         "payments": start(
             "worker",
             "examples.payments.consumer:PaymentConsumer",
