@@ -69,8 +69,7 @@ _FIELDS = (
     (spec.BasicProperties.FLAG_APP_ID, "app_id", _SHORT),
     (spec.BasicProperties.FLAG_CLUSTER_ID, "cluster_id", _SHORT),
 )
-#: Every attribute pika's decoder sets, unset (pika's order).
-# pika's BasicProperties attributes, in its order: headers after the first two.
+#: Every attribute pika's decoder sets, unset, in pika's order (headers third).
 _NO_PROPERTIES: dict[str, Any] = dict.fromkeys(
     (*PROPERTY_NAMES[:2], "headers", *PROPERTY_NAMES[2:])
 )
