@@ -22,6 +22,7 @@ import pika.spec
 from mqdedup.errors import ConfigurationError
 from mqdedup.outbox.publishers import PUBLISHED, OutboxRecord, PublishResult
 from mqdedup.rabbitmq.publish_batch import Batch
+from mqdedup.rabbitmq.publish_frames import CannotEncodeError, PublishFrames
 from mqdedup.rabbitmq.publish_refusals import Refusals, user_id_of
 from mqdedup.rabbitmq.topology import connection_parameters, mask_amqp_url
 
@@ -100,31 +101,46 @@ class ConfirmWindow:
         batch, channel = self._batch, self._channel
         if batch is None or channel is None or self._blocked or batch.alone is not None:
             return
+        if not channel.is_open:
+            return  # closing: what is not sent stays unconfirmed
+        frames = PublishFrames.open(self._connection, channel)
+        try:
+            self._pump_batch(batch, channel, frames)
+        finally:
+            if frames is not None:
+                frames.flush()
+
+    def _pump_batch(self, batch: Batch, channel: Any, frames: PublishFrames | None) -> None:
+        """Publish up to the window; ``frames`` (if any) buffers them for one write."""
         while batch.position < len(batch.order) and len(batch.inflight) < self.window:
             index = batch.order[batch.position]
             record = batch.records[index]
             alone = index in batch.suspects or self._risky(record)
             if alone and batch.inflight:
                 return  # wait for the records before it to be confirmed
-            properties = pika.BasicProperties(
-                delivery_mode=pika.DeliveryMode.Persistent,
-                headers=dict(record.headers),
-                **(record.properties or {}),
-            )
-            try:
-                channel.basic_publish(
-                    exchange=record.destination,
-                    routing_key=record.routing_key or "",
-                    body=record.payload,
-                    properties=properties,
-                    mandatory=True,
-                )
-            except (pika.exceptions.AMQPError, ValueError, TypeError) as error:
-                if not channel.is_open:
-                    return  # the rest stays unconfirmed: unavailable
-                batch.results[index] = PublishResult.rejected(f"{type(error).__name__}: {error}")
-                batch.position += 1
-                continue
+            if not self._encode(frames, record):
+                if frames is not None:
+                    frames.flush()  # what is buffered goes first: the broker keeps order
+                try:
+                    channel.basic_publish(
+                        exchange=record.destination,
+                        routing_key=record.routing_key or "",
+                        body=record.payload,
+                        properties=pika.BasicProperties(
+                            delivery_mode=pika.DeliveryMode.Persistent,
+                            headers=dict(record.headers),
+                            **(record.properties or {}),
+                        ),
+                        mandatory=True,
+                    )
+                except (pika.exceptions.AMQPError, ValueError, TypeError) as error:
+                    if not channel.is_open:
+                        return  # the rest stays unconfirmed: unavailable
+                    batch.results[index] = PublishResult.rejected(
+                        f"{type(error).__name__}: {error}"
+                    )
+                    batch.position += 1
+                    continue
             batch.inflight[self._next_tag] = index
             batch.by_message_id[record.message_id] = index
             self._next_tag += 1
@@ -132,6 +148,23 @@ class ConfirmWindow:
             if alone:
                 batch.alone = index
                 return  # nothing after it until it is confirmed
+
+    @staticmethod
+    def _encode(frames: PublishFrames | None, record: OutboxRecord) -> bool:
+        """Buffer ``record``'s frames; ``False``: it takes pika's ``basic_publish``."""
+        if frames is None:
+            return False
+        extra = record.properties
+        if extra and ("headers" in extra or "delivery_mode" in extra):
+            return False  # pika's path refuses the clash with the reason
+        properties = {"delivery_mode": 2, "headers": dict(record.headers)}
+        if extra:
+            properties.update(extra)
+        try:
+            frames.add(record.destination, record.routing_key or "", properties, record.payload)
+        except CannotEncodeError:
+            return False
+        return True
 
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
