@@ -12,14 +12,14 @@ uses its own table prefix, topics and queues and removes them at the end.
 Throughput, per broker, interleaved and repeated ``--runs`` times (medians reported):
 
 * raw loop: the same messages (key, ~100-byte JSON payload, ``message-id`` header) from
-  memory. Kafka: kafka-python ``acks=all`` + idempotence, one ``flush()`` per 500, with
+  memory. Kafka: kafka-python ``acks=all`` + idempotence, one ``flush()`` per relay batch, with
   the relay's producer batching (``RELAY_PRODUCER_BATCHING``: without it the raw loop
   sends many small produce requests and is about a third slower).
   RabbitMQ: pika ``SelectConnection``, persistent, ``mandatory``, publisher confirms
   handled asynchronously with a window of 1000 unconfirmed messages.
 * relay: ``--rows`` pending outbox rows (loaded with COPY on PostgreSQL, multi-row
   INSERTs elsewhere; not timed) published by ``Relay.drain()`` with the default
-  settings (batches of 500, rows marked published), on each database in turn.
+  settings (batches of 2,000, published rows deleted), on each database in turn.
 
 Latency: ``--latency-rows`` single-row transactions, one every few milliseconds, with a
 relay running in a thread; commit-to-publish = from ``commit()`` returning to the
