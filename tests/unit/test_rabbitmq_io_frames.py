@@ -17,6 +17,7 @@ from pika import frame, spec
 
 from mqdedup.rabbitmq.codec import delivery_message
 from mqdedup.rabbitmq.io_frames import DeliveryFastPath, install
+from tests.unit.amqp_strategies import basic_properties
 
 CHANNEL = 1
 TAG = "mqdedup.1.test"
@@ -210,24 +211,8 @@ def _utf8(raw: bytes) -> bool:
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.fixed_dictionaries(
-        {},
-        optional={
-            "content_type": _SHORT_STRING,
-            "content_encoding": _SHORT_STRING,
-            "headers": st.dictionaries(st.text(max_size=5), st.integers(0, 99), max_size=3),
-            "delivery_mode": st.integers(1, 2),
-            "priority": st.integers(0, 255),
-            "correlation_id": _SHORT_STRING,
-            "reply_to": _SHORT_STRING,
-            "expiration": st.integers(0, 10**9).map(str),
-            "message_id": _SHORT_STRING,
-            "timestamp": st.integers(0, 2**64 - 1),
-            "type": _SHORT_STRING,
-            "user_id": _SHORT_STRING,
-            "app_id": _SHORT_STRING,
-            "cluster_id": _SHORT_STRING,
-        },
+    basic_properties(
+        _SHORT_STRING, st.dictionaries(st.text(max_size=5), st.integers(0, 99), max_size=3)
     )
 )
 def test_properties_decode_as_pika_decodes_them(values: dict[str, Any]) -> None:

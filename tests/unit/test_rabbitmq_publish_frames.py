@@ -17,27 +17,12 @@ from mqdedup.rabbitmq.publish_frames import (
     encode_properties,
     encode_publish,
 )
+from tests.unit.amqp_strategies import basic_properties
 
 SHORT_TEXT = st.text(max_size=40)
 HEADER_VALUES = st.one_of(st.text(max_size=30), st.integers(-(2**63), 2**63 - 1), st.booleans())
-PROPERTIES = st.fixed_dictionaries(
-    {},
-    optional={
-        "content_type": SHORT_TEXT,
-        "content_encoding": SHORT_TEXT,
-        "headers": st.dictionaries(st.text(min_size=1, max_size=20), HEADER_VALUES, max_size=5),
-        "delivery_mode": st.sampled_from([1, 2]),
-        "priority": st.integers(0, 255),
-        "correlation_id": SHORT_TEXT,
-        "reply_to": SHORT_TEXT,
-        "expiration": st.integers(0, 10**9).map(str),
-        "message_id": SHORT_TEXT,
-        "timestamp": st.integers(0, 2**64 - 1),
-        "type": SHORT_TEXT,
-        "user_id": SHORT_TEXT,
-        "app_id": SHORT_TEXT,
-        "cluster_id": SHORT_TEXT,
-    },
+PROPERTIES = basic_properties(
+    SHORT_TEXT, st.dictionaries(st.text(min_size=1, max_size=20), HEADER_VALUES, max_size=5)
 )
 
 
