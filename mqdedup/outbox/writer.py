@@ -235,6 +235,12 @@ class OutboxWriter:
                 raise InvalidOutgoingMessageError(
                     f"header {name!r} is set by mqdedup; pass message_id=... or cause=... instead"
                 )
+            if broker == RABBITMQ and isinstance(value, float):
+                # pika encodes no AMQP float type: the relay could never publish the row.
+                raise InvalidOutgoingMessageError(
+                    f"header {name!r} is a float, which AMQP headers sent with pika cannot "
+                    "carry; pass it as str or int"
+                )
             headers[name] = value
 
         properties: dict[str, Any] | None = None

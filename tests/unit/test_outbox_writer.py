@@ -169,6 +169,7 @@ def test_rolled_back_transaction_leaves_no_outbox_row(sqlite_engine: Engine) -> 
         ({"exchange": "x", "properties": {"priority": 300}}, "priority"),
         ({"topic": "t", "headers": {"h": b"\xff"}}, "not UTF-8"),
         ({"topic": "t", "headers": {"h": [1]}}, "must be str, bytes"),
+        ({"exchange": "x", "headers": {"ratio": 0.5}}, "is a float"),
         ({"topic": "t", "headers": {"message-id": "x"}}, "set by mqdedup"),
         ({"topic": "t", "delay": -1}, "negative"),
         ({"topic": "t", "message_id": ""}, "message_id must be"),
