@@ -32,21 +32,31 @@ MQDEDUP_HEADER_PREFIX = "x-mqdedup-"
 #: Quorum queues count redeliveries in this header.
 DELIVERY_COUNT_HEADER = "x-delivery-count"
 
-#: AMQP basic properties copied into ``Message.properties`` (when set).
-PROPERTY_NAMES: tuple[str, ...] = (
-    "content_type",
-    "content_encoding",
-    "delivery_mode",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "timestamp",
-    "type",
-    "user_id",
-    "app_id",
-    "cluster_id",
+#: AMQP types of the basic properties (values of :data:`PROPERTY_FIELDS`).
+SHORT_STRING, TABLE, OCTET, TIMESTAMP = "short string", "table", "octet", "timestamp"
+_FLAGS = pika.BasicProperties
+#: The 14 basic properties in wire order: (flag bit, attribute, AMQP type). The
+#: delivery decoder (``io_frames``) and the relay's publish encoder (``publish_frames``)
+#: both walk it.
+PROPERTY_FIELDS: tuple[tuple[int, str, str], ...] = (
+    (_FLAGS.FLAG_CONTENT_TYPE, "content_type", SHORT_STRING),
+    (_FLAGS.FLAG_CONTENT_ENCODING, "content_encoding", SHORT_STRING),
+    (_FLAGS.FLAG_HEADERS, "headers", TABLE),
+    (_FLAGS.FLAG_DELIVERY_MODE, "delivery_mode", OCTET),
+    (_FLAGS.FLAG_PRIORITY, "priority", OCTET),
+    (_FLAGS.FLAG_CORRELATION_ID, "correlation_id", SHORT_STRING),
+    (_FLAGS.FLAG_REPLY_TO, "reply_to", SHORT_STRING),
+    (_FLAGS.FLAG_EXPIRATION, "expiration", SHORT_STRING),
+    (_FLAGS.FLAG_MESSAGE_ID, "message_id", SHORT_STRING),
+    (_FLAGS.FLAG_TIMESTAMP, "timestamp", TIMESTAMP),
+    (_FLAGS.FLAG_TYPE, "type", SHORT_STRING),
+    (_FLAGS.FLAG_USER_ID, "user_id", SHORT_STRING),
+    (_FLAGS.FLAG_APP_ID, "app_id", SHORT_STRING),
+    (_FLAGS.FLAG_CLUSTER_ID, "cluster_id", SHORT_STRING),
+)
+#: AMQP basic properties copied into ``Message.properties`` (when set): all but headers.
+PROPERTY_NAMES: tuple[str, ...] = tuple(
+    name for _, name, kind in PROPERTY_FIELDS if kind is not TABLE
 )
 PERSISTENT = 2
 

@@ -32,7 +32,7 @@ from typing import Any
 from pika import spec
 from pika.frame import decode_frame
 
-from mqdedup.rabbitmq.codec import PROPERTY_NAMES
+from mqdedup.rabbitmq.codec import OCTET, PROPERTY_FIELDS, SHORT_STRING
 
 log = logging.getLogger("mqdedup.rabbitmq.transport")
 
@@ -52,27 +52,8 @@ _NAMES_KEPT = 1000
 _TIMESTAMP = struct.Struct(">Q")
 #: Flag bits that leave the properties to pika: headers (a table), a second flag word.
 _PIKA_DECODES = spec.BasicProperties.FLAG_HEADERS | 1
-_SHORT, _OCTET, _STAMP = "short string", "octet", "timestamp"
-#: The basic properties but headers, in wire order: (flag bit, attribute, AMQP type).
-_FIELDS = (
-    (spec.BasicProperties.FLAG_CONTENT_TYPE, "content_type", _SHORT),
-    (spec.BasicProperties.FLAG_CONTENT_ENCODING, "content_encoding", _SHORT),
-    (spec.BasicProperties.FLAG_DELIVERY_MODE, "delivery_mode", _OCTET),
-    (spec.BasicProperties.FLAG_PRIORITY, "priority", _OCTET),
-    (spec.BasicProperties.FLAG_CORRELATION_ID, "correlation_id", _SHORT),
-    (spec.BasicProperties.FLAG_REPLY_TO, "reply_to", _SHORT),
-    (spec.BasicProperties.FLAG_EXPIRATION, "expiration", _SHORT),
-    (spec.BasicProperties.FLAG_MESSAGE_ID, "message_id", _SHORT),
-    (spec.BasicProperties.FLAG_TIMESTAMP, "timestamp", _STAMP),
-    (spec.BasicProperties.FLAG_TYPE, "type", _SHORT),
-    (spec.BasicProperties.FLAG_USER_ID, "user_id", _SHORT),
-    (spec.BasicProperties.FLAG_APP_ID, "app_id", _SHORT),
-    (spec.BasicProperties.FLAG_CLUSTER_ID, "cluster_id", _SHORT),
-)
 #: Every attribute pika's decoder sets, unset, in pika's order (headers third).
-_NO_PROPERTIES: dict[str, Any] = dict.fromkeys(
-    (*PROPERTY_NAMES[:2], "headers", *PROPERTY_NAMES[2:])
-)
+_NO_PROPERTIES: dict[str, Any] = dict.fromkeys(name for _, name, _ in PROPERTY_FIELDS)
 _NOT_OURS = -1
 _new_properties = object.__new__
 _BasicProperties = spec.BasicProperties
@@ -232,12 +213,12 @@ class DeliveryFastPath:
         layout = self._layouts.get(flags)
         if layout is None:
             layout = self._layouts[flags] = tuple(
-                (name, kind) for flag, name, kind in _FIELDS if flags & flag
+                (name, kind) for flag, name, kind in PROPERTY_FIELDS if flags & flag
             )
         values = dict(_NO_PROPERTIES)
         at += 2
         for name, kind in layout:
-            if kind is _SHORT:
+            if kind is SHORT_STRING:
                 end = at + 1 + data[at]
                 raw = data[at + 1 : end]
                 try:
@@ -245,7 +226,7 @@ class DeliveryFastPath:
                 except UnicodeDecodeError:
                     values[name] = raw  # as pika decodes short strings
                 at = end
-            elif kind is _OCTET:
+            elif kind is OCTET:
                 values[name] = data[at]
                 at += 1
             else:

@@ -23,6 +23,8 @@ from typing import Any
 
 from pika import data, exceptions
 
+from mqdedup.rabbitmq.codec import OCTET, PROPERTY_FIELDS, SHORT_STRING, TABLE
+
 _FRAME = struct.Struct(">BHI")
 _HEADER_START = struct.Struct(">HxxQ")  # class 60 (basic), weight 0, body size
 _FLAGS = struct.Struct(">H")
@@ -31,25 +33,7 @@ _FRAME_END = b"\xce"
 _METHOD, _HEADER, _BODY = 1, 2, 3
 _BASIC_PUBLISH = struct.pack(">HHH", 60, 40, 0)  # class, method, reserved ticket
 
-# The basic properties in wire order, with their flag bits and kinds (AMQP 0-9-1).
-_SHORT, _TABLE, _OCTET, _STAMP = "short", "table", "octet", "stamp"
-_PROPERTIES: tuple[tuple[str, int, str], ...] = (
-    ("content_type", 1 << 15, _SHORT),
-    ("content_encoding", 1 << 14, _SHORT),
-    ("headers", 1 << 13, _TABLE),
-    ("delivery_mode", 1 << 12, _OCTET),
-    ("priority", 1 << 11, _OCTET),
-    ("correlation_id", 1 << 10, _SHORT),
-    ("reply_to", 1 << 9, _SHORT),
-    ("expiration", 1 << 8, _SHORT),
-    ("message_id", 1 << 7, _SHORT),
-    ("timestamp", 1 << 6, _STAMP),
-    ("type", 1 << 5, _SHORT),
-    ("user_id", 1 << 4, _SHORT),
-    ("app_id", 1 << 3, _SHORT),
-    ("cluster_id", 1 << 2, _SHORT),
-)
-_KNOWN = frozenset(name for name, _, _ in _PROPERTIES)
+_KNOWN = frozenset(name for _, name, _ in PROPERTY_FIELDS)
 
 
 class CannotEncodeError(Exception):
@@ -69,18 +53,18 @@ def encode_properties(properties: Mapping[str, Any]) -> bytes:
         raise CannotEncodeError
     flags = 0
     pieces: list[bytes] = []
-    for name, flag, kind in _PROPERTIES:
+    for flag, name, kind in PROPERTY_FIELDS:
         value = properties.get(name)
         if value is None:
             continue
         flags |= flag
-        if kind is _SHORT:
+        if kind is SHORT_STRING:
             pieces.append(_short(value))
-        elif kind is _TABLE:
+        elif kind is TABLE:
             if not isinstance(value, dict):
                 raise CannotEncodeError
             data.encode_table(pieces, value)
-        elif kind is _OCTET:
+        elif kind is OCTET:
             if type(value) is not int or not 0 <= value <= 255:
                 raise CannotEncodeError
             pieces.append(bytes((value,)))

@@ -17,7 +17,7 @@ import redis
 from mqdedup.cli import exitcodes
 from tests.acceptance.redis_consumers import SendSms
 from tests.acceptance.test_cli_operations import MQDEDUP, cli, healthz, metrics_text
-from tests.integration.rabbitmq.support import rabbitmqctl_command
+from tests.integration.rabbitmq.support import rabbitmqctl, rabbitmqctl_command
 from tests.services import (
     REPO,
     KafkaHelper,
@@ -78,13 +78,9 @@ def in_queue(admin: RabbitAdmin, queue: str) -> int:
     ctl = rabbitmqctl_command()
     if not ctl:
         return admin.depth(queue)
-    listed = subprocess.run(
-        [*ctl, "list_queues", "name", "messages_ready", "messages_unacknowledged", "-q"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    listed = rabbitmqctl(
+        ctl, "list_queues", "name", "messages_ready", "messages_unacknowledged", "-q"
+    )
     for line in listed.splitlines():
         name, *counts = line.split()
         if name == queue:

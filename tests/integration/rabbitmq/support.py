@@ -169,44 +169,41 @@ def rabbitmqctl_command() -> list[str] | None:
     return shlex.split(value) if value else None
 
 
+def rabbitmqctl(ctl: Sequence[str], *arguments: str) -> str:
+    """Run ``rabbitmqctl`` (``ctl``: :func:`rabbitmqctl_command`); its standard output."""
+    return subprocess.run(
+        [*ctl, *arguments], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+
+
 def connection_pids(ctl: Sequence[str], connection_name: str) -> list[str]:
     """Broker pids of the connections whose client-provided name is ``connection_name``."""
-    result = subprocess.run(
-        [*ctl, "list_connections", "pid", "client_properties", "-q", "--no-table-headers"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    return pids_matching(ctl, f'{{"connection_name","{connection_name}"}}')
+
+
+def pids_matching(ctl: Sequence[str], part: str) -> list[str]:
+    """Broker pids of the connections whose client properties contain ``part``."""
+    listed = rabbitmqctl(
+        ctl, "list_connections", "pid", "client_properties", "-q", "--no-table-headers"
     )
-    marker = f'{{"connection_name","{connection_name}"}}'
-    return [line.split("\t", 1)[0] for line in result.stdout.splitlines() if marker in line]
+    return [line.split("\t", 1)[0] for line in listed.splitlines() if part in line]
 
 
 def close_connections(ctl: Sequence[str], connection_name: str, reason: str) -> int:
     """Close (broker side) only the connections named ``connection_name``; return how many."""
     pids = connection_pids(ctl, connection_name)
     for pid in pids:
-        subprocess.run(
-            [*ctl, "close_connection", pid, reason],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
+        rabbitmqctl(ctl, "close_connection", pid, reason)
     return len(pids)
 
 
 def connection_heartbeat(ctl: Sequence[str], connection_name: str) -> list[int]:
     """Negotiated heartbeat timeouts (seconds) of the connections named ``connection_name``."""
-    result = subprocess.run(
-        [*ctl, "list_connections", "timeout", "client_properties", "-q", "--no-table-headers"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    listed = rabbitmqctl(
+        ctl, "list_connections", "timeout", "client_properties", "-q", "--no-table-headers"
     )
     marker = f'{{"connection_name","{connection_name}"}}'
-    return [int(line.split("\t", 1)[0]) for line in result.stdout.splitlines() if marker in line]
+    return [int(line.split("\t", 1)[0]) for line in listed.splitlines() if marker in line]
 
 
 # -- running workers ---------------------------------------------------------------------

@@ -38,7 +38,13 @@ from mqdedup.outbox.relay_config import RelayConfig
 from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import relay_thread
 from tests.integration.rabbitmq.conftest import Database
-from tests.integration.rabbitmq.support import ThreadedWorker, make_consumer, order_counts
+from tests.integration.rabbitmq.support import (
+    ThreadedWorker,
+    make_consumer,
+    order_counts,
+    pids_matching,
+    rabbitmqctl,
+)
 from tests.services import REPO, PrivateRabbitMQ, RabbitAdmin, wait_for
 
 pytestmark = [pytest.mark.integration]
@@ -353,20 +359,7 @@ def test_topology_mismatch_after_a_reconnect_is_one_clear_error_and_exit_code_3(
 
 
 def _close_connections(ctl: list[str], name_part: str) -> int:
-    out = subprocess.run(
-        [*ctl, "list_connections", "pid", "client_properties", "-q", "--no-table-headers"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    pids = [line.split("\t", 1)[0] for line in out.splitlines() if name_part in line]
+    pids = pids_matching(ctl, name_part)
     for pid in pids:
-        subprocess.run(
-            [*ctl, "close_connection", pid, "test: reconnect"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
+        rabbitmqctl(ctl, "close_connection", pid, "test: reconnect")
     return len(pids)
