@@ -1,4 +1,4 @@
-"""Staged writes (``ctx.stage``) on real PostgreSQL, and a real RabbitMQ for kill -9.
+"""Staged writes (``ctx.stage``) on real PostgreSQL, with real RabbitMQ and Kafka for kill -9.
 
 1. 500 messages, one of which stages a row PostgreSQL refuses: the batch's staged
    INSERT fails at the batch end, the batch runs again writing each message's rows at
@@ -7,6 +7,9 @@
 2. A worker killed with ``kill -9`` after a batch's staged rows were written and before
    its commit: nothing of that batch survives, the broker redelivers it, the next
    worker writes every message's effects exactly once.
+2b. On Kafka, a worker killed with ``kill -9`` after a batch of staged rows committed and
+   before its offsets did: the broker redelivers the batch, the claims turn it away,
+   every message's row exists once.
 
 The module doubles as the worker process of (2): ``python -m
 tests.integration.test_staged_writes_pg '<json config>'``.
@@ -31,8 +34,18 @@ from mqdedup import Consumer, InMemoryBroker, Message, RetryPolicy, create_engin
 from mqdedup.consumers.context import Context
 from mqdedup.db.schema import schema
 from mqdedup.stopping import StopToken
+from tests.integration.kafka.helpers import WorkerProcess, row_counts, total_rows
 from tests.integration.rabbitmq.support import OrdersConsumer, claims, order_counts
-from tests.services import REPO, RabbitAdmin, TestDatabase, wait_for
+from tests.services import (
+    REPO,
+    KafkaHelper,
+    Outgoing,
+    RabbitAdmin,
+    TestDatabase,
+    kill_session_timeout_ms,
+    unique_name,
+    wait_for,
+)
 from tests.support import orders_table
 
 pytestmark = pytest.mark.integration
@@ -218,6 +231,59 @@ def test_kill_9_after_the_staged_writes_before_the_commit_leaves_each_effect_onc
     assert admin.depth(f"{queue}.dlq") == 0
     admin.delete(queue, f"{queue}.dlq")
     admin.close()
+
+
+# -- 2b. kill -9 between the commit and the offset commit (Kafka) ------------------------
+
+
+@pytest.mark.slow
+def test_kafka_kill_9_after_the_staged_commit_before_the_offsets_leaves_each_effect_once(
+    kafka_helper: KafkaHelper, db: TestDatabase, tmp_path: Path
+) -> None:
+    topic = kafka_helper.create_topic(partitions=3)
+    ids = [f"k{number:05d}" for number in range(UNIQUE)]
+    resent = [ids[(n * 7) % UNIQUE] for n in range(COPIES)]
+    kafka_helper.produce(
+        topic,
+        [Outgoing(m, m.encode(), partition=n % 3) for n, m in enumerate(ids + resent)],
+    )
+    group = unique_name("staged")
+    hold = tmp_path / "held"
+    spec: dict[str, Any] = {
+        "topic": topic,
+        "group": group,
+        "prefix": db.prefix,
+        "bootstrap": kafka_helper.bootstrap,
+        "staged": True,
+        "batch_size": BATCH,
+        "kafka_config": {"session_timeout_ms": kill_session_timeout_ms(kafka_helper.bootstrap)},
+    }
+    worker = WorkerProcess(
+        {**spec, "hold_file": str(hold), "hold_at": HOLD_AT, "hold_for": 120.0},
+        db.url,
+        tmp_path,
+        "held",
+    )
+    wait_for(lambda: hold.exists() or worker.process.poll() is not None, 90, "the held batch")
+    worker.ensure_alive()
+    committed_rows = total_rows(db.engine, db.prefix)
+    offsets = sum(o or 0 for o in kafka_helper.committed(group, topic).values())
+    worker.kill()
+    # The dangerous moment: more rows committed than offsets, so the broker redelivers them.
+    assert offsets < committed_rows
+
+    final = WorkerProcess(spec, db.url, tmp_path, "final")
+    try:
+        wait_for(lambda: total_rows(db.engine, db.prefix) >= UNIQUE, 120, "every message")
+        wait_for(
+            lambda: kafka_helper.committed(group, topic) == kafka_helper.end_offsets(topic),
+            60,
+            "offsets at the end",
+        )
+    finally:
+        code = final.terminate()
+    assert code == 0, final.log_tail()
+    assert row_counts(db.engine, db.prefix) == dict.fromkeys(ids, 1)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,18 @@ class BulkTestOrders(TestOrders):
         return {}
 
 
+class StagedTestOrders(TestOrders):
+    """The same effects through ``ctx.stage``: set-based once per batch."""
+
+    __test__ = False
+
+    def handle(self, message: Message, ctx: Context) -> Any:
+        if message.id in self.fail_ids:
+            raise ValueError(f"cannot handle {message.id}")
+        ctx.stage(orders_table(self.business_prefix), self._row(message))
+        return None
+
+
 def make_consumer(
     *,
     topic: str,
@@ -93,12 +105,14 @@ def make_consumer(
     prefix: str,
     bootstrap: str,
     bulk: bool = True,
+    staged: bool = False,
     batch_size: int = 200,
     kafka_config: Mapping[str, Any] | None = None,
     **attributes: Any,
 ) -> type[TestOrders]:
-    """A consumer class bound to one test's topic, group and table prefix."""
-    base = BulkTestOrders if bulk else TestOrders
+    """A consumer class bound to one test's topic, group and table prefix (``staged``: a
+    per-message handler writing with ``ctx.stage``)."""
+    base = StagedTestOrders if staged else BulkTestOrders if bulk else TestOrders
     settings: dict[str, Any] = {
         "topics": [topic],
         "group_id": group,
