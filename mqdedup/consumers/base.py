@@ -91,14 +91,6 @@ class Consumer:
     #: so ``batch_size`` still sets how many messages one ack / offset commit covers.
     #: ``handle_batch`` then receives one message at a time.
     failure_isolation: ClassVar[FailureIsolation] = "auto"
-    #: Defer the handlers' plain writes: ``ctx.session.execute()`` of a Core insert /
-    #: update / delete without RETURNING is queued and written set-based (the rows of
-    #: one statement together, in order per table) before anything else runs on the
-    #: connection, when its result is read, or at the batch end. A deferred write that
-    #: fails makes the batch run again with every write made at once, so its message
-    #: fails alone. ``False`` executes every statement at once. See
-    #: :mod:`mqdedup.consumers.deferral`.
-    defer_writes: ClassVar[bool] = True
     table_prefix: ClassVar[str] = DEFAULT_PREFIX
     #: Skip the claim entirely (a baseline for benchmarks; never for real consumers).
     deduplicate: ClassVar[bool] = True

@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
-from mqdedup.consumers.staging import Stageable, StagedWrites, staged_writes
+from mqdedup.consumers.staging import Stageable, capture, staged_writes
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outbox.writer import OutboxWriter
 
@@ -142,20 +143,23 @@ class Context(HandlerContext):
         return self._transaction("ctx.session")
 
     def stage(self, target: Stageable, row: Mapping[str, Any]) -> None:
-        """Write ``row`` set-based at the batch end instead of now.
+        """Write ``row`` set-based at the batch end instead of now (the explicit fast path).
 
         ``target`` is a ``Table`` (the row is INSERTed) or an ``insert()`` / ``update()``
         / ``delete()`` statement whose values come from bind parameters (``row`` holds
-        them). After the batch's last handler, each statement runs once with all the
-        rows staged for it, in the transaction, before the commit; statements in the
-        order of their first use, rows in staging order. The handler does not see its
-        staged rows. A staged row that fails at the batch end makes the batch run again
-        with ``stage`` writing at once, so the failing message fails alone.
+        them). The row is copied now: changing the dict afterwards changes nothing.
+        After the batch's last handler, the rows of one statement and one set of keys
+        are written together (one executemany, or one ``unnest`` insert on PostgreSQL),
+        in the transaction, before the commit: statements in the order of their first
+        use, rows in staging order. The handler does not see its staged rows. A staged
+        row that fails fails only its own message. See :mod:`mqdedup.consumers.staging`.
         """
         session = self.session
         staged = staged_writes(session)
         if staged is None:  # a session outside the processor's transactions: write now
-            staged = StagedWrites(session, immediate=True)
+            statement = target.insert() if isinstance(target, Table) else target
+            session.execute(statement, capture(target, row))
+            return
         staged.add(target, row)
 
     @cached_property

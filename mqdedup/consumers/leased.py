@@ -16,44 +16,54 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from mqdedup.consumers.report import BatchReport, Outcome
+from mqdedup.consumers.handling import Handlers
+from mqdedup.consumers.report import Outcome, log_failure
 
 if TYPE_CHECKING:
-    from mqdedup.consumers.pipeline import Pipeline
+    from mqdedup.consumers.metrics import Metrics
     from mqdedup.consumers.transport import Delivery
+    from mqdedup.dedup.claims import ClaimStore
+    from mqdedup.outages import Outages
 
 #: Bounds of one wait for a busy claim (seconds): the lease left, clamped to these.
 BUSY_WAIT = (0.05, 0.5)
 
 
 class LeasedRuns:
-    """Runs deliveries against a leasing claim store for the Processor."""
+    """Runs deliveries against a leasing claim store; returns what they came to.
 
-    def __init__(self, processor: Pipeline, worker_id: str | None = None) -> None:
-        self.p = processor
-        self.name = processor.name
+    ``outages`` waits out the claim store's outages around each of its calls (a
+    completion must not be lost to a blip after its handler ran).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        store: ClaimStore,
+        handlers: Handlers,
+        metrics: Metrics,
+        outages: Outages,
+        worker_id: str | None = None,
+    ) -> None:
+        self.name = name
+        self.store = store
+        self.handlers = handlers
+        self.metrics = metrics
+        self.outages = outages
         #: Identifies this worker's claims; unique per processor.
         self.worker_id = worker_id or uuid.uuid4().hex
 
-    def first(
-        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
-    ) -> list[tuple[Delivery[Any], Exception]]:
-        """Run a batch until every message is claimed by us or done; return the failures."""
-        outcome = self._until_claimed(deliveries)
-        self.p.committed(outcome, report)
-        return outcome.failures
+    def batch(self, deliveries: Sequence[Delivery[Any]]) -> Outcome:
+        """Run a batch until every message is claimed by us or done."""
+        return self._until_claimed(deliveries)
 
-    def again(self, delivery: Delivery[Any]) -> Outcome:
-        """Run one failed message again."""
+    def one(self, delivery: Delivery[Any], lease: _WorkerLease | None = None) -> Outcome:
+        """One message on its own claim round."""
         return self._until_claimed([delivery])
 
     def lease(self) -> _WorkerLease:
         """This worker's id, for careful mode's attempts."""
         return _WorkerLease(self.worker_id)
-
-    def alone(self, delivery: Delivery[Any], lease: _WorkerLease) -> Outcome:
-        """One message on its own claim round."""
-        return self._until_claimed([delivery])
 
     def _until_claimed(self, deliveries: Sequence[Delivery[Any]]) -> Outcome:
         total = Outcome()
@@ -65,7 +75,7 @@ class LeasedRuns:
                 break
             waiting = [d for d, _ in busy]
             low, high = BUSY_WAIT
-            if not self.p.outages.pause(min(max(min(left for _, left in busy), low), high)):
+            if not self.outages.pause(min(max(min(left for _, left in busy), low), high)):
                 total.unsettled.extend(waiting)  # stopping: the next owner gets them
                 break
         return total
@@ -74,14 +84,14 @@ class LeasedRuns:
         self, deliveries: Sequence[Delivery[Any]]
     ) -> tuple[Outcome, list[tuple[Delivery[Any], float]]]:
         """Claim ``deliveries`` (one round trip) and run the handler for the new ones."""
-        store, outages, name, worker = self.p.store, self.p.outages, self.name, self.worker_id
+        store, outages, name, worker = self.store, self.outages, self.name, self.worker_id
         outcome = Outcome()
         busy: list[tuple[Delivery[Any], float]] = []
         ids = [str(d.message.id) for d in deliveries]
         started = time.monotonic()
         claims = outages.run(functools.partial(store.claim, worker, name, ids))
         claimed_at = time.monotonic()
-        self.p.metrics.histograms.observe("claim_seconds", claimed_at - started)
+        self.metrics.histograms.observe("claim_seconds", claimed_at - started)
         new: list[Delivery[Any]] = []
         for delivery in deliveries:
             message_id = str(delivery.message.id)
@@ -104,17 +114,17 @@ class LeasedRuns:
         return outcome, busy
 
     def _handle_one(self, delivery: Delivery[Any], outcome: Outcome) -> None:
-        store, outages, name, worker = self.p.store, self.p.outages, self.name, self.worker_id
+        store, outages, name, worker = self.store, self.outages, self.name, self.worker_id
         message_id = str(delivery.message.id)
         try:
-            result = self.p.handlers.call(None, delivery)
+            result = self.handlers.call(None, delivery)
         except Exception as error:
-            self.p.log_failure(delivery, error)
+            log_failure(name, delivery, error)
             outages.run(functools.partial(store.forget, worker, name, [message_id]))
             outcome.failures.append((delivery, error))
             return
         outages.run(functools.partial(store.save_results, worker, name, {message_id: result}))
-        self.p.last_commit = time.monotonic()
+        outcome.durable_at = time.monotonic()
         outcome.processed.append(delivery)
         if result is not None:
             outcome.results[message_id] = result

@@ -1,14 +1,21 @@
 """The one Processor: id → claim → handle → commit → settle, for every claim store.
 
-Each module of the pipeline has one job: :mod:`~mqdedup.consumers.identity` takes
-message ids and finds in-batch repeats; :mod:`~mqdedup.consumers.handling` calls the
-handlers and checks their results; :mod:`~mqdedup.consumers.transactions` is the unit
-of work of SQL claim stores (one database transaction, sessions from
-:mod:`~mqdedup.consumers.sessions`) and :mod:`~mqdedup.consumers.leased` that of
-leasing stores (Redis); :mod:`~mqdedup.consumers.careful` runs redelivered messages
-carefully; :mod:`~mqdedup.consumers.dead_lettering` dead-letters and parks;
-:mod:`~mqdedup.consumers.report` holds what a batch came to. Outages of the claim
-store are waited out by :class:`mqdedup.outages.Outages`.
+Each step has one module: :mod:`~mqdedup.consumers.identity` takes message ids and
+finds in-batch repeats; :mod:`~mqdedup.consumers.handling` calls the handlers and checks
+their results; a unit of work runs them against the claim store and returns an
+:class:`~mqdedup.consumers.report.Outcome` (:mod:`~mqdedup.consumers.transactions`: one
+database transaction per batch or per message; :mod:`~mqdedup.consumers.leased`: Redis
+leases); :mod:`~mqdedup.consumers.dead_lettering` dead-letters and parks. The Processor
+does the bookkeeping: outcomes into the report, hooks, retries, careful mode, settling.
+Outages of the claim store are waited out by :class:`mqdedup.outages.Outages`.
+
+Careful mode: a redelivered message may be the one whose handler killed the previous
+worker (``os._exit``, OOM, a segfault): nothing could record that attempt. So each
+redelivered message that is not a duplicate gets its attempt counted and committed
+*before* its handler runs, then runs alone. A process-killer thus reaches
+``max_attempts`` and is dead-lettered without running again, and its batch-mates are
+processed around it. Committed duplicates (the common redelivery, after a crash between
+commit and settle) are found with one read for the whole batch and cost nothing more.
 """
 
 from __future__ import annotations
@@ -22,15 +29,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.bridge import NotInBridgeError, call_hook, in_bridge
-from mqdedup.consumers.careful import WORKER_DIED, CarefulRuns, RunsAlone
 from mqdedup.consumers.dead_lettering import DeadLettering
 from mqdedup.consumers.handling import Handlers
 from mqdedup.consumers.identity import identify, resolve_repeats
 from mqdedup.consumers.leased import LeasedRuns
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.report import BatchAbandonedError, BatchReport, Outcome
-from mqdedup.consumers.sessions import SQLiteSelfDeadlockError
-from mqdedup.consumers.transactions import TransactionalRuns
+from mqdedup.consumers.transactions import SQLiteSelfDeadlockError, TransactionalRuns
+from mqdedup.consumers.transport import DeadLetter
 from mqdedup.db.dialects import is_transient
 from mqdedup.dedup.claims import AttemptLog, ClaimStore
 from mqdedup.errors import ConfigurationError, MessageError
@@ -51,15 +57,37 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: The last error of an attempt counted before its handler ran, until it finishes; the
+#: dead-letter reason when the attempts ran out that way (the process died each time).
+WORKER_DIED = "the worker died while handling it"
 
-class _Runs(RunsAlone, Protocol):
+
+class _Lease(Protocol):
+    """A unit of work held for a run of single messages."""
+
+    def unit(self) -> Any:
+        """The ``unit`` argument of the claim store (a session, a worker id)."""
+        ...
+
+    def close(self) -> None:
+        """Give it back."""
+        ...
+
+
+class _Runs(Protocol):
     """A claim store's unit of work, as the Processor drives it."""
 
-    def first(
-        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
-    ) -> list[tuple[Delivery[Any], Exception]]: ...
+    def batch(self, deliveries: Sequence[Delivery[Any]]) -> Outcome:
+        """Run a batch (one transaction, one claim round); failures in the outcome."""
+        ...
 
-    def again(self, delivery: Delivery[Any]) -> Outcome: ...
+    def one(self, delivery: Delivery[Any], lease: Any = None) -> Outcome:
+        """Run one message on its own (on ``lease`` if given)."""
+        ...
+
+    def lease(self) -> _Lease:
+        """A unit of work for a run of single messages."""
+        ...
 
 
 class Processor:
@@ -102,7 +130,7 @@ class Processor:
         self.store: ClaimStore = store or consumer.dedup.create_store(
             consumer.table_prefix, sessions
         )
-        self.handlers = Handlers(consumer, self.metrics)
+        handlers = Handlers(consumer, self.metrics)
         #: When the last claim became durable (for the commit -> settle histogram).
         self.last_commit: float | None = None
         self.outages = self._outages(self.store.is_transient, self.store.infrastructure)
@@ -117,12 +145,11 @@ class Processor:
                     f"{type(consumer).__name__} keeps its claims in the database: it needs "
                     "a database engine or session factory"
                 )
-            self.runs = TransactionalRuns(self, sessions)
+            self.runs = TransactionalRuns(consumer, sessions, self.store, handlers, self.metrics)
         else:
-            self.runs = LeasedRuns(self)
-        self.careful: CarefulRuns | None = None
-        if isinstance(self.store, AttemptLog):
-            self.careful = CarefulRuns(self, self.runs, self.store)
+            self.runs = LeasedRuns(self.name, self.store, handlers, self.metrics, self.outages)
+        self.per_message = self.store.transactional and consumer.failure_isolation == "transaction"
+        self.attempts = self.store if isinstance(self.store, AttemptLog) else None
 
     def _outages(self, check: Callable[[BaseException], bool], what: str) -> Outages:
         return Outages(
@@ -153,11 +180,10 @@ class Processor:
         unique, repeats = identify(self.consumer, deliveries, report, self.letters.record)
         if unique:
             try:
-                if self.careful is not None and any(d.message.redelivered for d in unique):
-                    unique = self.careful.run(unique, report)
-                failures = self.runs.first(unique, report) if unique else []
-                for delivery, error in failures:
-                    self._retry(delivery, error, report)
+                if self.attempts is not None and any(d.message.redelivered for d in unique):
+                    unique = self._careful(unique, report)
+                if unique:
+                    self._first(unique, report)
             except BatchAbandonedError:
                 self._settle_committed(report)
                 raise
@@ -175,10 +201,34 @@ class Processor:
         self.metrics.batch_seconds += time.monotonic() - started
         return report
 
-    # -- what the units of work call back ----------------------------------------------
+    # -- steps -------------------------------------------------------------------------
 
-    def committed(self, outcome: Outcome, report: BatchReport) -> None:
-        """After a unit of work is durable: the after-commit hook, duplicate callbacks."""
+    def _first(self, deliveries: Sequence[Delivery[Any]], report: BatchReport) -> None:
+        """The first run of a batch: one unit of work, or one per message (transaction
+        mode, stopping between messages on request); then the retries of the failures."""
+        failures: list[tuple[Delivery[Any], Exception]] = []
+        if self.per_message:
+            lease = self.runs.lease()
+            try:
+                for index, delivery in enumerate(deliveries):
+                    if self.stop.requested:
+                        report.unsettled.extend(deliveries[index:])
+                        break
+                    outcome = self.outages.run(functools.partial(self.runs.one, delivery, lease))
+                    self._committed(outcome, report)
+                    failures.extend(outcome.failures)
+            finally:
+                lease.close()
+        else:
+            outcome = self.outages.run(functools.partial(self.runs.batch, deliveries))
+            self._committed(outcome, report)
+            failures = outcome.failures
+        for delivery, error in failures:
+            self._retry(delivery, error, report)
+
+    def _committed(self, outcome: Outcome, report: BatchReport) -> None:
+        """After a unit of work is durable: the report, the after-commit hook, duplicate
+        callbacks. A hook that raises is logged; what committed stays committed."""
         report.processed.extend(outcome.processed)
         report.duplicates.extend(outcome.duplicates)
         report.unsettled.extend(outcome.unsettled)
@@ -186,29 +236,27 @@ class Processor:
         report.results.update(outcome.results)
         self.metrics.processed += len(outcome.processed)
         self.metrics.duplicates += len(outcome.duplicates)
+        if outcome.durable_at is not None:
+            self.last_commit = outcome.durable_at
         # call_hook: an async consumer's hooks are coroutines, awaited in the bridge.
         if outcome.processed:
-            call_hook(self.consumer.after_commit, [d.message for d in outcome.processed])
+            self._hook(self.consumer.after_commit, [d.message for d in outcome.processed])
         if self.consumer.wants_duplicate_results:
             for delivery in outcome.duplicates:
-                call_hook(
+                self._hook(
                     self.consumer.on_duplicate,
                     delivery.message,
                     outcome.stored_results.get(str(delivery.message.id)),
                 )
 
-    def log_failure(self, delivery: Delivery[Any] | None, error: Exception) -> None:
-        """One line per failed handler call."""
-        log.info(
-            "handler failed",
-            extra={
-                "consumer": self.name,
-                "message_id": delivery.message.id if delivery else None,
-                "error": f"{type(error).__name__}: {error}",
-            },
-        )
-
-    # -- steps -------------------------------------------------------------------------
+    def _hook(self, hook: Callable[..., object], *args: Any) -> None:
+        try:
+            call_hook(hook, *args)
+        except Exception:
+            log.exception(
+                "a consumer hook failed after the commit; the messages stay processed",
+                extra={"consumer": self.name, "hook": getattr(hook, "__name__", "hook")},
+            )
 
     def _retry(self, delivery: Delivery[Any], error: Exception, report: BatchReport) -> None:
         """Rerun one failed message on its own until done or out of attempts."""
@@ -230,11 +278,120 @@ class Processor:
                 report.unsettled.append(delivery)  # stopping: leave it to the next owner
                 return
             self.metrics.retries += 1
-            outcome = self.runs.again(delivery)
+            outcome = self.outages.run(functools.partial(self.runs.one, delivery))
             if not outcome.failures:
-                self.committed(outcome, report)
+                self._committed(outcome, report)
                 return
             error = outcome.failures[0][1]
+
+    # -- careful mode ------------------------------------------------------------------
+
+    def _careful(
+        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
+    ) -> list[Delivery[Any]]:
+        """Process the redelivered deliveries one at a time; return the others."""
+        careful = [d for d in deliveries if d.message.redelivered]
+        others = [d for d in deliveries if not d.message.redelivered]
+        fresh = self._skip_processed(careful, report)
+        lease = self.runs.lease()
+        try:
+            for index, delivery in enumerate(fresh):
+                if self.stop.requested:
+                    report.unsettled.extend(fresh[index:])
+                    report.unsettled.extend(others)
+                    return []
+                self._careful_one(delivery, lease, report)
+        finally:
+            lease.close()
+        return others
+
+    def _skip_processed(
+        self, deliveries: list[Delivery[Any]], report: BatchReport
+    ) -> list[Delivery[Any]]:
+        """Settle the deliveries whose claims are committed; return the rest (one read)."""
+        assert self.attempts is not None
+        if not self.consumer.deduplicate or not deliveries:
+            return deliveries
+        ids = [str(d.message.id) for d in deliveries]
+        done = self.outages.run(functools.partial(self.attempts.processed, self.name, ids))
+        if not done:
+            return deliveries
+        duplicates = [d for d in deliveries if d.message.id in done]
+        stored = {key: value for key, value in done.items() if value is not None}
+        self._committed(Outcome(duplicates=duplicates, stored_results=stored), report)
+        return [d for d in deliveries if d.message.id not in done]
+
+    def _careful_one(self, delivery: Delivery[Any], lease: _Lease, report: BatchReport) -> None:
+        """Count the attempt first, then run the message alone; retry up to the policy."""
+        assert self.attempts is not None
+        attempt_log = self.attempts
+        message_id = str(delivery.message.id)
+        outages = self.outages
+        while True:
+            attempts, last_error, started = outages.run(
+                functools.partial(self._start_attempt, message_id, lease)
+            )
+            if not started:
+                record = self._exhausted_record(attempts, last_error)
+                report.dead_lettered.append((delivery, record))
+                log.warning(
+                    "redelivered message has no attempts left; dead-lettering it unrun",
+                    extra={
+                        "consumer": self.name,
+                        "message_id": message_id,
+                        "reason": record.reason,
+                    },
+                )
+                return
+            outcome = outages.run(functools.partial(self.runs.one, delivery, lease))
+            self._committed(outcome, report)
+            if outcome.duplicates:  # claimed meanwhile by another worker: nothing ran
+                outages.run(functools.partial(attempt_log.undo_attempt, self.name, message_id))
+            if not outcome.failures:
+                return
+            error = outcome.failures[0][1]
+            outages.run(
+                functools.partial(
+                    attempt_log.finish_attempt,
+                    self.name,
+                    message_id,
+                    f"{type(error).__name__}: {error}",
+                )
+            )
+            self.metrics.failures += 1
+            if isinstance(error, MessageError) or attempts >= self.policy.max_attempts:
+                report.dead_lettered.append((delivery, self.letters.record(error, attempts)))
+                return
+            if not outages.pause(self.policy.backoff(attempts)):
+                report.unsettled.append(delivery)  # stopping: leave it to the next owner
+                return
+            self.metrics.retries += 1
+
+    def _start_attempt(self, message_id: str, lease: _Lease) -> tuple[int, str | None, bool]:
+        assert self.attempts is not None
+        unit = lease.unit()
+        try:
+            return self.attempts.start_attempt(
+                unit, self.name, message_id, WORKER_DIED, self.policy.max_attempts
+            )
+        except BaseException:
+            lease.close()
+            raise
+
+    def _exhausted_record(self, attempts: int, last_error: str | None) -> DeadLetter:
+        """The dead letter of a message whose attempts were used up before it ran again."""
+        if last_error is None or last_error == WORKER_DIED:
+            reason = WORKER_DIED
+        else:
+            reason = f"handler failed after {attempts} attempts: {last_error}"
+        return DeadLetter(
+            reason=reason,
+            consumer=self.name,
+            attempts=attempts,
+            error_message=last_error,
+        )
+
+    # -- bookkeeping -------------------------------------------------------------------
 
     def _settle_committed(self, report: BatchReport) -> None:
         """Abandoning a batch: still settle what has committed (fewer redeliveries)."""

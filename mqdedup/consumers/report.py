@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mqdedup.consumers.transport import DeadLetter, Delivery
+
+log = logging.getLogger("mqdedup.consumers.processor")
 
 
 class BatchAbandonedError(Exception):
@@ -43,6 +46,8 @@ class Outcome:
     unsettled: list[Delivery[Any]] = field(default_factory=list)
     stored_results: dict[str, Any] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)
+    #: When its last claim or completion became durable (``time.monotonic()``).
+    durable_at: float | None = None
 
     def add(self, other: Outcome) -> None:
         """Add what another (committed) unit of work did."""
@@ -52,3 +57,17 @@ class Outcome:
         self.unsettled.extend(other.unsettled)
         self.stored_results.update(other.stored_results)
         self.results.update(other.results)
+        if other.durable_at is not None:
+            self.durable_at = other.durable_at
+
+
+def log_failure(consumer: str, delivery: Delivery[Any] | None, error: Exception) -> None:
+    """One line per failed handler call."""
+    log.info(
+        "handler failed",
+        extra={
+            "consumer": consumer,
+            "message_id": delivery.message.id if delivery else None,
+            "error": f"{type(error).__name__}: {error}",
+        },
+    )

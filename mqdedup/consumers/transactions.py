@@ -1,392 +1,340 @@
-"""SQL claim stores: claim, handlers and results in one database transaction.
+"""The unit of work of SQL claim stores: claim, handlers and results in one transaction.
 
-The unit of work of a transactional claim store (``SqlDedup``, the default): each
-transaction claims the ids, runs the handlers for the new ones with ``ctx.session``
-and ``ctx.outbox``, stores their results and commits. A failing handler's writes and
-claim are undone (a savepoint, or a rerun of the transaction without it) and its
-batch-mates still commit (``failure_isolation``). Transaction mode on PostgreSQL with
-psycopg runs its messages through :mod:`~mqdedup.consumers.lean_transactions`.
+Each transaction claims the ids (the first statement), runs the handlers of the new
+messages with ``ctx.session`` and ``ctx.outbox``, writes the staged rows, stores the
+results and commits. Every statement a handler runs executes when it is called, through
+an ordinary SQLAlchemy ``Session``; nothing is deferred, reordered or intercepted.
+
+A failing handler's writes and claim are undone and its batch-mates still commit
+(``failure_isolation``):
+
+* ``savepoint``: every handler in a savepoint of its own, rolled back when it fails;
+* ``rerun``: no savepoints; a failure rolls the transaction back and the batch runs
+  again without the failing message;
+* ``auto``: like ``rerun`` until the first failure, then with savepoints;
+* ``transaction``: one transaction per message (:meth:`TransactionalRuns.one`, driven
+  message by message by the Processor).
+
+Staged rows (``ctx.stage``) are written after the last handler, in a savepoint. When they
+fail, each message's rows are written again alone, in staging order, so the failure is
+traced to its messages; the transaction rolls back and the batch runs once more without
+them. A data error no single message's rows reproduce (a deferred constraint at commit,
+say) makes each message run in a transaction of its own.
+
+The unit of work returns an :class:`~mqdedup.consumers.report.Outcome`; it never calls
+back into the Processor. Transient errors (a lost connection, a deadlock) are raised for
+the Processor to wait out and retry.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.context import guard_session, unguard_session
-from mqdedup.consumers.deferral import (
-    DeferredResultUnavailableError,
-    close_deferral,
-    open_deferral,
-)
-from mqdedup.consumers.lean_transactions import LeanLease, LeanTransactions
-from mqdedup.consumers.report import BatchReport, Outcome
-from mqdedup.consumers.sessions import SessionLease, self_deadlock, waits_for_own_lock
-from mqdedup.consumers.staging import StagedWrites, close_stage, open_stage, staged_writes
+from mqdedup.consumers.handling import Handlers
+from mqdedup.consumers.report import Outcome, log_failure
+from mqdedup.consumers.staging import StagedWrites, close_stage, open_stage
 from mqdedup.db import sqlite_lock
-from mqdedup.db.dialects import is_data_error, is_transient
+from mqdedup.db.dialects import is_data_error, is_sqlite_lock_error, is_transient
 
 if TYPE_CHECKING:
-    from mqdedup.consumers.pipeline import Pipeline
+    from mqdedup.consumers.base import Consumer
+    from mqdedup.consumers.metrics import Metrics
     from mqdedup.consumers.transport import Delivery
+    from mqdedup.dedup.claims import ClaimStore
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-#: A ``sessionmaker`` ``info`` key: True turns deferred writes off for its sessions.
-NO_DEFERRED_WRITES = "mqdedup.no_deferred_writes"
+class SQLiteSelfDeadlockError(RuntimeError):
+    """A handler waited for the SQLite write lock its own consumer transaction holds.
+
+    SQLite allows one writer per database file. The processor's transaction takes the
+    lock with the claim (mqdedup's engines with ``BEGIN IMMEDIATE``), so a handler that
+    writes to the same file through another connection waits until its busy timeout and
+    could never succeed. It fails that message instead of retrying the batch forever.
+    """
 
 
-class _RerunWithoutError(Exception):
-    def __init__(
-        self,
-        delivery: Delivery[Any] | None,
-        error: Exception,
-        *,
-        staged: bool = False,
-    ) -> None:
-        super().__init__(str(error))
-        # None: the batch handler or the staged / deferred writes failed (no single
-        # message to blame): rerun per message
-        self.delivery = delivery
-        self.error = error
-        self.staged = staged  # staged / deferred writes failed: rerun writing at once
+class SessionLease:
+    """One connection and one session for a run of one-message transactions.
+
+    Checking a connection out of the pool and building a session for every message
+    costs ~100 µs of CPU, a sizeable part of a one-message transaction. The session is
+    bound to a connection held for the run; each message still begins and commits its
+    own transaction on it. Any error closes both (the next use starts afresh).
+    """
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self._sessions = sessions
+        self._session: Session | None = None
+        self._connection: Connection | None = None
+
+    def unit(self) -> Session:
+        """The leased session (opened on first use)."""
+        if self._session is None:
+            bind = self._sessions.kw.get("bind")
+            if isinstance(bind, Engine):
+                self._connection = bind.connect()
+                self._session = self._sessions(bind=self._connection)
+            else:  # bound elsewhere (several engines, a connection): plain sessions
+                self._session = self._sessions()
+        return self._session
+
+    def close(self) -> None:
+        """Close the session and give the connection back."""
+        session, self._session = self._session, None
+        connection, self._connection = self._connection, None
+        try:
+            if session is not None:
+                session.close()
+        finally:
+            if connection is not None:
+                connection.close()
 
 
 @dataclass(frozen=True)
-class _Pass:
+class _Mode:
     """How one transaction over a batch runs its handlers."""
 
-    batch_handler: bool = False  # handle_batch (else handle per message)
-    savepoints: bool = False  # each handler in a savepoint of its own
-    stage_at_once: bool = False  # ctx.stage writes at once (else at the batch end)
-    defer: bool = False  # ctx.session.execute() of plain writes deferred (deferral.py)
+    batch_handler: bool  # handle_batch (else handle per message)
+    savepoints: bool  # each handler in a savepoint of its own
+
+
+@dataclass
+class _RolledBack:
+    """A transaction that was rolled back, and why (what the next one does differently)."""
+
+    #: Messages whose own failure it was: the next transaction runs without them.
+    failed: list[tuple[Delivery[Any], Exception]] = field(default_factory=list)
+    #: The batch handler failed (with this error): the next transaction calls ``handle``
+    #: per message.
+    batch_handler: Exception | None = None
+    #: A data error no single message's writes reproduce: run each message alone.
+    unattributed: Exception | None = None
 
 
 class TransactionalRuns:
-    """Runs deliveries in database transactions for the Processor."""
+    """Runs deliveries in database transactions: one per batch, or one per message."""
 
-    def __init__(self, processor: Pipeline, sessions: sessionmaker[Session]) -> None:
-        self.p = processor
+    def __init__(
+        self,
+        consumer: Consumer,
+        sessions: sessionmaker[Session],
+        store: ClaimStore,
+        handlers: Handlers,
+        metrics: Metrics,
+    ) -> None:
+        self.consumer = consumer
         self.sessions = sessions
-        self.consumer = processor.consumer
-        self.name = processor.name
-        self.per_message = self.consumer.failure_isolation == "transaction"
-        # Transaction mode holds one message per transaction: nothing to write together.
-        # Sessions whose connection is also written outside SQLAlchemy (Django's ORM) opt
-        # out: those statements would not write the deferred queue before they run.
-        opted_out = (sessions.kw.get("info") or {}).get(NO_DEFERRED_WRITES) is True
-        self.defer = self.consumer.defer_writes and not self.per_message and not opted_out
-        # Transaction mode on PostgreSQL (psycopg): one query per message.
-        self.lean: LeanTransactions | None = None
+        self.store = store
+        self.handlers = handlers
+        self.metrics = metrics
+        self.name = consumer.consumer_name
         bind = sessions.kw.get("bind")
-        if isinstance(bind, Engine) and LeanTransactions.applies(processor, sessions, opted_out):
-            self.lean = LeanTransactions(processor, bind, sessions, self.own_transaction)
         self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
         if self._sqlite:
             sqlite_lock.install()  # a handler's own connection to the file fails fast
 
-    # -- what the Processor calls --------------------------------------------------------
-
-    def first(
-        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
-    ) -> list[tuple[Delivery[Any], Exception]]:
-        """Run a batch once (one transaction, or one per message); return the failures."""
-        if self.per_message:
-            return self._run_each(deliveries, report)
-        outcome = self.p.outages.run(lambda: self._run_pass(deliveries))
-        self.p.committed(outcome, report)
-        return outcome.failures
-
-    def again(self, delivery: Delivery[Any]) -> Outcome:
-        """Run one failed message again in a transaction of its own."""
-        rerun = self.own_transaction if self.per_message else self._run_one
-        return self.p.outages.run(functools.partial(rerun, delivery))
-
     def lease(self) -> SessionLease:
-        """One session for a run of single-message transactions (careful mode)."""
+        """A session for a run of one-message transactions (transaction mode, careful
+        mode)."""
         return SessionLease(self.sessions)
 
-    def alone(self, delivery: Delivery[Any], lease: SessionLease) -> Outcome:
-        """One message in its own transaction on ``lease``'s session."""
-        return self.own_transaction(delivery, lease)
+    def batch(self, deliveries: Sequence[Delivery[Any]]) -> Outcome:
+        """One transaction over ``deliveries`` (run again without the failing messages
+        until it commits); the outcome includes the failures."""
+        isolation = self.consumer.failure_isolation
+        mode = _Mode(
+            batch_handler=self.consumer.has_batch_handler,
+            savepoints=isolation == "savepoint",
+        )
+        pending = list(deliveries)
+        failed: list[tuple[Delivery[Any], Exception]] = []
+        while pending:
+            try:
+                with self.sessions() as session:
+                    result = self._transaction(session, pending, mode)
+            except Exception as commit_error:
+                if is_transient(commit_error) or not is_data_error(commit_error):
+                    raise
+                result = _RolledBack(unattributed=commit_error)  # at commit, say
+            if isinstance(result, Outcome):
+                result.failures[:0] = failed
+                return result
+            if result.unattributed is not None:
+                return self._each_alone(pending, failed, result.unattributed)
+            if not result.failed and not (mode.batch_handler and result.batch_handler):
+                raise AssertionError("a transaction rolled back with nothing to change")
+            for delivery, error in result.failed:
+                log_failure(self.name, delivery, error)
+            culprits = {id(delivery) for delivery, _error in result.failed}
+            pending = [delivery for delivery in pending if id(delivery) not in culprits]
+            failed.extend(result.failed)
+            mode = _Mode(
+                batch_handler=mode.batch_handler and result.batch_handler is None,
+                savepoints=mode.savepoints or isolation == "auto",
+            )
+        return Outcome(failures=failed)
 
-    # -- transactions ----------------------------------------------------------------------
-
-    def _run_each(
-        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
-    ) -> list[tuple[Delivery[Any], Exception]]:
-        """Transaction mode: one transaction per message, each committed on its own.
-
-        On a stop request the rest of the batch is left unsettled for the next owner.
-        """
-        failures: list[tuple[Delivery[Any], Exception]] = []
-        lease = self.lean.lease() if self.lean is not None else SessionLease(self.sessions)
-        try:
-            for index, delivery in enumerate(deliveries):
-                if self.p.stop.requested:
-                    report.unsettled.extend(deliveries[index:])
-                    break
-                following = deliveries[index + 1] if index + 1 < len(deliveries) else None
-                outcome = self.p.outages.run(
-                    functools.partial(self._one, delivery, following, lease)
-                )
-                self.p.committed(outcome, report)
-                failures.extend(outcome.failures)
-        finally:
-            lease.close()
-        return failures
-
-    def _one(
-        self,
-        delivery: Delivery[Any],
-        following: Delivery[Any] | None,
-        lease: SessionLease | LeanLease,
-    ) -> Outcome:
-        """Transaction mode's first pass over one message (``following`` is next)."""
-        if isinstance(lease, LeanLease):
-            assert self.lean is not None
-            return self.lean.run(delivery, lease, following)
-        return self.own_transaction(delivery, lease)
-
-    def own_transaction(
-        self, delivery: Delivery[Any], lease: SessionLease | None = None
-    ) -> Outcome:
-        """One message in its own transaction; a handler failure rolls back only it."""
+    def one(self, delivery: Delivery[Any], lease: SessionLease | None = None) -> Outcome:
+        """One message in a transaction of its own (on ``lease``'s session if given)."""
         if lease is None:
             with self.sessions() as session:
-                return self._own_transaction_in(session, delivery)
+                return self._alone(session, delivery)
         try:
-            return self._own_transaction_in(lease.unit(), delivery)
+            return self._alone(lease.unit(), delivery)
         except BaseException:
             lease.close()  # e.g. a dead connection: the retry starts on a fresh one
             raise
 
-    def _own_transaction_in(self, session: Session, delivery: Delivery[Any]) -> Outcome:
+    # -- transactions ----------------------------------------------------------------------
+
+    def _alone(self, session: Session, delivery: Delivery[Any]) -> Outcome:
+        mode = _Mode(batch_handler=self.consumer.has_batch_handler, savepoints=False)
         try:
-            return self._transaction_in(session, [delivery], _Pass(defer=self.defer))
-        except _RerunWithoutError as failed:  # rolled back: its claim is gone too
-            self.p.log_failure(delivery, failed.error)
-            return Outcome(failures=[(delivery, failed.error)])
-        except Exception as error:
-            if is_transient(error) or not is_data_error(error):
+            result = self._transaction(session, [delivery], mode)
+        except Exception as commit_error:
+            if is_transient(commit_error) or not is_data_error(commit_error):
                 raise
-            # Its own data, outside the handler (e.g. a deferred constraint at commit).
-            self.p.log_failure(delivery, error)
-            return Outcome(failures=[(delivery, error)])
+            result = _RolledBack(unattributed=commit_error)  # a deferred constraint, say
         finally:
             session.expunge_all()  # the next message starts with an empty session
+        if isinstance(result, Outcome):
+            return result
+        # its handler's, its staged rows', its batch handler's or its commit's error
+        own = result.failed[0][1] if result.failed else result.batch_handler
+        own = own or result.unattributed
+        if own is None:
+            raise AssertionError("a one-message transaction rolled back without an error")
+        log_failure(self.name, delivery, own)
+        return Outcome(failures=[(delivery, own)])
 
-    def _run_one(self, delivery: Delivery[Any]) -> Outcome:
-        return self._run_pass([delivery])
-
-    def _run_pass(self, deliveries: Sequence[Delivery[Any]]) -> Outcome:
-        """One transaction over ``deliveries``: claim, handle the new ones, commit.
-
-        Without savepoints a handler failure rolls the transaction back; it is then run
-        again without the failing message (``auto`` reruns with savepoints, so one more
-        failure does not cost another rerun). When the staged writes fail at the end,
-        the batch runs again with ``ctx.stage`` writing at once, inside each handler's
-        failure boundary, so the failing message is found.
-        """
-        pending = list(deliveries)
-        excluded: list[tuple[Delivery[Any], Exception]] = []
-        mode = _Pass(
-            batch_handler=self.consumer.has_batch_handler,
-            savepoints=self.consumer.failure_isolation == "savepoint",
-            defer=self.defer,
-        )
-        while pending:
-            try:
-                with self.sessions() as session:
-                    outcome = self._transaction_in(session, pending, mode)
-            except _RerunWithoutError as rerun:
-                mode = self._next_pass(mode, rerun, len(pending))
-                if rerun.delivery is not None:
-                    pending.remove(rerun.delivery)
-                    excluded.append((rerun.delivery, rerun.error))
-                    self.p.log_failure(rerun.delivery, rerun.error)
-                continue
-            except Exception as error:
-                if is_transient(error) or not is_data_error(error):
-                    raise
-                return self._find_data_error(pending, excluded, error)
-            outcome.failures.extend(excluded)
-            return outcome
-        return Outcome(failures=excluded)
-
-    def _next_pass(self, mode: _Pass, rerun: _RerunWithoutError, size: int) -> _Pass:
-        """How to run a batch again after ``rerun`` ended its transaction."""
-        auto = self.consumer.failure_isolation == "auto"
-        mode = dataclasses.replace(mode, savepoints=auto or mode.savepoints)
-        if rerun.delivery is not None:
-            return mode
-        mode = dataclasses.replace(mode, batch_handler=False)
-        if isinstance(rerun.error, DeferredResultUnavailableError):
-            self.defer = False
-            log.info(
-                "a handler reads results of writes across handler calls: this "
-                "consumer's writes are executed at once from now on",
-                extra={"consumer": self.name},
-            )
-            return dataclasses.replace(mode, defer=False)
-        if rerun.staged:
-            log.warning(
-                "the batch's staged or deferred writes failed; running it again with "
-                "each message's writes made at once, to find the failing message",
-                extra={
-                    "consumer": self.name,
-                    "size": size,
-                    "error": f"{type(rerun.error).__name__}: {rerun.error}",
-                },
-            )
-            mode = dataclasses.replace(mode, stage_at_once=True, defer=False)
-        return mode
-
-    def _find_data_error(
+    def _each_alone(
         self,
         pending: list[Delivery[Any]],
-        excluded: list[tuple[Delivery[Any], Exception]],
+        failed: list[tuple[Delivery[Any], Exception]],
         error: Exception,
     ) -> Outcome:
-        """A data error outside any handler's boundary: find the message it belongs to.
-
-        Ids and results are validated before the database sees them, so this is the
-        defensive path (e.g. a handler's write that breaks a deferred constraint at
-        commit). The transaction has rolled back; each message then runs in its own, so
-        the culprit fails alone (retry policy) and its batch-mates commit.
-        """
-        log.warning(
-            "a data error outside the handlers; running the batch one message at a time",
-            extra={"consumer": self.name, "error": f"{type(error).__name__}: {error}"},
-        )
+        """A data error no message's writes reproduce alone: each message on its own."""
+        outcome = Outcome(failures=list(failed))
         if len(pending) == 1:
-            self.p.log_failure(pending[0], error)
-            return Outcome(failures=[*excluded, (pending[0], error)])
-        outcome = Outcome(failures=list(excluded))
+            log_failure(self.name, pending[0], error)
+            outcome.failures.append((pending[0], error))
+            return outcome
         for delivery in pending:
-            outcome.add(self._run_pass([delivery]))
+            outcome.add(self.one(delivery))
         return outcome
 
-    def _transaction_in(
-        self,
-        session: Session,
-        deliveries: Sequence[Delivery[Any]],
-        mode: _Pass,
-    ) -> Outcome:
+    def _transaction(
+        self, session: Session, deliveries: Sequence[Delivery[Any]], mode: _Mode
+    ) -> Outcome | _RolledBack:
         """Claim, handle, write the staged rows and store results in one transaction of
-        ``session``; commit."""
-        try:
-            return self._staged_transaction_in(session, deliveries, mode)
-        finally:
-            staged = staged_writes(session)
-            if staged is not None and staged.deferred is not None:
-                close_deferral(staged.deferred)
-            close_stage(session)
-
-    def _staged_transaction_in(
-        self, session: Session, deliveries: Sequence[Delivery[Any]], mode: _Pass
-    ) -> Outcome:
+        ``session``; commit, or roll back and say why."""
         outcome = Outcome()
-        store = self.p.store
-        metrics = self.p.metrics
-        deduplicate = self.consumer.deduplicate
+        store = self.store
         started = time.monotonic()
-        with session.begin():
-            ids = [d.message.id for d in deliveries if d.message.id is not None]
-            if deduplicate:
-                new_ids = store.claim(session, self.name, ids).new
-                metrics.histograms.observe("claim_seconds", time.monotonic() - started)
-            else:
-                new_ids = set(ids)
-            new = [d for d in deliveries if d.message.id in new_ids]
-            outcome.duplicates = [d for d in deliveries if d.message.id not in new_ids]
-            if outcome.duplicates and self.consumer.wants_duplicate_results:
-                outcome.stored_results = store.results(
-                    session, self.name, [str(d.message.id) for d in outcome.duplicates]
-                )
-            staged = open_stage(session, immediate=mode.stage_at_once)
-            if mode.defer and not mode.savepoints and not mode.stage_at_once and new:
-                staged.deferred = open_deferral(session)
-            guard_session(session)  # the handlers must not end this transaction
-            if staged.deferred is not None:
-                session.__dict__["execute"] = staged.deferred.execute
-            if self._sqlite:
-                sqlite_lock.enter(session)
+        transaction = session.begin()
+        try:
+            new = self._claim(session, deliveries, outcome)
+            staged = open_stage(session)
             try:
-                results = self._handle(session, new, outcome, mode, staged)
+                rolled_back = self._handle(session, new, outcome, mode, staged)
+                if rolled_back is None and staged:
+                    rolled_back = self._write_staged(session, staged)
             finally:
-                unguard_session(session)
-                session.__dict__.pop("execute", None)
-                if self._sqlite:
-                    sqlite_lock.leave()
-            if staged:
-                self._write_staged(staged, new, outcome)
-            outcome.results = results
-            if outcome.failures and deduplicate:
+                close_stage(session)
+            if rolled_back is not None:
+                transaction.rollback()
+                return rolled_back
+            if outcome.failures and self.consumer.deduplicate:
                 store.forget(session, self.name, [str(d.message.id) for d, _ in outcome.failures])
-            if deduplicate and results:
-                store.save_results(session, self.name, results)
-        self.p.last_commit = time.monotonic()
-        metrics.histograms.observe("transaction_seconds", self.p.last_commit - started)
+            if self.consumer.deduplicate and outcome.results:
+                store.save_results(session, self.name, outcome.results)
+            transaction.commit()
+        except BaseException:
+            if transaction.is_active:
+                transaction.rollback()
+            raise
+        outcome.durable_at = time.monotonic()
+        self.metrics.histograms.observe("transaction_seconds", outcome.durable_at - started)
         return outcome
 
-    def _write_staged(
-        self, staged: StagedWrites, new: list[Delivery[Any]], outcome: Outcome
-    ) -> None:
-        """Run the staged statements; a failure reruns the batch to find its message."""
-        try:
-            staged.flush()
-        except Exception as error:
-            if is_transient(error):
-                raise
-            # One message in the transaction: the failure is its own.
-            alone = outcome.processed[0] if len(outcome.processed) == 1 else None
-            raise _RerunWithoutError(alone, error, staged=True) from error
+    def _claim(
+        self, session: Session, deliveries: Sequence[Delivery[Any]], outcome: Outcome
+    ) -> list[Delivery[Any]]:
+        """Claim the ids (the transaction's first statement); return the new deliveries."""
+        ids = [d.message.id for d in deliveries if d.message.id is not None]
+        if not self.consumer.deduplicate:
+            return list(deliveries)
+        started = time.monotonic()
+        new_ids = self.store.claim(session, self.name, ids).new
+        self.metrics.histograms.observe("claim_seconds", time.monotonic() - started)
+        outcome.duplicates = [d for d in deliveries if d.message.id not in new_ids]
+        if outcome.duplicates and self.consumer.wants_duplicate_results:
+            outcome.stored_results = self.store.results(
+                session, self.name, [str(d.message.id) for d in outcome.duplicates]
+            )
+        return [d for d in deliveries if d.message.id in new_ids]
 
     def _handle(
         self,
         session: Session,
         new: list[Delivery[Any]],
         outcome: Outcome,
-        mode: _Pass,
+        mode: _Mode,
         staged: StagedWrites,
-    ) -> dict[str, Any]:
-        """Run the handlers; fill ``outcome.processed`` / ``failures``; return results."""
-        handlers = self.p.handlers
-        savepoints = mode.savepoints
-        results: dict[str, Any] = {}
-        if mode.batch_handler and new:
-            batch_results = self._isolated(
-                session, savepoints, staged, None, lambda: handlers.call_batch(session, new)
-            )
-            if not isinstance(batch_results, Exception):
-                outcome.processed.extend(new)
-                return batch_results
-        for delivery in new:
-            result = self._isolated(
-                session,
-                savepoints,
-                staged,
-                delivery,
-                functools.partial(handlers.call, session, delivery),
-            )
-            if isinstance(result, Exception):
-                outcome.failures.append((delivery, result))
-                continue
-            outcome.processed.append(delivery)
-            if result is not None:
-                results[str(delivery.message.id)] = result
-        return results
+    ) -> _RolledBack | None:
+        """Run the handlers (the session guarded); fill ``outcome``."""
+        handlers = self.handlers
+        guard_session(session)  # the handlers must not end this transaction
+        if self._sqlite:
+            sqlite_lock.enter(session)
+        try:
+            if mode.batch_handler and new:
+                staged.owner = None
+                value = self._isolated(
+                    session,
+                    mode.savepoints,
+                    staged,
+                    None,
+                    functools.partial(handlers.call_batch, session, new),
+                )
+                if isinstance(value, _RolledBack):
+                    return value
+                if not isinstance(value, Exception):
+                    outcome.processed.extend(new)
+                    outcome.results.update(value)
+                    return None
+            for delivery in new:
+                staged.owner = delivery
+                result = self._isolated(
+                    session,
+                    mode.savepoints,
+                    staged,
+                    delivery,
+                    functools.partial(handlers.call, session, delivery),
+                )
+                if isinstance(result, _RolledBack):
+                    return result
+                if isinstance(result, Exception):
+                    outcome.failures.append((delivery, result))
+                    continue
+                outcome.processed.append(delivery)
+                if result is not None:
+                    outcome.results[str(delivery.message.id)] = result
+            return None
+        finally:
+            unguard_session(session)
+            if self._sqlite:
+                sqlite_lock.leave()
 
     def _isolated(
         self,
@@ -395,40 +343,108 @@ class TransactionalRuns:
         staged: StagedWrites,
         delivery: Delivery[Any] | None,
         call: Callable[[], T],
-    ) -> T | Exception:
+    ) -> T | Exception | _RolledBack:
         """Run ``call`` so that its failure undoes only its own work.
 
-        Returns the call's value, or the (non-transient) exception it raised. In rerun
-        mode a failure aborts the whole transaction to be rerun without ``delivery``.
+        Returns the call's value; with savepoints the (non-transient) exception it raised,
+        its savepoint rolled back; without, the reason to roll the transaction back.
+        Transient errors propagate.
         """
         savepoint = session.begin_nested() if savepoints else None
         mark = staged.mark()
-        deferred = staged.deferred
-        if deferred is not None:
-            deferred.enter_handler()
         try:
             value = call()
-            session.flush()
-            if deferred is not None and deferred.failed is not None:
-                raise deferred.failed  # the handler caught it: no way out
+            session.flush()  # the ORM's pending writes are the handler's too
         except Exception as raised:
             error = raised
-            if deferred is not None and deferred.failed is not None and not is_transient(error):
-                # A deferred write failed: maybe another message's; rerun writing at once.
-                raise _RerunWithoutError(None, deferred.failed, staged=True) from error
             if is_transient(error):
-                if not waits_for_own_lock(session, error):
+                if not _waits_for_own_lock(session, error):
                     raise
-                error = self_deadlock(error)
+                error = _self_deadlock(error)
             if savepoint is None:
-                raise _RerunWithoutError(delivery, error) from error
+                if delivery is None:
+                    return _RolledBack(batch_handler=error)
+                return _RolledBack(failed=[(delivery, error)])
             savepoint.rollback()
             staged.undo(mark)
-            self.p.log_failure(delivery, error)
+            log_failure(self.name, delivery, error)
             return error
-        finally:
-            if deferred is not None:
-                deferred.leave_handler()
         if savepoint is not None:
             savepoint.commit()
         return value
+
+    def _write_staged(self, session: Session, staged: StagedWrites) -> _RolledBack | None:
+        """Write the staged rows in a savepoint; when they fail, find whose they are."""
+        owners = staged.owners()
+        connection = session.connection()
+        if len(owners) == 1:  # one owner: no savepoint needed to know whose they are
+            try:
+                staged.flush(connection)
+            except Exception as error:
+                if is_transient(error):
+                    raise
+                return self._blame(owners[0], error)
+            return None
+        savepoint = session.begin_nested()
+        try:
+            staged.flush(connection)
+        except Exception as error:
+            if is_transient(error):
+                raise
+            savepoint.rollback()
+            return self._trace(session, staged, owners, error)
+        savepoint.commit()
+        return None
+
+    def _trace(
+        self, session: Session, staged: StagedWrites, owners: list[Any], error: Exception
+    ) -> _RolledBack:
+        """Write each owner's staged rows alone (in a savepoint each) to find the failing
+        messages; the transaction is rolled back afterwards either way."""
+        if any(owner is None for owner in owners):
+            return _RolledBack(batch_handler=error)  # the batch handler's rows: per message
+        failed: list[tuple[Delivery[Any], Exception]] = []
+        connection = session.connection()
+        for owner in owners:
+            savepoint = session.begin_nested()
+            try:
+                staged.write_alone(connection, owner)
+            except Exception as own_error:
+                if is_transient(own_error):
+                    raise
+                savepoint.rollback()
+                failed.append((owner, own_error))
+                continue
+            savepoint.commit()
+        return _RolledBack(failed=failed) if failed else _RolledBack(unattributed=error)
+
+    @staticmethod
+    def _blame(owner: Any, error: Exception) -> _RolledBack:
+        if owner is None:
+            return _RolledBack(batch_handler=error)
+        return _RolledBack(failed=[(owner, error)])
+
+
+def _waits_for_own_lock(session: Session, error: Exception) -> bool:
+    """True when a handler's SQLite "database is locked" is our own transaction's lock.
+
+    The processor's transaction on SQLite holds the file's write lock from its claim on
+    (the only writer SQLite allows): a lock wait seen inside a handler then comes from
+    the handler's own connection to that file and can never end in success.
+    """
+    return (
+        is_sqlite_lock_error(error)
+        and session.in_transaction()
+        and session.get_bind().dialect.name == "sqlite"
+    )
+
+
+def _self_deadlock(error: Exception) -> SQLiteSelfDeadlockError:
+    """The error a handler gets instead of waiting for its own transaction's lock."""
+    deadlock = SQLiteSelfDeadlockError(
+        "the handler waited for the SQLite write lock that its own consumer transaction "
+        "holds (SQLite allows one writer per file): write through ctx.session, not "
+        "through another connection or engine to the same database file"
+    )
+    deadlock.__cause__ = error
+    return deadlock

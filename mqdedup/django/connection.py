@@ -36,7 +36,6 @@ from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 from sqlalchemy.pool import QueuePool
 
-from mqdedup.consumers.transactions import NO_DEFERRED_WRITES
 from mqdedup.db.dialects import is_data_error
 from mqdedup.django.conf import database_alias
 from mqdedup.errors import ConfigurationError
@@ -239,9 +238,7 @@ def sessions(using: str | None = None) -> sessionmaker[Session]:
                 bound,
                 class_=DjangoSession,
                 expire_on_commit=False,
-                # ORM statements run on Django's cursor, outside SQLAlchemy's events: they
-                # would not see deferred `ctx.session` writes, so those run at once.
-                info={_ALIAS_KEY: alias, NO_DEFERRED_WRITES: True},
+                info={_ALIAS_KEY: alias},
             )
     return found
 

@@ -111,7 +111,7 @@ def test_a_failing_staged_write_among_500_fails_alone(db: TestDatabase) -> None:
     [letter] = broker.dead_letters["q"]
     assert letter.message.headers["message-id"] == "m250"
     assert "StringDataRightTruncation" in letter.record.reason
-    assert consumer.calls["m250"] == 1 + 1 + 1  # the batch, its rerun, the retry
+    assert consumer.calls["m250"] == 1 + 1  # the batch, the retry (the rerun leaves it out)
     assert metrics.processed == 499 and metrics.dead_lettered == 1
     assert broker.pending("q") == 0
 
@@ -316,7 +316,7 @@ def test_staged_rows_of_every_plain_type_arrive_as_sqlalchemy_would_write_them(
     )
     from sqlalchemy.orm import Session
 
-    from mqdedup.consumers.staging import StagedWrites, _unnest_sql
+    from mqdedup.consumers.staging import StagedWrites, _unnest_plan, insert_unnest
 
     metadata = MetaData()
     columns = [
@@ -350,18 +350,24 @@ def test_staged_rows_of_every_plain_type_arrive_as_sqlalchemy_would_write_them(
     ]  # fmt: skip
     try:
         with Session(db.engine) as session, session.begin():
-            staged = StagedWrites(session)
+            staged = StagedWrites()
             for row in rows:
                 staged.add(fast, row)
                 staged.add(slow, {**row, "doc": {"a": [1]}})
-            staged.flush()
+            staged.flush(session.connection())
         with db.engine.connect() as connection:
             got_fast = connection.execute(select(*fast.c[1:]).order_by(fast.c.id)).all()
             got_slow = connection.execute(select(*slow.c[1:-1]).order_by(slow.c.id)).all()
             docs = connection.execute(select(slow.c.doc)).scalars().all()
         dialect = db.engine.dialect
-        assert _unnest_sql(fast, tuple(rows[0]), dialect) is not None  # one unnest INSERT
-        assert _unnest_sql(slow, (*rows[0], "doc"), dialect) is None  # executemany
+        assert _unnest_plan(fast, tuple(rows[0]), dialect) is not None  # one unnest INSERT
+        assert _unnest_plan(slow, (*rows[0], "doc"), dialect) is None  # executemany
+        # Values of another Python type than the column's take SQLAlchemy's path (which
+        # writes or refuses them as an immediate execute does): never unnest's arrays.
+        with Session(db.engine) as session, session.begin():
+            connection = session.connection()
+            for odd in ({"name": ["a", "b"]}, {"small": True}, {"ratio": 1}, {"blob": "x"}):
+                assert not insert_unnest(connection, fast, [{**rows[0], **odd}, rows[0]])
         assert [tuple(r) for r in got_fast] == [tuple(r) for r in got_slow]
         assert got_fast[0].price == Decimal("1.50") and got_fast[0].at == at
         assert docs == [{"a": [1]}, {"a": [1]}]
@@ -371,9 +377,9 @@ def test_staged_rows_of_every_plain_type_arrive_as_sqlalchemy_would_write_them(
             Session(db.engine) as session,
             session.begin(),
         ):
-            staged = StagedWrites(session)
+            staged = StagedWrites()
             staged.add(fast, {**rows[0], "name": "abcdef"})
             staged.add(fast, rows[0])
-            staged.flush()
+            staged.flush(session.connection())
     finally:
         metadata.drop_all(db.engine)

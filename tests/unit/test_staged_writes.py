@@ -135,4 +135,4 @@ def test_stage_refuses_what_it_cannot_run_set_based(sqlite_engine: Engine) -> No
     with pytest.raises(StagedWriteError, match="not str"):
         from mqdedup.consumers.staging import StagedWrites
 
-        StagedWrites(None, immediate=True).add("orders", {})  # type: ignore[arg-type]
+        StagedWrites().add("orders", {})  # type: ignore[arg-type]

@@ -1,9 +1,8 @@
-"""Deferred plain writes (``defer_writes``) on SQLite: same outcomes as writing at once.
+"""A handler's ``ctx.session`` writes on SQLite: executed when called, in order.
 
-``ctx.session.execute()`` of an insert / update without RETURNING is queued and written
-in order, runs of one statement together; a read sees the writes before it, a
-``rowcount`` is the real one, a failing deferred row makes the batch run again with
-every write made at once so that its message fails alone.
+Every ``ctx.session.execute()`` runs at once and returns its real result: a read sees
+the writes before it, a ``rowcount`` is the real one (also when kept across calls), and
+a failing write fails its message alone (retried, then dead-lettered).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ class PlainOrders(Consumer):
     """Inserts its order row and an outbox row; every 10th reads its row back, every
     10th (5, 15, ...) updates it and returns the rowcount; ``bad_ids`` insert a NULL id."""
 
-    name = "deferred"
+    name = "plain"
     batch_size = 100
     poll_timeout = 0.01
     retry_policy = FAST_RETRY
@@ -88,7 +87,7 @@ def test_a_failing_deferred_row_fails_its_message_alone(
     assert metrics.processed == 99 and metrics.dead_lettered == 1
 
 
-def test_plain_writes_go_in_runs_not_one_statement_each(sqlite_engine: Engine) -> None:
+def test_every_statement_runs_when_it_is_called(sqlite_engine: Engine) -> None:
     statements: list[str] = []
 
     @event.listens_for(sqlite_engine, "before_cursor_execute")
@@ -103,14 +102,13 @@ def test_plain_writes_go_in_runs_not_one_statement_each(sqlite_engine: Engine) -
     run_until_idle(consumer, broker.transport("q"), sqlite_engine)
 
     assert stored_results(sqlite_engine) == {f"m{n}": expected_result(n) for n in range(100)}
-    # Per message an order and an outbox row: 200 inserts at once. Deferred, the
-    # inserts into the two (unrelated) tables go in one run each until a handler
-    # reads (a result or a SELECT), whose own writes then go one by one.
-    assert len(statements) == 80  # per 10 messages: 2 runs, 2 runs, 2 + 2 own inserts
+    # Per message an order row, then an outbox row: 200 inserts, in the handlers' order.
+    assert len(statements) == 200
+    assert all(s.startswith(f"INSERT INTO {orders.name}") for s in statements[::2])
 
 
 class KeepsResults(Consumer):
-    """Reads, in each call, the result its previous call kept (deferral cannot answer)."""
+    """Reads, in each call, the result its previous call kept."""
 
     name = "keeps"
     batch_size = 50
@@ -128,7 +126,7 @@ class KeepsResults(Consumer):
         return {"previous": count}
 
 
-def test_a_result_read_across_handler_calls_stops_the_deferral(sqlite_engine: Engine) -> None:
+def test_a_result_read_across_handler_calls_is_real(sqlite_engine: Engine) -> None:
     consumer = KeepsResults()
     broker = InMemoryBroker()
     for n in range(120):
@@ -136,9 +134,7 @@ def test_a_result_read_across_handler_calls_stops_the_deferral(sqlite_engine: En
     metrics = run_until_idle(consumer, broker.transport("q"), sqlite_engine)
 
     assert order_counts(sqlite_engine) == {f"m{n}": 1 for n in range(120)}
-    # The rerun's first handler read a result kept from the deferred pass: it failed
-    # once (retried alone, it read a real one); nothing else failed.
-    assert metrics.processed == 120 and metrics.failures <= 1 and metrics.dead_lettered == 0
+    assert metrics.processed == 120 and metrics.failures == 0 and metrics.dead_lettered == 0
     assert {value["previous"] for value in stored_results(sqlite_engine).values()} <= {None, 0}
     with sqlite_engine.connect() as connection:
         assert connection.execute(select(func.count()).select_from(orders)).scalar_one() == 120
