@@ -1,12 +1,12 @@
 """Where a per-message ``handle`` spends its time, by library, under py-spy.
 
     py-spy record --idle -r 400 -f raw -o handle.raw -- \\
-        python -m bench.handle_profile run [--messages 60000] [--no-defer]
+        python -m bench.handle_profile run [--messages 60000]
     python -m bench.handle_profile report handle.raw
 
 ``run`` drives the handlers suite's plain handler (``ctx.session.execute(insert(t),
-row)``, in-memory broker -> PostgreSQL at ``MQDEDUP_TEST_DATABASE_URL``, batches of 500)
-with its writes deferred (the default) or each executed at once (``--no-defer``).
+row)``, in-memory broker -> PostgreSQL at ``MQDEDUP_TEST_DATABASE_URL``, batches of 500,
+every statement executed when called).
 ``report`` reads py-spy's raw output and splits the worker's samples (idle included) by
 the innermost library on each stack: psycopg (waiting on the server or client work),
 SQLAlchemy, mqdedup by module, the handler's own code.
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 _WAITING = ("wait", "select", "poll")
 
 
-def run(messages: int, defer: bool) -> None:
+def run(messages: int) -> None:
     from bench.suite_handlers import Plain, Tables, run_mqdedup
     from bench.suite_handlers import messages as make_messages
     from mqdedup import tune_gc
@@ -33,9 +33,9 @@ def run(messages: int, defer: bool) -> None:
     engine = create_engine(os.environ["MQDEDUP_TEST_DATABASE_URL"])
     tables = Tables(engine)
     try:
-        run_mqdedup(Plain, tables, make_messages(2_000), defer_writes=defer)  # warm-up
-        rate = run_mqdedup(Plain, tables, make_messages(messages), defer_writes=defer)
-        print(f"{rate:,.0f} msgs/s (defer_writes={defer})")
+        run_mqdedup(Plain, tables, make_messages(2_000))  # warm-up
+        rate = run_mqdedup(Plain, tables, make_messages(messages))
+        print(f"{rate:,.0f} msgs/s")
     finally:
         tables.drop()
         engine.dispose()
@@ -74,12 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run")
     run_parser.add_argument("--messages", type=int, default=60_000)
-    run_parser.add_argument("--no-defer", action="store_true")
     report_parser = commands.add_parser("report")
     report_parser.add_argument("raw")
     args = parser.parse_args(argv)
     if args.command == "run":
-        run(args.messages, not args.no_defer)
+        run(args.messages)
     else:
         report(args.raw)
     return 0
