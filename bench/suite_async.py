@@ -33,7 +33,7 @@ from bench import kafka_bench as kb
 from bench import rabbitmq_bench as rb
 from bench.suite_common import FULL, QUICK, Row, Section, Settings, Sizes, interleave, progress
 from mqdedup import AsyncContext, Message, create_engine, init_schema
-from mqdedup.consumers.async_context import AsyncBatchContext
+from mqdedup.consumers.context import AsyncBatchContext
 from mqdedup.db.schema import schema
 from mqdedup.kafka import AsyncKafkaConsumer
 from mqdedup.rabbitmq import AsyncRabbitMQConsumer

@@ -1,9 +1,8 @@
 """Consumers: the base class to subclass, the processing core and the transports."""
 
 from mqdedup.consumers.async_consumer import AsyncConsumer
-from mqdedup.consumers.async_context import AsyncBatchContext, AsyncContext
 from mqdedup.consumers.base import Consumer, RetryPolicy
-from mqdedup.consumers.context import BatchContext, Context
+from mqdedup.consumers.context import AsyncBatchContext, AsyncContext, BatchContext, Context
 from mqdedup.consumers.memory import InMemoryBroker, MemoryTransport
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchReport, Processor

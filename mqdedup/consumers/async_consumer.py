@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from sqlalchemy import Engine
 
 from mqdedup.bridge import in_bridge, run_blocking, wait_for
-from mqdedup.consumers.async_context import AsyncBatchContext, AsyncContext
 from mqdedup.consumers.base import Consumer
+from mqdedup.consumers.context import AsyncBatchContext, AsyncContext
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.db.async_engine import create_async_engine
 from mqdedup.stopping import StopToken, run_stoppable

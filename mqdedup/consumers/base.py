@@ -1,16 +1,16 @@
-"""The base class users subclass, and the retry policy (the context is in ``context.py``)."""
+"""The base class users subclass (the retry policy and what the pipeline reads of a
+consumer are in ``spec.py``, the context in ``context.py``)."""
 
 from __future__ import annotations
 
 import inspect
-import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy.orm import Session
 
 from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.spec import FAILURE_ISOLATIONS, FailureIsolation, RetryPolicy
 from mqdedup.db.schema import DEFAULT_PREFIX
 from mqdedup.dedup.choices import SqlDedup
 from mqdedup.dedup.ids import MAX_ID_LENGTH, MessageIdStrategy, from_header
@@ -27,38 +27,7 @@ if TYPE_CHECKING:
     from mqdedup.dedup.claims import Dedup
     from mqdedup.message import Message
 
-FailureIsolation = Literal["auto", "savepoint", "rerun", "transaction"]
-FAILURE_ISOLATIONS: tuple[str, ...] = ("auto", "savepoint", "rerun", "transaction")
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How often a failing handler runs, and how long to wait between attempts.
-
-    ``max_attempts`` counts every run of the handler for one message, across
-    redeliveries; after the last one the message is dead-lettered. Database outages do
-    not count: they are retried without limit using ``infrastructure_backoff_max``.
-    """
-
-    max_attempts: int = 3
-    initial_backoff: float = 0.2
-    max_backoff: float = 30.0
-    multiplier: float = 2.0
-    jitter: float = 0.1
-    infrastructure_backoff_max: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ConfigurationError("RetryPolicy.max_attempts must be at least 1")
-        if self.initial_backoff < 0 or self.max_backoff < 0:
-            raise ConfigurationError("RetryPolicy backoffs must not be negative")
-
-    def backoff(self, failed_attempts: int) -> float:
-        """Seconds to wait after ``failed_attempts`` failures (exponential, capped, jittered)."""
-        base = min(
-            self.max_backoff, self.initial_backoff * self.multiplier ** (failed_attempts - 1)
-        )
-        return base * (1 + random.uniform(-self.jitter, self.jitter))
+__all__ = ["Consumer", "RetryPolicy"]
 
 
 class Consumer:

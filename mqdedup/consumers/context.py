@@ -1,7 +1,9 @@
 """What a handler gets besides its message: the guarded session and the outbox.
 
 The processor builds a :class:`Context` (or :class:`BatchContext`) per handler call; the
-session it carries cannot end the processor's transaction.
+session it carries cannot end the processor's transaction. An async consumer's handlers
+get an :class:`AsyncContext` (:class:`AsyncBatchContext`): the same transaction as a
+guarded ``AsyncSession`` and an awaitable outbox.
 """
 
 from __future__ import annotations
@@ -9,17 +11,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
 from mqdedup.consumers.staging import Stageable, capture, staged_writes
 from mqdedup.errors import ConfigurationError, MessageError
+from mqdedup.outbox.async_writer import AsyncOutboxWriter
 from mqdedup.outbox.writer import OutboxWriter
 
 if TYPE_CHECKING:
-    from mqdedup.consumers.base import Consumer
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from mqdedup.consumers.spec import ConsumerSpec
     from mqdedup.message import Message
 
 
@@ -98,7 +103,7 @@ class HandlerContext:
     """What the sync and async contexts share: the message, its consumer, a logger, and
     the transaction's ``Session`` (None for a claim store without a transaction)."""
 
-    def __init__(self, session: Session | None, consumer: Consumer, message: Message) -> None:
+    def __init__(self, session: Session | None, consumer: ConsumerSpec, message: Message) -> None:
         self._session = session
         self.consumer = consumer
         self.message = message
@@ -178,7 +183,69 @@ class BatchContext(Context):
     """Context of :meth:`Consumer.handle_batch`; ``message`` is the batch's first one."""
 
     def __init__(
-        self, session: Session | None, consumer: Consumer, messages: Sequence[Message]
+        self, session: Session | None, consumer: ConsumerSpec, messages: Sequence[Message]
+    ) -> None:
+        super().__init__(session, consumer, messages[0])
+        self.messages = messages
+
+
+# -- async consumers ---------------------------------------------------------------------
+#
+# The pipeline runs the same transaction as for synchronous consumers (a ``Session`` on
+# the ``AsyncEngine``'s ``sync_engine``, inside the bridge); ``ctx.session`` is an
+# ``AsyncSession`` proxying that very session, so the guard applies through the proxy.
+
+_PROXY_KEY = "mqdedup.async_session"
+
+
+def async_proxy(session: Session) -> AsyncSession:
+    """The ``AsyncSession`` proxying the pipeline's ``session`` (built once per session).
+
+    The proxy is kept in ``session.info``: SQLAlchemy only holds it weakly.
+    """
+    proxy = session.info.get(_PROXY_KEY)
+    if proxy is None:
+        from sqlalchemy.ext.asyncio import AsyncSession  # the asyncio extra (greenlet)
+
+        # The "session class" may be any callable: here one returning the existing session.
+        proxy = AsyncSession(sync_session_class=lambda **_: session)  # type: ignore[arg-type]
+        session.info[_PROXY_KEY] = proxy
+    return cast("AsyncSession", proxy)
+
+
+class AsyncContext(HandlerContext):
+    """The context of an async consumer's ``handle`` (``AsyncBatchContext``: ``handle_batch``).
+
+    ``session`` is the message's transaction as a guarded ``AsyncSession``; ``outbox``
+    an :class:`~mqdedup.outbox.async_writer.AsyncOutboxWriter` in that transaction
+    (``await ctx.outbox.publish(...)``). A consumer whose claim store has no
+    transaction (``dedup = RedisDedup(...)``) has neither: using them raises
+    :class:`~mqdedup.consumers.context.NoTransactionError` saying why.
+    """
+
+    @cached_property
+    def session(self) -> AsyncSession:
+        """The transaction's (guarded) ``AsyncSession``."""
+        return async_proxy(self._transaction("ctx.session"))
+
+    @cached_property
+    def outbox(self) -> AsyncOutboxWriter:
+        """Add outgoing messages to the outbox, in this transaction (awaitable)."""
+        self._transaction("ctx.outbox")
+        return AsyncOutboxWriter(
+            self.session,
+            consumer_name=self.consumer.consumer_name,
+            causation_id=self.message.id,
+            prefix=self.consumer.table_prefix,
+            message=self.message,
+        )
+
+
+class AsyncBatchContext(AsyncContext):
+    """Context of ``AsyncConsumer.handle_batch``; ``message`` is the batch's first one."""
+
+    def __init__(
+        self, session: Session | None, consumer: ConsumerSpec, messages: Sequence[Message]
     ) -> None:
         super().__init__(session, consumer, messages[0])
         self.messages = messages

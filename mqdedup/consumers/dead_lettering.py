@@ -13,8 +13,8 @@ from mqdedup.dedup.dead_letters import DeadLetterCause, DeadLetterTable, clean_t
 from mqdedup.errors import DeadLetterRefusedError, MessageError
 
 if TYPE_CHECKING:
-    from mqdedup.consumers.base import Consumer
     from mqdedup.consumers.metrics import Metrics
+    from mqdedup.consumers.spec import ConsumerSpec
     from mqdedup.outages import Outages
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class DeadLettering:
 
     def __init__(
         self,
-        consumer: Consumer,
+        consumer: ConsumerSpec,
         transport: Transport[Any],
         metrics: Metrics,
         sessions: sessionmaker[Session] | None,

@@ -10,11 +10,17 @@ from sqlalchemy.orm import Session
 
 from mqdedup import tracing
 from mqdedup.bridge import resolve, wait_for
-from mqdedup.consumers.context import BatchContext, Context, InvalidResultError
+from mqdedup.consumers.context import (
+    AsyncBatchContext,
+    AsyncContext,
+    BatchContext,
+    Context,
+    InvalidResultError,
+)
 
 if TYPE_CHECKING:
-    from mqdedup.consumers.base import Consumer
     from mqdedup.consumers.metrics import Metrics
+    from mqdedup.consumers.spec import ConsumerSpec
     from mqdedup.consumers.transport import Delivery
 
 #: Built once: ``json.dumps(..., allow_nan=False)`` would build an encoder per call.
@@ -28,7 +34,7 @@ class Handlers:
     has no transaction (its ``ctx.session`` then says why it is missing).
     """
 
-    def __init__(self, consumer: Consumer, metrics: Metrics) -> None:
+    def __init__(self, consumer: ConsumerSpec, metrics: Metrics) -> None:
         self.consumer = consumer
         self.metrics = metrics
         self.name = consumer.consumer_name
@@ -78,14 +84,11 @@ class Handlers:
         return clean
 
 
-def _context_types(consumer: Consumer) -> tuple[type[Any], type[Any]]:
+def _context_types(consumer: ConsumerSpec) -> tuple[type[Any], type[Any]]:
     """The (per-message, batch) context classes the handlers of ``consumer`` get."""
-    if not consumer.asynchronous:
-        return Context, BatchContext
-    # The asyncio extra (greenlet) is loaded for async consumers only.
-    from mqdedup.consumers.async_context import AsyncBatchContext, AsyncContext
-
-    return AsyncContext, AsyncBatchContext
+    if consumer.asynchronous:
+        return AsyncContext, AsyncBatchContext
+    return Context, BatchContext
 
 
 def ensure_json(result: Any) -> None:

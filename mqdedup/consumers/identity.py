@@ -16,13 +16,13 @@ from mqdedup.dedup.ids import (
 from mqdedup.errors import MessageError
 
 if TYPE_CHECKING:
-    from mqdedup.consumers.base import Consumer
     from mqdedup.consumers.metrics import Metrics
     from mqdedup.consumers.report import BatchReport
+    from mqdedup.consumers.spec import ConsumerSpec
 
 
 def identify(
-    consumer: Consumer,
+    consumer: ConsumerSpec,
     deliveries: Sequence[Delivery[Any]],
     report: BatchReport,
     dead_letter: Callable[[Exception, int], DeadLetter],
@@ -58,7 +58,7 @@ def identify(
     return unique, repeats
 
 
-def checked_strategy(consumer: Consumer) -> MessageIdStrategy | None:
+def checked_strategy(consumer: ConsumerSpec) -> MessageIdStrategy | None:
     """The consumer's id strategy when its ids need no second check, else None.
 
     That is one of :mod:`mqdedup.dedup.ids`'s strategies (they check what they return)
@@ -72,7 +72,7 @@ def checked_strategy(consumer: Consumer) -> MessageIdStrategy | None:
 
 
 def message_id_of(
-    consumer: Consumer, delivery: Delivery[Any], strategy: MessageIdStrategy | None = None
+    consumer: ConsumerSpec, delivery: Delivery[Any], strategy: MessageIdStrategy | None = None
 ) -> str:
     """The delivery's message id, valid for every claim store, or a MessageError.
 
@@ -101,7 +101,7 @@ def strategy_failed(error: Exception) -> InvalidMessageIdError:
 
 
 def resolve_repeats(
-    consumer: Consumer,
+    consumer: ConsumerSpec,
     repeats: list[tuple[Delivery[Any], str]],
     report: BatchReport,
     metrics: Metrics,

@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session, sessionmaker
 
-    from mqdedup.consumers.base import Consumer
     from mqdedup.consumers.metrics import Metrics
+    from mqdedup.consumers.spec import ConsumerSpec
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ class RestartedRun:
 
 
 def run_until_idle_restarting(
-    consumer: Consumer,
+    consumer: ConsumerSpec,
     broker: InMemoryBroker,
     queue: str,
     database: Engine | sessionmaker[Session],

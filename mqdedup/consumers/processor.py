@@ -44,7 +44,7 @@ from mqdedup.outages import Outages
 from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
-    from mqdedup.consumers.base import Consumer
+    from mqdedup.consumers.spec import ConsumerSpec
     from mqdedup.consumers.transport import Delivery, Transport
 
 __all__ = [
@@ -112,7 +112,7 @@ class Processor:
 
     def __init__(
         self,
-        consumer: Consumer,
+        consumer: ConsumerSpec,
         sessions: sessionmaker[Session] | None,
         transport: Transport[Any],
         *,

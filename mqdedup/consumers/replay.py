@@ -36,7 +36,7 @@ from mqdedup.errors import MessageError
 from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
-    from mqdedup.consumers.base import Consumer
+    from mqdedup.consumers.spec import ConsumerSpec
 
 MISSING_ID_REASON = "missing message id"
 
@@ -137,7 +137,7 @@ class ReplayRun:
 
     def __init__(
         self,
-        consumer: Consumer,
+        consumer: ConsumerSpec,
         sessions: sessionmaker[Session],
         transport: RangeTransport,
         *,
@@ -201,7 +201,7 @@ class ReplayTally:
     """Counts what processing batches *would* do, writing nothing (a dry run)."""
 
     def __init__(
-        self, consumer: Consumer, sessions: sessionmaker[Session], report: ReplayReport
+        self, consumer: ConsumerSpec, sessions: sessionmaker[Session], report: ReplayReport
     ) -> None:
         self.consumer = consumer
         self.sessions = sessions

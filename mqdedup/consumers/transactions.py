@@ -45,8 +45,8 @@ from mqdedup.db import sqlite_lock
 from mqdedup.db.dialects import is_data_error, is_sqlite_lock_error, is_transient
 
 if TYPE_CHECKING:
-    from mqdedup.consumers.base import Consumer
     from mqdedup.consumers.metrics import Metrics
+    from mqdedup.consumers.spec import ConsumerSpec
     from mqdedup.consumers.transport import Delivery
     from mqdedup.dedup.claims import ClaimStore
 
@@ -126,7 +126,7 @@ class TransactionalRuns:
 
     def __init__(
         self,
-        consumer: Consumer,
+        consumer: ConsumerSpec,
         sessions: sessionmaker[Session],
         store: ClaimStore,
         handlers: Handlers,
@@ -260,8 +260,7 @@ class TransactionalRuns:
                 store.save_results(session, self.name, outcome.results)
             transaction.commit()
         except BaseException:
-            if transaction.is_active:
-                transaction.rollback()
+            session.rollback()  # also after a failed commit: the session is clean again
             raise
         outcome.durable_at = time.monotonic()
         self.metrics.histograms.observe("transaction_seconds", outcome.durable_at - started)

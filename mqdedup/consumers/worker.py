@@ -27,7 +27,7 @@ from mqdedup.stopping import StopToken, run_stoppable
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from mqdedup.consumers.base import Consumer
+    from mqdedup.consumers.spec import ConsumerSpec
     from mqdedup.consumers.transport import Delivery, Transport
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class Worker:
 
     def __init__(
         self,
-        consumer: Consumer,
+        consumer: ConsumerSpec,
         transport: Transport[Any],
         database: Engine | AsyncEngine | sessionmaker[Session] | None,
         *,
@@ -194,7 +194,7 @@ class Worker:
 
 
 def run_until_idle(
-    consumer: Consumer, transport: Transport[Any], database: Engine | sessionmaker[Session]
+    consumer: ConsumerSpec, transport: Transport[Any], database: Engine | sessionmaker[Session]
 ) -> Metrics:
     """Process everything the transport has, then close it (handy in tests)."""
     return Worker(consumer, transport, database).run(until_idle=True)

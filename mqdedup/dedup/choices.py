@@ -93,7 +93,9 @@ class RedisDedup:
         """A Redis store for these settings (no database: ``sessions`` is not used)."""
         from mqdedup.dedup.redis_claims import RedisClaimStore
 
-        return RedisClaimStore.from_settings(self)
+        return RedisClaimStore(
+            self.url, namespace=self.namespace, lease=self.lease, retention=self.retention
+        )
 
     def check(self) -> None:
         """PING Redis once; RedisUnavailableError (exit code 5 in the CLI) if it fails."""

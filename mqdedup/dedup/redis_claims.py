@@ -44,7 +44,7 @@ import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
@@ -53,9 +53,6 @@ from mqdedup.dedup.claims import Claims
 from mqdedup.dedup.redis_client import is_transient_redis_error, redis_client
 from mqdedup.dedup.redis_settings import DEFAULT_REDIS_NAMESPACE, expiry_seconds
 from mqdedup.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from mqdedup.dedup.choices import RedisDedup
 
 log = logging.getLogger(__name__)
 
@@ -98,18 +95,6 @@ class RedisClaimStore:
         self._renew: Any = self.redis.register_script(scripts.RENEW)
         self._start_attempt: Any = self.redis.register_script(scripts.START_ATTEMPT)
         self._undo_attempt: Any = self.redis.register_script(scripts.UNDO_ATTEMPT)
-
-    @classmethod
-    def from_settings(
-        cls, settings: RedisDedup, client: redis.Redis | str | None = None
-    ) -> RedisClaimStore:
-        """The store for a consumer's ``RedisDedup`` (Redis from ``client``, else its URL)."""
-        return cls(
-            client if client is not None else settings.url,
-            namespace=settings.namespace,
-            lease=settings.lease,
-            retention=settings.retention,
-        )
 
     # -- keys ----------------------------------------------------------------------------
 

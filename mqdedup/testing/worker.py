@@ -41,9 +41,8 @@ from typing import Any
 from sqlalchemy import Engine
 
 from mqdedup.consumers.async_consumer import AsyncConsumer
-from mqdedup.consumers.async_context import AsyncBatchContext, AsyncContext
 from mqdedup.consumers.base import Consumer
-from mqdedup.consumers.context import BatchContext, Context
+from mqdedup.consumers.context import AsyncBatchContext, AsyncContext, BatchContext, Context
 from mqdedup.db.engine import create_engine
 from mqdedup.errors import ConfigurationError
 from mqdedup.logs import configure

@@ -24,8 +24,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from mqdedup import AsyncConsumer, AsyncContext, Consumer, Context, InMemoryBroker, Message
 from mqdedup.bridge import NotInBridgeError
-from mqdedup.consumers.async_context import AsyncBatchContext
 from mqdedup.consumers.base import RetryPolicy
+from mqdedup.consumers.context import AsyncBatchContext
 from mqdedup.consumers.memory import MemoryTransport, run_until_idle_restarting
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import WORKER_DIED
