@@ -1,50 +1,39 @@
-"""Handlers of the operator sub-commands: demo, db, dedup, outbox, dead-letters, status."""
+"""The commands on the framework's tables: ``db`` (create, upgrade and check the schema),
+``dedup`` (purge and count claims) and ``outbox`` (status, retry of failed rows, purge),
+with the connected engine every database command starts from (:func:`connected_engine`,
+refusing tables of another version)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, func, select
 
 from mqdedup.cli import exitcodes
-from mqdedup.cli.commands import RefusedError
-from mqdedup.cli.commands.dead_letters import (
-    delete_dead_letters,
-    list_dead_letters,
-    replay_dead_letters,
-)
-from mqdedup.cli.commands.operations import (
-    count_purgeable_claims,
-    count_purgeable_outbox_rows,
-    dedup_stats,
-    dedup_stats_data,
-    format_dedup_stats,
-    format_outbox_status,
-    outbox_status_data,
-)
-from mqdedup.cli.commands.status import status_data, status_screen
-from mqdedup.cli.demo import existing_demo_rows, format_summary, run_demo
-from mqdedup.cli.loading import create_consumer
-from mqdedup.cli.options import (
-    PURGE_CONFIRM_BELOW,
-    PURGE_CONFIRM_TEXT,
-    consumer_prefix,
-    print_json,
-    resolve_settings,
-)
-from mqdedup.cli.runners import _export_environment
+from mqdedup.cli.config import resolve_settings
+from mqdedup.cli.exitcodes import RefusedError
+from mqdedup.cli.output import human_age, print_json, render_table
+from mqdedup.db.dialects import table_size
 from mqdedup.db.engine import check_connection, check_schema, create_engine, init_schema
 from mqdedup.db.migrations import schema_drift, upgrade_schema
-from mqdedup.dedup.store import DedupStore
+from mqdedup.db.schema import schema
+from mqdedup.dedup.store import DedupStore, utcnow
 from mqdedup.errors import (
     ConfigurationError,
 )
-from mqdedup.masking import mask_text
 from mqdedup.outbox.store import OutboxStore
-from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
+from mqdedup.outbox.writer import PUBLISHED
+
+#: How ``outbox status`` shows RabbitMQ's default (nameless) exchange.
+DEFAULT_EXCHANGE = "(default exchange)"
+#: ``dedup purge`` asks for confirmation (or ``--yes``) below this horizon: redeliveries
+#: after an outage and replays of recent history rely on the claims of the last day.
+PURGE_CONFIRM_BELOW = timedelta(days=1)
+PURGE_CONFIRM_TEXT = "1d"
 
 
 def connected_engine(
@@ -64,35 +53,6 @@ def require_current_schema(engine: Engine, prefix: str) -> None:
     problems = check_schema(engine, prefix)
     if problems:
         raise ConfigurationError(f"the database does not match this mqdedup version: {problems[0]}")
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    if args.messages < 1:
-        raise ConfigurationError("--messages must be at least 1")
-    if not 0 <= args.duplicates <= 1 or not 0 <= args.crash_rate < 1:
-        raise ConfigurationError("--duplicates must be in [0, 1] and --crash-rate in [0, 1)")
-    if args.database:
-        engine = create_engine(args.database)
-        check_connection(engine)
-        rows = existing_demo_rows(engine)
-        engine.dispose()
-        if rows and not args.force:
-            raise RefusedError(
-                f"demo_orders in {mask_text(args.database)} holds {rows:,} row(s): the demo "
-                "drops and recreates it; pass --force to go on, or use another database"
-            )
-    if args.log_level.upper() == "WARNING":  # dead letters are listed in the summary instead
-        logging.getLogger("mqdedup").setLevel(logging.ERROR)
-    result = run_demo(
-        messages=args.messages,
-        duplicate_rate=args.duplicates,
-        database_url=args.database,
-        crash_rate=args.crash_rate,
-        seed=args.seed,
-        progress=sys.stderr,
-    )
-    print(format_summary(result))
-    return exitcodes.OK if result.exactly_once and result.nothing_lost else exitcodes.CHECK_FAILED
 
 
 def cmd_db_init(args: argparse.Namespace) -> int:
@@ -157,6 +117,95 @@ def cmd_dedup_stats(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
+@dataclass(frozen=True)
+class ConsumerStats:
+    """Dedup records of one consumer name."""
+
+    consumer: str
+    rows: int
+    oldest: datetime | None
+    newest: datetime | None
+
+
+def dedup_stats(engine: Engine, prefix: str) -> tuple[list[ConsumerStats], int | None]:
+    """Rows per consumer with oldest/newest claim, and the table size in bytes (PostgreSQL)."""
+    # A full read of the table with any index: the retention index (BRIN on PostgreSQL,
+    # a btree elsewhere) has no per-consumer order for min/max to use.
+    table = schema(prefix).processed
+    with engine.connect() as connection:
+        rows = connection.execute(
+            select(
+                table.c.consumer_name,
+                func.count(),
+                func.min(table.c.processed_at),
+                func.max(table.c.processed_at),
+            )
+            .group_by(table.c.consumer_name)
+            .order_by(table.c.consumer_name)
+        ).all()
+        size = table_size(connection, table.name)
+    return [ConsumerStats(r[0], int(r[1]), r[2], r[3]) for r in rows], size
+
+
+def dedup_stats_data(stats: list[ConsumerStats], size: int | None) -> dict[str, Any]:
+    """``dedup stats --json``: stable keys, times in ISO-8601 UTC, ages in seconds."""
+    now = utcnow()
+    return {
+        "consumers": [
+            {
+                "consumer": s.consumer,
+                "records": s.rows,
+                "oldest": _iso(s.oldest),
+                "newest": _iso(s.newest),
+                "oldest_age_seconds": _age(now, s.oldest),
+                "newest_age_seconds": _age(now, s.newest),
+            }
+            for s in stats
+        ],
+        "records": sum(s.rows for s in stats),
+        "size_bytes": size,
+    }
+
+
+def format_dedup_stats(stats: list[ConsumerStats], size: int | None) -> str:
+    """The ``dedup stats`` screen."""
+    return format_dedup_stats_data(dedup_stats_data(stats, size))
+
+
+def format_dedup_stats_data(data: dict[str, Any]) -> str:
+    """The ``dedup stats`` screen, from :func:`dedup_stats_data`."""
+    rows = [
+        (
+            c["consumer"],
+            c["records"],
+            human_age(c["oldest_age_seconds"]),
+            human_age(c["newest_age_seconds"]),
+        )
+        for c in data["consumers"]
+    ]
+    size = data["size_bytes"]
+    lines = [render_table(["consumer", "records", "oldest", "newest"], rows)]
+    lines.append(
+        f"\n{data['records']:,} records"
+        + (f", {size / 1_048_576:,.1f} MiB on disk" if size else "")
+    )
+    return "\n".join(lines)
+
+
+def count_purgeable_claims(
+    engine: Engine, prefix: str, older_than: timedelta, consumer: str | None
+) -> int:
+    """How many claims ``dedup purge --older-than`` would delete (``--dry-run``)."""
+    # On PostgreSQL a Bitmap Heap Scan of the block ranges the BRIN index on processed_at
+    # leaves in (schema 3; a btree range scan before), as the purge's chunks read them.
+    table = schema(prefix).processed
+    query = select(func.count()).where(table.c.processed_at < utcnow() - older_than)
+    if consumer is not None:
+        query = query.where(table.c.consumer_name == consumer)
+    with engine.connect() as connection:
+        return int(connection.execute(query).scalar_one())
+
+
 def cmd_outbox_status(args: argparse.Namespace) -> int:
     if args.json:
         print_json(outbox_status_data(*connected_engine(args)))
@@ -185,60 +234,87 @@ def cmd_outbox_purge(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
-def cmd_dead_letters_list(args: argparse.Namespace) -> int:
-    engine, prefix = connected_engine(args)
-    print(list_dead_letters(engine, prefix, args.consumer, args.limit))
-    return exitcodes.OK
+def count_purgeable_outbox_rows(engine: Engine, prefix: str, older_than: timedelta) -> int:
+    """How many published rows ``outbox purge --older-than`` would delete (``--dry-run``)."""
 
-
-def cmd_dead_letters_replay(args: argparse.Namespace) -> int:
-    settings = resolve_settings(
-        args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url"
+    table = schema(prefix).outbox
+    query = select(func.count()).where(
+        table.c.state == PUBLISHED, table.c.published_at < utcnow() - older_than
     )
-    _export_environment(settings)
-    consumer = create_consumer(args.consumer)
-    consumer.validate()
-    engine, _ = connected_engine(args, require_schema=False)
-    require_current_schema(engine, consumer.table_prefix)
-    stop = StopToken()
-    try:
-        with graceful_signals(stop):
-            outcome = replay_dead_letters(consumer, engine, ids=args.ids, stop=stop)
-    except ImmediateStop:
-        return exitcodes.INTERRUPTED
-    print(outcome)
-    return exitcodes.OK
+    with engine.connect() as connection:
+        return int(connection.execute(query).scalar_one())
 
 
-def cmd_dead_letters_delete(args: argparse.Namespace) -> int:
-    engine, prefix = connected_engine(args)
-    count = delete_dead_letters(engine, prefix, args.consumer, args.ids, args.all)
-    print(f"deleted {count} kept dead letter(s) of {args.consumer}")
-    return exitcodes.OK
+def display_destination(broker: str, destination: str) -> str:
+    """A destination as shown in tables: RabbitMQ's nameless exchange gets a name."""
+    if not destination and broker == "rabbitmq":
+        return DEFAULT_EXCHANGE
+    return destination or "-"
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    settings = resolve_settings(
-        args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url"
-    )
-    _export_environment(settings)
-    consumers = [create_consumer(reference) for reference in args.consumers]
-    prefixes = {
-        consumer_prefix(args, reference, consumer)
-        for reference, consumer in zip(args.consumers, consumers, strict=True)
+def outbox_status_data(engine: Engine, prefix: str) -> dict[str, Any]:
+    """``outbox status --json``: stable keys (a destination is ``""`` for the default exchange)."""
+
+    status = OutboxStore(prefix).status(engine)
+    return {
+        "pending": status.pending,
+        "failed": status.failed,
+        "published": status.published,
+        "oldest_pending_age_seconds": status.oldest_pending_age,
+        "destinations": [
+            {
+                "broker": d.broker,
+                "destination": d.destination,
+                "pending": d.pending,
+                "failed": d.failed,
+                "published": d.published,
+                "oldest_pending_age_seconds": d.oldest_pending_age,
+            }
+            for d in status.destinations
+        ],
     }
-    engine, prefix = connected_engine(args, require_schema=False)
-    if len(prefixes) == 1:  # the consumers' own tables, when they all agree
-        prefix = prefixes.pop()
-    require_current_schema(engine, prefix)
-    data = status_data(engine, prefix, consumers)
-    if args.json:
-        print_json(data)
-    else:
-        print(status_screen(data))
-    unreachable = [e for e in data["consumers"] if e["unreachable"]]
-    if unreachable:  # the screen is printed; the exit code and one line say what is missing
-        names = ", ".join(sorted({e["consumer"] for e in unreachable}))
-        print(f"mqdedup: error: {unreachable[0]['error']} (lag unknown: {names})", file=sys.stderr)
-        return exitcodes.BROKER_UNAVAILABLE
-    return exitcodes.OK
+
+
+def format_outbox_status(engine: Engine, prefix: str) -> str:
+    """The ``outbox status`` screen: totals and per destination."""
+    return format_outbox_status_data(outbox_status_data(engine, prefix))
+
+
+def format_outbox_status_data(data: dict[str, Any]) -> str:
+    """The ``outbox status`` screen, from :func:`outbox_status_data`."""
+    rows = [
+        (
+            d["broker"],
+            display_destination(d["broker"], d["destination"]),
+            d["pending"],
+            d["failed"],
+            d["published"],
+            human_age(d["oldest_pending_age_seconds"]),
+        )
+        for d in data["destinations"]
+    ]
+    table = render_table(
+        ["broker", "destination", "pending", "failed", "published", "oldest pending"], rows
+    )
+    summary = (
+        f"\npending {data['pending']:,}  failed {data['failed']:,}  "
+        f"published {data['published']:,}"
+        f"  oldest pending {human_age(data['oldest_pending_age_seconds'])}"
+    )
+    return table + summary
+
+
+def _age(now: datetime, then: datetime | None) -> float | None:
+    if then is None:
+        return None
+    if then.tzinfo is None:  # SQLite returns naive datetimes (stored as UTC)
+        then = then.replace(tzinfo=now.tzinfo)
+    return max(0.0, (now - then).total_seconds())
+
+
+def _iso(moment: datetime | None) -> str | None:
+    if moment is None:
+        return None
+    if moment.tzinfo is None:  # SQLite returns naive datetimes (stored as UTC)
+        moment = moment.replace(tzinfo=UTC)
+    return moment.isoformat()

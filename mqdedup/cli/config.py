@@ -1,28 +1,11 @@
-"""Where things run: a TOML file, ``MQDEDUP_*`` environment variables and CLI flags.
-
-Precedence: flag > environment variable > config file > default. Example file::
-
-    [mqdedup]
-    database_url = "postgresql://app:secret@db/app"
-    kafka_bootstrap = "kafka-1:9092,kafka-2:9092"
-    rabbitmq_url = "amqp://app:secret@rabbit/%2F"
-    redis_url = "redis://redis:6379/0"    # consumers with dedup = RedisDedup(...) only
-    table_prefix = "mqdedup_"
-    log_level = "INFO"
-
-    [worker]
-    processes = 4
-    shutdown_timeout = 30
-    health_port = 9400
-
-    [relay]
-    processes = 1
-    poll_interval = 1.0
-    batch_size = 500
-"""
+"""The settings of the ``mqdedup`` command, each from one source: a CLI flag, else an
+``MQDEDUP_*`` environment variable, else the TOML file (``--config`` or
+``MQDEDUP_CONFIG``), else the default; unknown keys of the file are refused, and the
+table prefix a consumer runs with is agreed between its class and the configuration."""
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import os
 import tomllib
@@ -31,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError
 
 CONFIG_ENV = "MQDEDUP_CONFIG"
@@ -98,7 +82,28 @@ def env_help(name: str) -> str:
 
 
 def load_file(path: str | None) -> dict[str, Any]:
-    """Parse the TOML config file (``--config`` or ``MQDEDUP_CONFIG``); {} if none."""
+    """Parse the TOML config file (``--config`` or ``MQDEDUP_CONFIG``); {} if none.
+
+    Example file::
+
+        [mqdedup]
+        database_url = "postgresql://app:secret@db/app"
+        kafka_bootstrap = "kafka-1:9092,kafka-2:9092"
+        rabbitmq_url = "amqp://app:secret@rabbit/%2F"
+        redis_url = "redis://redis:6379/0"    # consumers with dedup = RedisDedup(...) only
+        table_prefix = "mqdedup_"
+        log_level = "INFO"
+
+        [worker]
+        processes = 4
+        shutdown_timeout = 30
+        health_port = 9400
+
+        [relay]
+        processes = 1
+        poll_interval = 1.0
+        batch_size = 500
+    """
     path = path or os.environ.get(CONFIG_ENV)
     if not path:
         return {}
@@ -245,3 +250,55 @@ def use_table_prefix(consumer: object, prefix: str) -> None:
     if getattr(consumer, "table_prefix", None) != prefix:
         # An instance attribute shadows the class attribute for this consumer only.
         object.__setattr__(consumer, "table_prefix", prefix)
+
+
+def resolve_settings(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """Resolve settings for a command: flag > env > config file > default."""
+    file_data = load_file(getattr(args, "config", None))
+    flags = {
+        "relay_processes": getattr(args, "processes", None),
+        "poll_interval": getattr(args, "poll_interval", None),
+        "relay_batch_size": getattr(args, "batch_size", None),
+        "relay_keep_published": getattr(args, "keep_published", None),
+        "database_url": getattr(args, "database", None),
+        "table_prefix": getattr(args, "table_prefix", None),
+        "kafka_bootstrap": getattr(args, "kafka_bootstrap", None),
+        "rabbitmq_url": getattr(args, "rabbitmq_url", None),
+        "redis_url": getattr(args, "redis_url", None),
+        "processes": getattr(args, "processes", None),
+        "shutdown_timeout": getattr(args, "shutdown_timeout", None),
+        "health_port": getattr(args, "health_port", None),
+        "health_host": getattr(args, "health_host", None),
+        "log_level": getattr(args, "log_level", None),
+        "log_format": getattr(args, "log_format", None),
+    }
+    wanted = names or ("database_url", "table_prefix")
+    settings = {name: resolve(name, flags.get(name), file_data) for name in wanted}
+    if "table_prefix" in settings:
+        settings["table_prefix"] = _table_prefix(args)[0]
+    return settings
+
+
+def _table_prefix(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The configured table prefix, validated, and where it came from (None: default).
+
+    A prefix the tables cannot hold (characters, identifier length) is refused here,
+    before anything connects.
+    """
+
+    flag = getattr(args, "table_prefix", None)
+    file_data = load_file(getattr(args, "config", None))
+    prefix, source = resolve_with_source("table_prefix", flag, file_data)
+    try:
+        schema(prefix)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{source or 'default'}: {exc}") from None
+    return prefix, source
+
+
+def consumer_prefix(args: argparse.Namespace, reference: str, consumer: Any) -> str:
+    """Give ``consumer`` the table prefix it runs with (see :func:`consumer_table_prefix`)."""
+    configured, source = _table_prefix(args)
+    prefix = consumer_table_prefix(type(consumer), configured, source, reference)
+    use_table_prefix(consumer, prefix)
+    return prefix

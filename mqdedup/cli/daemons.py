@@ -1,104 +1,92 @@
-"""Handlers of the long-running sub-commands: worker, relay, and replay."""
+"""``mqdedup worker`` and ``mqdedup relay``: what is checked before they start (settings,
+the database and its schema, the brokers), then the supervisor that runs their child
+processes (:mod:`mqdedup.cli.runners`) and serves, beside the children's metrics, the
+outbox backlog (:class:`OutboxGauges`)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
+import threading
+import time
 from typing import Any
 
-from mqdedup.cli import exitcodes
-from mqdedup.cli.admin import connected_engine, require_current_schema
-from mqdedup.cli.commands.operations import (
-    OutboxGauges,
-)
-from mqdedup.cli.commands.reachability import check_relay_brokers, wait_for_consumer_broker
-from mqdedup.cli.commands.replay import (
-    format_replay_report,
-    parse_position,
-    replay_kafka,
-    replay_stream,
-    requeue_from_dlq,
-)
+from sqlalchemy import Engine
+
+from mqdedup.cli.admin import require_current_schema
+from mqdedup.cli.config import consumer_prefix, resolve_settings
 from mqdedup.cli.loading import create_consumer
-from mqdedup.cli.options import consumer_prefix, resolve_settings
-from mqdedup.cli.publishers import create_publishers
-from mqdedup.cli.runners import _export_environment
+from mqdedup.cli.reachability import check_relay_brokers, connect_broker
+from mqdedup.cli.runners import _export_environment, create_publishers
 from mqdedup.cli.supervisor import ChildSpec, Supervisor
 from mqdedup.db.engine import check_connection, create_engine
 from mqdedup.errors import (
     ConfigurationError,
 )
-from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
+from mqdedup.outbox.store import OutboxStore
+
+log = logging.getLogger(__name__)
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
+def cmd_worker(args: argparse.Namespace) -> int:
     settings = resolve_settings(
-        args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url"
+        args,
+        "database_url",
+        "table_prefix",
+        "kafka_bootstrap",
+        "rabbitmq_url",
+        "redis_url",
+        "processes",
+        "shutdown_timeout",
+        "health_port",
+        "health_host",
     )
+    if settings["processes"] < 1:
+        raise ConfigurationError("--processes must be at least 1")
     _export_environment(settings)
-    start = parse_position(args.start)
-    end = parse_position(args.end, end=True)
-    consumer = create_consumer(args.consumer)
-    consumer_prefix(args, args.consumer, consumer)
-    consumer.validate()
-    engine, _ = connected_engine(args, require_schema=False)
-    require_current_schema(engine, consumer.table_prefix)
-    kind = consumer.broker
-    if args.from_dlq:
-        if kind != "rabbitmq":
-            raise ConfigurationError("--from-dlq is for RabbitMQ consumers")
-        _connect_broker(consumer)
-        print(requeue_from_dlq(consumer, engine, args.limit))
-        return exitcodes.OK
-    if kind is None:
-        raise ConfigurationError(
-            f"{args.consumer} is neither a KafkaConsumer nor a RabbitMQConsumer: "
-            "replay needs a broker to read from"
+    consumers = [create_consumer(reference) for reference in args.consumers]
+    # Consumers whose claims live outside the database (RedisDedup) need none.
+    database_consumers = [c for c in consumers if c.dedup.needs_database]
+    prefixes = {
+        reference: consumer_prefix(args, reference, consumer)
+        for reference, consumer in zip(args.consumers, consumers, strict=True)
+        if consumer.dedup.needs_database
+    }
+    for consumer in consumers:
+        consumer.validate()
+        consumer.dedup.check()  # e.g. Redis unreachable: one line, exit code 5
+    if database_consumers:
+        engine = create_engine(settings["database_url"])
+        check_connection(engine)
+        for database_consumer in database_consumers:
+            require_current_schema(engine, database_consumer.table_prefix)
+        engine.dispose()
+    for consumer in consumers:
+        connect_broker(consumer)
+    specs = [
+        ChildSpec(
+            name=consumer.consumer_name,
+            index=index,
+            # What a child runs: ``mqdedup.django`` sets its own (Django's connection).
+            runner=getattr(args, "worker_runner", None) or "mqdedup.cli.runners:run_consumer",
+            options={
+                "consumer": reference,
+                **settings,
+                "table_prefix": prefixes.get(reference, settings["table_prefix"]),
+            },
+            log_level=args.log_level,
+            log_format=args.log_format,
         )
-    _connect_broker(consumer)
-    stop = StopToken()
-    try:
-        with graceful_signals(stop):
-            if kind == "kafka":
-                report = replay_kafka(
-                    consumer,
-                    engine,
-                    start=start,
-                    end=end,
-                    partitions=args.partitions,
-                    dry_run=args.dry_run,
-                    allow_reprocess=args.allow_reprocess,
-                    stop=stop,
-                    progress=sys.stderr,
-                )
-            else:
-                report = replay_stream(
-                    consumer,
-                    engine,
-                    start=start,
-                    end=end,
-                    stream=args.stream,
-                    dry_run=args.dry_run,
-                    allow_reprocess=args.allow_reprocess,
-                    stop=stop,
-                )
-    except ImmediateStop:
-        return exitcodes.INTERRUPTED
-    print(format_replay_report(report))
-    return exitcodes.OK
-
-
-def _connect_broker(consumer: Any) -> None:
-    """Wait for the consumer's broker up to its start-up timeout, then check it once.
-
-    Kafka and RabbitMQ behave the same: an unreachable broker is awaited (one line says
-    so) for ``connect_timeout`` / ``startup_timeout`` seconds, then the command exits
-    with BROKER_UNAVAILABLE; a broker that answers but refuses (login, topology) fails
-    at once with the consumer's own check.
-    """
-
-    wait_for_consumer_broker(consumer, lambda line: print(f"mqdedup: {line}", file=sys.stderr))
-    consumer.check_connection()
+        for reference, consumer in zip(args.consumers, consumers, strict=True)
+        for index in range(settings["processes"])
+    ]
+    shared = set(prefixes.values())
+    return _supervise(
+        specs,
+        settings,
+        outbox_gauges=bool(database_consumers),
+        prefix=shared.pop() if len(shared) == 1 else None,
+    )
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
@@ -165,62 +153,35 @@ def _supervise(
     return supervisor.run()
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
-    settings = resolve_settings(
-        args,
-        "database_url",
-        "table_prefix",
-        "kafka_bootstrap",
-        "rabbitmq_url",
-        "redis_url",
-        "processes",
-        "shutdown_timeout",
-        "health_port",
-        "health_host",
-    )
-    if settings["processes"] < 1:
-        raise ConfigurationError("--processes must be at least 1")
-    _export_environment(settings)
-    consumers = [create_consumer(reference) for reference in args.consumers]
-    # Consumers whose claims live outside the database (RedisDedup) need none.
-    database_consumers = [c for c in consumers if c.dedup.needs_database]
-    prefixes = {
-        reference: consumer_prefix(args, reference, consumer)
-        for reference, consumer in zip(args.consumers, consumers, strict=True)
-        if consumer.dedup.needs_database
-    }
-    for consumer in consumers:
-        consumer.validate()
-        consumer.dedup.check()  # e.g. Redis unreachable: one line, exit code 5
-    if database_consumers:
-        engine = create_engine(settings["database_url"])
-        check_connection(engine)
-        for database_consumer in database_consumers:
-            require_current_schema(engine, database_consumer.table_prefix)
-        engine.dispose()
-    for consumer in consumers:
-        _connect_broker(consumer)
-    specs = [
-        ChildSpec(
-            name=consumer.consumer_name,
-            index=index,
-            # What a child runs: ``mqdedup.django`` sets its own (Django's connection).
-            runner=getattr(args, "worker_runner", None) or "mqdedup.cli.runners:run_consumer",
-            options={
-                "consumer": reference,
-                **settings,
-                "table_prefix": prefixes.get(reference, settings["table_prefix"]),
-            },
-            log_level=args.log_level,
-            log_format=args.log_format,
-        )
-        for reference, consumer in zip(args.consumers, consumers, strict=True)
-        for index in range(settings["processes"])
-    ]
-    shared = set(prefixes.values())
-    return _supervise(
-        specs,
-        settings,
-        outbox_gauges=bool(database_consumers),
-        prefix=shared.pop() if len(shared) == 1 else None,
-    )
+class OutboxGauges:
+    """The outbox backlog for ``/metrics``, read at most every ``max_age`` seconds."""
+
+    def __init__(self, database_url: str, prefix: str, max_age: float = 5.0) -> None:
+        self.database_url = database_url
+        self.prefix = prefix
+        self.max_age = max_age
+        self._engine: Engine | None = None
+        self._value: dict[str, float] = {}
+        self._read_at = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> dict[str, float]:
+        """``{"backlog": pending rows, "oldest_pending_seconds": age}`` ({} if unreadable)."""
+
+        with self._lock:
+            if time.monotonic() - self._read_at < self.max_age:
+                return self._value
+            self._read_at = time.monotonic()
+            try:
+                if self._engine is None:
+                    self._engine = create_engine(self.database_url, pool_size=1)
+                status = OutboxStore(self.prefix).status(self._engine)
+            except Exception:  # a scrape must not fail because the database is away
+                log.warning("outbox backlog unavailable", exc_info=True)
+                self._value = {}
+                return self._value
+            self._value = {
+                "backlog": float(status.pending),
+                "oldest_pending_seconds": float(status.oldest_pending_age or 0.0),
+            }
+            return self._value

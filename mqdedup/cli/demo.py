@@ -1,16 +1,15 @@
-"""``mqdedup demo``: the whole idea in one command, on SQLite and the in-memory broker.
-
-An order stream with injected duplicates (producer retries) and a few malformed
-messages runs through a consumer that writes orders, while worker "crashes" strike
-between commit and settle, so the broker redelivers batches that were already
-committed. At the end the database is checked: every unique order exactly once,
-nothing lost.
-"""
+"""``mqdedup demo``: the whole idea in one command, on SQLite and the in-memory broker: an
+order stream with injected duplicates (producer retries) and a few malformed messages
+runs through a consumer that writes orders, while worker "crashes" strike between commit
+and settle, so the broker redelivers batches that were already committed; at the end the
+database is checked: every unique order exactly once, nothing lost."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import logging
 import random
 import sys
 import tempfile
@@ -33,13 +32,16 @@ from sqlalchemy import (
     select,
 )
 
+from mqdedup.cli import exitcodes
+from mqdedup.cli.exitcodes import RefusedError
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.context import Context
 from mqdedup.consumers.memory import InMemoryBroker, MemoryTransport
 from mqdedup.consumers.worker import Worker
-from mqdedup.db.engine import create_engine, init_schema
+from mqdedup.db.engine import check_connection, create_engine, init_schema
 from mqdedup.db.schema import schema
-from mqdedup.errors import SimulatedCrash
+from mqdedup.errors import ConfigurationError, SimulatedCrash
+from mqdedup.masking import mask_text
 from mqdedup.message import Message
 
 QUEUE = "orders"
@@ -87,6 +89,35 @@ class DemoOrderConsumer(Consumer):
         if self.rng.random() < self.crash_rate:
             self.crashes += 1
             raise SimulatedCrash("worker died after commit, before the ack")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    if args.messages < 1:
+        raise ConfigurationError("--messages must be at least 1")
+    if not 0 <= args.duplicates <= 1 or not 0 <= args.crash_rate < 1:
+        raise ConfigurationError("--duplicates must be in [0, 1] and --crash-rate in [0, 1)")
+    if args.database:
+        engine = create_engine(args.database)
+        check_connection(engine)
+        rows = existing_demo_rows(engine)
+        engine.dispose()
+        if rows and not args.force:
+            raise RefusedError(
+                f"demo_orders in {mask_text(args.database)} holds {rows:,} row(s): the demo "
+                "drops and recreates it; pass --force to go on, or use another database"
+            )
+    if args.log_level.upper() == "WARNING":  # dead letters are listed in the summary instead
+        logging.getLogger("mqdedup").setLevel(logging.ERROR)
+    result = run_demo(
+        messages=args.messages,
+        duplicate_rate=args.duplicates,
+        database_url=args.database,
+        crash_rate=args.crash_rate,
+        seed=args.seed,
+        progress=sys.stderr,
+    )
+    print(format_summary(result))
+    return exitcodes.OK if result.exactly_once and result.nothing_lost else exitcodes.CHECK_FAILED
 
 
 @dataclass

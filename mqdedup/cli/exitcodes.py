@@ -1,8 +1,8 @@
-"""Exit codes of the ``mqdedup`` command (documented in README.md)."""
+"""Exit codes of the ``mqdedup`` command (documented in README.md): which error ends a run
+with which code, including :class:`RefusedError`, a safety check that refused to go on."""
 
 from __future__ import annotations
 
-from mqdedup.cli.commands import RefusedError
 from mqdedup.errors import (
     BrokerUnavailableError,
     ConfigurationError,
@@ -35,6 +35,15 @@ INTERRUPTED = 130
 SHUTDOWN_TIMEOUT = 7
 #: Exit codes of a child that restarting cannot fix: the supervisor stops with them.
 FATAL_CHILD_CODES = frozenset({CONFIGURATION, CONSUMER_IMPORT})
+
+
+class RefusedError(MqdedupError):
+    """A safety check refused an action that could lose protection or data.
+
+    Exit code 1 (``CHECK_FAILED``); the message names the flag that overrides it
+    (``--yes``, ``--force``, ``--allow-reprocess``).
+    """
+
 
 _BY_ERROR: dict[type[MqdedupError], int] = {
     ConfigurationError: CONFIGURATION,

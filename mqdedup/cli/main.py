@@ -1,8 +1,6 @@
-"""The ``mqdedup`` command.
-
-User mistakes end with one line on stderr and a documented exit code
-(:mod:`mqdedup.cli.exitcodes`); ``--debug`` adds the traceback.
-"""
+"""The entry point of the ``mqdedup`` command: parse the arguments, set up logging, run the
+chosen sub-command; user mistakes end with one line on stderr and a documented exit code
+(:mod:`mqdedup.cli.exitcodes`), ``--debug`` adds the traceback."""
 
 from __future__ import annotations
 
@@ -12,8 +10,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from mqdedup.cli import exitcodes
-from mqdedup.cli.options import parse_log_level, resolve_settings
-from mqdedup.cli.parser import build_parser
+from mqdedup.cli.config import resolve_settings
+from mqdedup.cli.parser import build_parser, parse_log_level
 from mqdedup.errors import (
     ConfigurationError,
     MqdedupError,

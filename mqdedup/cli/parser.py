@@ -1,39 +1,41 @@
-"""The argument parser of the ``mqdedup`` command (each sub-command names its handler)."""
+"""The grammar of the ``mqdedup`` command: every sub-command with its options and the
+function that runs it (:func:`build_parser`), the options several sub-commands share,
+and how values are read (durations, log levels) and usage errors reported (one line, exit
+code 2)."""
 
 from __future__ import annotations
 
 import argparse
+import re
+from datetime import timedelta
+from typing import Any
 
 from mqdedup import __version__
+from mqdedup.cli import exitcodes
 from mqdedup.cli.admin import (
+    PURGE_CONFIRM_TEXT,
     cmd_db_check,
     cmd_db_init,
-    cmd_dead_letters_delete,
-    cmd_dead_letters_list,
-    cmd_dead_letters_replay,
     cmd_dedup_purge,
     cmd_dedup_stats,
-    cmd_demo,
     cmd_outbox_purge,
     cmd_outbox_retry,
     cmd_outbox_status,
-    cmd_status,
 )
-from mqdedup.cli.config import (
-    env_help,
+from mqdedup.cli.config import CONFIG_ENV, env_help
+from mqdedup.cli.daemons import cmd_relay, cmd_worker
+from mqdedup.cli.dead_letters import (
+    cmd_dead_letters_delete,
+    cmd_dead_letters_list,
+    cmd_dead_letters_replay,
 )
-from mqdedup.cli.daemons import cmd_relay, cmd_replay, cmd_worker
-from mqdedup.cli.options import (
-    PURGE_CONFIRM_TEXT,
-    Parser,
-    add_common_options_everywhere,
-    broker_options,
-    common_options,
-    daemon_options,
-    database_option,
-    json_option,
-    parse_duration,
-)
+from mqdedup.cli.demo import cmd_demo
+from mqdedup.cli.replay import cmd_replay
+from mqdedup.cli.status import cmd_status
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,3 +247,137 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(run=cmd_worker)
     add_common_options_everywhere(parser)
     return parser
+
+
+class Duration(timedelta):
+    """A timedelta that prints as the user wrote it (``7d``, not ``7 days, 0:00:00``)."""
+
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def parse_duration(text: str) -> Duration:
+    """``90s``, ``15m``, ``12h``, ``7d``, ``2w`` → a timedelta that prints as given."""
+    match = _DURATION.match(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r} (examples: 90s, 15m, 12h, 7d)")
+    duration = Duration(**{_UNITS[match.group(2)]: float(match.group(1))})
+    duration.text = text.strip()
+    return duration
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (exit code 2)."""
+
+    def error(self, message: str) -> Any:
+        self.exit(exitcodes.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def parse_log_level(text: str) -> str:
+    """A logging level name (DEBUG, INFO, WARNING, ERROR, CRITICAL), upper-cased."""
+    level = text.strip().upper()
+    if level not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {text!r} (choose from {', '.join(_LOG_LEVELS)})"
+        )
+    return level
+
+
+def common_options(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
+    """``--debug``, ``--log-level`` and ``--config``, accepted before and after a command.
+
+    Only the top-level parser holds the defaults: a sub-command's copy is SUPPRESSed when
+    absent, so it never overwrites what was given before the command.
+    """
+
+    def default(value: Any) -> Any:
+        return value if top_level else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--debug", action="store_true", default=default(False), help="show tracebacks on errors"
+    )
+    parser.add_argument(
+        "--log-level",
+        type=parse_log_level,
+        default=default(None),
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL" + env_help("log_level"),
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=default(None),
+        help="text (key=value context) or json (one object per line)" + env_help("log_format"),
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=default(None),
+        help=f"TOML config file (env {CONFIG_ENV})",
+    )
+
+
+def add_common_options_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Give every sub-command (at any depth) the common options."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                common_options(sub, top_level=False)
+                add_common_options_everywhere(sub)
+
+
+def database_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--database", metavar="URL", default=None, help="database URL" + env_help("database_url")
+    )
+    parser.add_argument(
+        "--table-prefix",
+        default=None,
+        help="prefix of the framework's tables" + env_help("table_prefix"),
+    )
+
+
+def daemon_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="seconds to drain after a stop signal" + env_help("shutdown_timeout"),
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="serve /healthz and /metrics" + env_help("health_port"),
+    )
+    parser.add_argument(
+        "--health-host",
+        metavar="ADDRESS",
+        default=None,
+        help="address the health endpoint binds" + env_help("health_host"),
+    )
+
+
+def broker_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kafka-bootstrap",
+        metavar="HOST:PORT[,...]",
+        default=None,
+        help="Kafka bootstrap servers" + env_help("kafka_bootstrap"),
+    )
+    parser.add_argument(
+        "--rabbitmq-url",
+        metavar="URL",
+        default=None,
+        help="RabbitMQ URL" + env_help("rabbitmq_url"),
+    )
+
+
+def json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON (stable keys, listed in docs/guide.md, JSON output)",
+    )

@@ -1,4 +1,7 @@
-"""What a supervised child process runs (see :mod:`mqdedup.cli.supervisor`)."""
+"""What a child process of ``mqdedup worker`` or ``mqdedup relay`` runs (spawned by
+:mod:`mqdedup.cli.supervisor`): a consumer until it is stopped, or a relay with the
+standard Kafka / RabbitMQ publishers, which this edge builds (:func:`create_publishers`)
+because the relay never imports a broker adapter."""
 
 from __future__ import annotations
 
@@ -6,7 +9,9 @@ import os
 from typing import Any
 
 from mqdedup.cli.supervisor import ChildSpec, MetricsHolder
+from mqdedup.errors import ConfigurationError
 from mqdedup.gc_tuning import tune_gc
+from mqdedup.outbox.publishers import Publisher
 from mqdedup.stopping import StopToken
 
 
@@ -38,10 +43,8 @@ def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> No
 
 def run_relay(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
     """Connect and relay committed outbox rows until the stop token is set."""
-    from mqdedup.cli.publishers import create_publishers
     from mqdedup.db.engine import check_connection, create_engine
-    from mqdedup.outbox.relay import Relay
-    from mqdedup.outbox.relay_config import RelayConfig
+    from mqdedup.outbox.relay import Relay, RelayConfig
 
     options = spec.options
     engine = create_engine(options["database_url"])
@@ -61,6 +64,30 @@ def run_relay(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
         relay.run(stop)
     finally:
         engine.dispose()
+
+
+def create_publishers(
+    *, kafka_bootstrap: str | None = None, rabbitmq_url: str | None = None
+) -> dict[str, Publisher]:
+    """The standard publishers for the given brokers (``MQDEDUP_KAFKA_BOOTSTRAP`` and
+    ``MQDEDUP_RABBITMQ_URL`` when not given); at least one must be configured."""
+    kafka_bootstrap = kafka_bootstrap or os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP")
+    rabbitmq_url = rabbitmq_url or os.environ.get("MQDEDUP_RABBITMQ_URL")
+    publishers: dict[str, Publisher] = {}
+    if kafka_bootstrap:
+        from mqdedup.kafka.publisher import KafkaPublisher  # lazy: the kafka extra
+
+        publishers["kafka"] = KafkaPublisher(kafka_bootstrap)
+    if rabbitmq_url:
+        from mqdedup.rabbitmq.publisher import RabbitMQPublisher  # lazy: the rabbitmq extra
+
+        publishers["rabbitmq"] = RabbitMQPublisher(rabbitmq_url)
+    if not publishers:
+        raise ConfigurationError(
+            "no broker configured for the relay: set MQDEDUP_KAFKA_BOOTSTRAP and/or "
+            "MQDEDUP_RABBITMQ_URL"
+        )
+    return publishers
 
 
 def _export_environment(options: dict[str, Any] | Any) -> None:

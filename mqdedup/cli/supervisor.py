@@ -1,12 +1,10 @@
-"""The process supervisor behind ``mqdedup worker`` and ``mqdedup relay``.
-
-It starts N child processes per target (spawned, not forked, so no lock or connection
-of the parent leaks into a child), restarts a child that dies with exponential backoff,
-forwards SIGTERM/SIGINT to the children for a graceful drain within the shutdown
-timeout, and kills them on a second signal or when the timeout passes. Children send
-their metrics over a pipe; the supervisor serves them on ``/metrics`` and the
-children's state on ``/healthz``.
-"""
+"""The process supervisor behind ``mqdedup worker`` and ``mqdedup relay``: it starts N
+child processes per target (spawned, not forked, so no lock or connection of the parent
+leaks into a child), restarts a child that dies with exponential backoff, forwards
+SIGTERM/SIGINT to the children for a graceful drain within the shutdown timeout, and
+kills them on a second signal or when the timeout passes; children send their metrics
+over a pipe, and the supervisor serves them on ``/metrics`` and the children's state on
+``/healthz``."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ from types import FrameType
 from typing import Any
 
 from mqdedup.cli import exitcodes
-from mqdedup.cli.exposition import process_stats
-from mqdedup.cli.health import HealthServer, snapshot_ready
+from mqdedup.cli.health import HealthServer, process_stats, snapshot_ready
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import ConfigurationError, MqdedupError
 from mqdedup.logs import configure
@@ -334,7 +331,6 @@ class Supervisor:
 def child_main(spec: ChildSpec, connection: Connection) -> None:
     """Entry point of a child process: run ``spec.runner`` until SIGTERM, then exit."""
 
-
     configure(spec.log_level, spec.log_format)
     # The supervisor forwards signals; a terminal's SIGINT to the whole group is ignored
     # so that it does not count as a second (immediate) stop.
@@ -362,7 +358,6 @@ def child_main(spec: ChildSpec, connection: Connection) -> None:
     except ImmediateStop:
         code = exitcodes.INTERRUPTED
     except MqdedupError as exc:
-
         print(f"mqdedup: {spec.label}: error: {exc}", flush=True)
         code = exitcodes.exit_code_for(exc)
     finally:

@@ -15,9 +15,7 @@ The Kafka and RabbitMQ publishers live in the adapter packages (``mqdedup.kafka`
 from mqdedup.outbox.async_writer import AsyncOutboxWriter
 from mqdedup.outbox.memory import MemoryPublisher
 from mqdedup.outbox.publishers import OutboxRecord, Outcome, Publisher, PublishResult
-from mqdedup.outbox.relay import Relay
-from mqdedup.outbox.relay_config import RelayConfig
-from mqdedup.outbox.relay_metrics import RelayMetrics
+from mqdedup.outbox.relay import Relay, RelayConfig, RelayMetrics
 from mqdedup.outbox.store import DestinationStatus, OutboxStatus, OutboxStore
 from mqdedup.outbox.writer import (
     InvalidOutgoingMessageError,

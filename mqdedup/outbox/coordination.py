@@ -1,41 +1,29 @@
-"""Shard coordination: how several relays share one outbox table, behind one protocol.
-
-Rows are spread over ``shards`` shards by the hash of their key; each shard is owned by
-at most one relay at a time through a lock held on the relay's dedicated *control
-connection*, so a key's rows are published by one relay, in id order. When a relay dies
-the database drops its connection and with it every lock; the others take its shards
-(its leased rows come back when their lease expires, and a shard just taken over waits
-for them, see ``Relay._taken_over``).
-
-The relay uses only :class:`ShardCoordinator`:
-
-* ``open()`` connects, joins as a member and refuses to run beside relays with other
-  settings; ``close()`` releases everything (the connection goes);
-* ``rebalance()`` acquires or releases shards until this relay holds its fair share
-  (``ceil(shards / members)``), see :class:`FairShareCoordinator`;
-* ``shard_filter()`` restricts a claim to the owned shards and makes the claim check,
-  in its own transaction, that the locks are *still held*: a relay whose control
-  connection was lost claims nothing;
-* ``wait(timeout)`` sleeps until a commit notification (``notifies``) or the timeout.
-
-Two implementations, chosen by the database's ``shard_locks`` trait
-(:func:`mqdedup.db.dialects.traits`) in
-:func:`mqdedup.outbox.shard_coordinators.create_coordinator`: PostgreSQL advisory locks
-with ``LISTEN`` (:mod:`mqdedup.outbox.postgresql_coordination`) and MySQL/MariaDB named
-locks, polled (:mod:`mqdedup.outbox.mysql_coordination`). SQLite has none: one relay,
-which polls.
-"""
+"""Shard coordination: how several relays share one outbox table, and when a relay may claim
+from a shard. Rows are spread over shards by the hash of their key and each shard is
+owned by one relay at a time through a lock held on that relay's dedicated *control
+connection*, so a key's rows are published by one relay, in id order; the relay sees
+this only through the :class:`ShardCoordinator` protocol, implemented with advisory locks
+and ``LISTEN`` on PostgreSQL (:class:`PostgreSQLCoordinator`) and named locks, polled, on
+MySQL/MariaDB (:class:`MySQLCoordinator`), chosen by :func:`create_coordinator` (SQLite has
+none: one relay, which polls); a shard just taken over from a relay that died waits for
+that relay's lease (:class:`LeaseTakeover`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.dialects import postgresql
+
+from mqdedup.db.dialects import traits
 from mqdedup.errors import ConfigurationError
-from mqdedup.outbox.store import ShardFilter
+from mqdedup.outbox.store import OutboxStore, ShardFilter
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +31,21 @@ MAX_SHARDS = 4096
 
 
 class ShardCoordinator(Protocol):
-    """What the relay needs to share an outbox table with other relays."""
+    """What the relay needs to share an outbox table with other relays.
+
+    When a relay dies the database drops its control connection and with it every lock;
+    the others take its shards (its leased rows come back when their lease expires, and a
+    shard just taken over waits for them, see :class:`LeaseTakeover`).
+
+    * ``open()`` connects, joins as a member and refuses to run beside relays with other
+      settings; ``close()`` releases everything (the connection goes);
+    * ``rebalance()`` acquires or releases shards until this relay holds its fair share
+      (``ceil(shards / members)``), see :class:`FairShareCoordinator`;
+    * ``shard_filter()`` restricts a claim to the owned shards and makes the claim check,
+      in its own transaction, that the locks are *still held*: a relay whose control
+      connection was lost claims nothing;
+    * ``wait(timeout)`` sleeps until a commit notification (``notifies``) or the timeout.
+    """
 
     #: The number of shards rows are spread over (the same for every relay of a table).
     shards: int
@@ -156,3 +158,419 @@ def _rotate(items: list[int], seed: int) -> Iterable[int]:
         return []
     start = seed % len(items)
     return items[start:] + items[:start]
+
+
+# -- PostgreSQL: advisory locks and LISTEN ----------------------------------------------------
+
+_PREPARER: Any = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+
+
+def _quote_identifier(name: str) -> str:
+    """``name`` as a PostgreSQL identifier (no psycopg import: SQLite users load this too)."""
+    return str(_PREPARER.quote_identifier(name))
+
+
+POSTGRESQL_MAX_MEMBERS = 1024
+_CURRENT_DATABASE = (
+    "database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND locktype = 'advisory' AND objsubid = 2 AND granted"
+)
+
+
+def lock_class(table_name: str, purpose: str) -> int:
+    """The advisory-lock class (first int4 key) of ``purpose`` for one outbox table."""
+    return zlib.crc32(f"mqdedup:{table_name}:{purpose}".encode()) & 0x7FFFFFFF
+
+
+class PostgreSQLCoordinator(FairShareCoordinator):
+    """One relay's dedicated autocommit psycopg connection holding its advisory locks.
+
+    Each shard is owned through a session-level advisory lock held on this connection;
+    each relay holds a *member* advisory lock, so relays can count each other and share
+    the shards fairly. When a relay dies, PostgreSQL drops its locks and the others take
+    over its shards. The claim statement checks ``pg_locks`` for this connection's backend
+    pid, so if this connection is lost the relay claims nothing until it has reconnected
+    and re-acquired shards.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        table_name: str,
+        channel: str,
+        shards: int,
+        fingerprint: str,
+        listen: bool = True,
+    ) -> None:
+        super().__init__(table_name=table_name, shards=shards)
+        self.engine = engine
+        self.channel = channel
+        self.notifies = listen
+        self.shard_class = lock_class(table_name, "shards")
+        self.member_class = lock_class(table_name, "members")
+        self.config_class = lock_class(table_name, "config")
+        self.config_key = zlib.crc32(f"{shards}:{fingerprint}".encode()) & 0x7FFFFFFF
+        self._raw: Any = None
+        self._conn: Any = None
+
+    # -- connection ------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """True while the connection is open (it may still turn out broken)."""
+        return self._conn is not None and not self._conn.closed
+
+    def open(self) -> None:
+        """Connect, ``LISTEN``, join as a member and check that relays agree on settings."""
+        self.close()
+        raw = self.engine.raw_connection()
+        conn: Any = raw.driver_connection
+        raw.detach()  # ours alone: never returned to the pool, closed for real
+        conn.rollback()
+        conn.autocommit = True
+        self._raw, self._conn = raw, conn
+        try:
+            if self.notifies:
+                conn.execute(f"LISTEN {_quote_identifier(self.channel)}")
+            self._join()
+            self._check_config()
+        except BaseException:
+            self.close()
+            raise
+        log.info(
+            "relay control connection open",
+            extra={"table": self.table_name, "backend_pid": self.backend_pid},
+        )
+
+    def close(self) -> None:
+        """Close the connection; PostgreSQL releases every lock it held."""
+        raw, self._raw, self._conn = self._raw, None, None
+        self.owned.clear()
+        if raw is not None:
+            try:
+                raw.close()
+            except Exception:  # already broken: nothing left to release
+                log.debug("closing a broken control connection", exc_info=True)
+
+    @property
+    def backend_pid(self) -> int:
+        """The server process id of this connection (the owner in ``pg_locks``)."""
+        return int(self._conn.info.backend_pid)
+
+    def shard_filter(self, shards: set[int] | None = None) -> ShardFilter:
+        """The claim filter for ``shards`` (default: all this connection holds)."""
+        chosen = frozenset(self.owned if shards is None else shards & self.owned)
+        return ShardFilter(self.shards, chosen, self.shard_class, self.backend_pid)
+
+    # -- wake-up -----------------------------------------------------------------------------
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a notification; True if one came (all are drained)."""
+        if not self.notifies:
+            return False
+        woke = any(True for _ in self._conn.notifies(timeout=max(0.0, timeout), stop_after=1))
+        if woke:
+            for _ in self._conn.notifies(timeout=0):
+                pass
+        return woke
+
+    # -- shards ------------------------------------------------------------------------------
+
+    def _take(self, shard: int) -> bool:
+        return self._try_lock(self.shard_class, shard)
+
+    def _release(self, shard: int) -> None:
+        self._conn.execute("SELECT pg_advisory_unlock(%s::int, %s::int)", (self.shard_class, shard))
+
+    def _holders(self) -> dict[int, set[int]]:
+        rows = self._conn.execute(
+            f"SELECT pid, objid::bigint FROM pg_locks WHERE {_CURRENT_DATABASE} "
+            "AND classid = %s::oid",
+            (self.shard_class,),
+        ).fetchall()
+        holders: dict[int, set[int]] = {}
+        for pid, shard in rows:
+            holders.setdefault(int(pid), set()).add(int(shard))
+        return holders
+
+    def _members(self) -> int:
+        row = self._conn.execute(
+            f"SELECT count(*) FROM pg_locks WHERE {_CURRENT_DATABASE} AND classid = %s::oid",
+            (self.member_class,),
+        ).fetchone()
+        return int(row[0])
+
+    def _join(self) -> None:
+        for slot in range(POSTGRESQL_MAX_MEMBERS):
+            if self._try_lock(self.member_class, slot):
+                return
+        raise ConfigurationError(f"more than {POSTGRESQL_MAX_MEMBERS} relays on {self.table_name}")
+
+    def _check_config(self) -> None:
+        self._conn.execute(
+            "SELECT pg_try_advisory_lock_shared(%s::int, %s::int)",
+            (self.config_class, self.config_key),
+        )
+        rows = self._conn.execute(
+            f"SELECT DISTINCT objid::bigint FROM pg_locks WHERE {_CURRENT_DATABASE} "
+            "AND classid = %s::oid",
+            (self.config_class,),
+        ).fetchall()
+        others = {int(row[0]) for row in rows} - {self.config_key}
+        if others:
+            raise ConfigurationError(
+                f"another relay on {self.table_name} runs with different shards or publishers; "
+                "all relays of one outbox table need the same shards and brokers"
+            )
+
+    def _try_lock(self, lock_class_id: int, key: int) -> bool:
+        row = self._conn.execute(
+            "SELECT pg_try_advisory_lock(%s::int, %s::int)", (lock_class_id, key)
+        ).fetchone()
+        return bool(row[0])
+
+
+# -- MySQL / MariaDB: named locks, polled ------------------------------------------------------
+
+MYSQL_MAX_MEMBERS = 128
+_BATCH = 512  # IS_USED_LOCK calls per SELECT
+
+
+def lock_namespace(database: str, table_name: str) -> str:
+    """The prefix of every named lock of one outbox table (server-wide unique)."""
+    return f"mqd:{zlib.crc32(f'{database}.{table_name}'.encode()):08x}"
+
+
+def shard_lock_name(namespace: str, shard: int) -> str:
+    """The named lock that makes a relay the owner of ``shard``."""
+    return f"{namespace}:s:{shard}"
+
+
+class MySQLCoordinator(FairShareCoordinator):
+    """One relay's dedicated autocommit connection holding its named locks (MySQL/MariaDB).
+
+    Each shard is owned through a *named lock* (``GET_LOCK(name, 0)``, session-scoped)
+    held on this connection; members hold named locks too, so relays can count each other
+    and share the shards fairly. When a relay dies, the server drops its connection and
+    with it every lock. Lock names are server-wide, so they carry a hash of the database
+    and table name (``mqd:<crc32>:…``, well below the 64-character limit). Members hold
+    two locks: one in the namespace of their settings (shards and brokers) and one
+    generic; a generic holder without a lock in our settings' namespace runs with other
+    settings, which is refused like on PostgreSQL.
+
+    ``notifies`` is False: there is no ``LISTEN`` on MySQL/MariaDB, the relay polls every
+    ``poll_interval``. The claim (:meth:`mqdedup.outbox.store.OutboxStore.claim`) checks
+    with ``IS_USED_LOCK`` (:func:`mqdedup.db.dialects.named_locks_held`) that this
+    connection still holds the shards it claims from, inside the claim's transaction, so
+    a relay whose control connection was lost claims nothing.
+    """
+
+    def __init__(self, engine: Engine, *, table_name: str, shards: int, fingerprint: str) -> None:
+        super().__init__(table_name=table_name, shards=shards)
+        self.engine = engine
+        self.config_key = f"{zlib.crc32(f'{shards}:{fingerprint}'.encode()):08x}"
+        self.namespace = ""
+        self._connection: Connection | None = None
+        self._connection_id = 0
+
+    # -- connection ------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """True while the connection is open (it may still turn out broken)."""
+        connection = self._connection
+        return connection is not None and not connection.closed and not connection.invalidated
+
+    def open(self) -> None:
+        """Connect, join as a member and check that relays agree on settings."""
+        self.close()
+        connection = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        connection.detach()  # ours alone: never returned to the pool, closed for real
+        self._connection = connection
+        try:
+            database, connection_id = connection.execute(
+                text("SELECT DATABASE(), CONNECTION_ID()")
+            ).one()
+            self.namespace = lock_namespace(str(database), self.table_name)
+            self._connection_id = int(connection_id)
+            self._join()
+            self._check_config()
+        except BaseException:
+            self.close()
+            raise
+        log.info(
+            "relay control connection open",
+            extra={"table": self.table_name, "connection_id": self._connection_id},
+        )
+
+    def close(self) -> None:
+        """Close the connection; the server releases every named lock it held."""
+        connection, self._connection = self._connection, None
+        self.owned.clear()
+        if connection is not None:
+            with contextlib.suppress(Exception):  # already broken: nothing left to release
+                connection.close()
+
+    @property
+    def backend_pid(self) -> int:
+        """The server's id of this connection (what ``IS_USED_LOCK`` reports)."""
+        return self._connection_id
+
+    def shard_filter(self, shards: set[int] | None = None) -> ShardFilter:
+        """The claim filter for ``shards`` (default: all this connection holds)."""
+        chosen = frozenset(self.owned if shards is None else shards & self.owned)
+        names = tuple(shard_lock_name(self.namespace, shard) for shard in sorted(chosen))
+        return ShardFilter(self.shards, chosen, 0, self._connection_id, names)
+
+    # -- wake-up -----------------------------------------------------------------------------
+
+    def wait(self, timeout: float) -> bool:
+        """No notifications on MySQL/MariaDB: always False (the relay polls)."""
+        return False
+
+    # -- shards ------------------------------------------------------------------------------
+
+    def _take(self, shard: int) -> bool:
+        return self._try_lock(self._shard(shard))
+
+    def _release(self, shard: int) -> None:
+        self._execute("SELECT RELEASE_LOCK(:name)", name=self._shard(shard))
+
+    # -- locks -------------------------------------------------------------------------------
+
+    def _shard(self, shard: int) -> str:
+        return shard_lock_name(self.namespace, shard)
+
+    def _member(self, slot: int) -> str:
+        return f"{self.namespace}:c:{self.config_key}:{slot}"
+
+    def _generic_member(self, slot: int) -> str:
+        return f"{self.namespace}:g:{slot}"
+
+    def _holders(self) -> dict[int, set[int]]:
+        names = [self._shard(shard) for shard in range(self.shards)]
+        holders: dict[int, set[int]] = {}
+        for shard, holder in enumerate(self._used_by(names)):
+            if holder is not None:
+                holders.setdefault(holder, set()).add(shard)
+        return holders
+
+    def _members(self) -> int:
+        names = [self._member(slot) for slot in range(MYSQL_MAX_MEMBERS)]
+        return sum(1 for holder in self._used_by(names) if holder is not None)
+
+    def _join(self) -> None:
+        # The settings' lock first, then the generic one: whoever holds a generic lock
+        # already holds the lock of its settings (see _check_config).
+        for name_of in (self._member, self._generic_member):
+            for slot in range(MYSQL_MAX_MEMBERS):
+                if self._try_lock(name_of(slot)):
+                    break
+            else:
+                raise ConfigurationError(
+                    f"more than {MYSQL_MAX_MEMBERS} relays on {self.table_name}"
+                )
+
+    def _check_config(self) -> None:
+        for attempt in range(2):
+            # Generic members first: a member seen there holds its settings' lock already.
+            generic = self._used_by(
+                [self._generic_member(slot) for slot in range(MYSQL_MAX_MEMBERS)]
+            )
+            same = self._used_by([self._member(slot) for slot in range(MYSQL_MAX_MEMBERS)])
+            others = {h for h in generic if h is not None} - {h for h in same if h is not None}
+            if not others:
+                return
+            if attempt == 0:
+                continue  # a member may have left between the two reads; look again
+        raise ConfigurationError(
+            f"another relay on {self.table_name} runs with different shards or publishers; "
+            "all relays of one outbox table need the same shards and brokers"
+        )
+
+    def _used_by(self, names: Sequence[str]) -> list[int | None]:
+        """The connection id holding each named lock (``None``: free), in few round trips."""
+        result: list[int | None] = []
+        for start in range(0, len(names), _BATCH):
+            chunk = names[start : start + _BATCH]
+            columns = ", ".join(f"IS_USED_LOCK(:n{i})" for i in range(len(chunk)))
+            row = self._execute(
+                f"SELECT {columns}", **{f"n{i}": name for i, name in enumerate(chunk)}
+            ).one()
+            result.extend(None if value is None else int(value) for value in row)
+        return result
+
+    def _try_lock(self, name: str) -> bool:
+        return bool(self._execute("SELECT GET_LOCK(:name, 0)", name=name).scalar())
+
+    def _execute(self, statement: str, **params: Any) -> Any:
+        connection = self._connection
+        if connection is None:
+            raise ConfigurationError("the relay control connection is not open")
+        return connection.execute(text(statement), params)
+
+
+# -- choosing one, and taking over ------------------------------------------------------------
+
+
+def create_coordinator(
+    engine: Engine,
+    *,
+    table_name: str,
+    channel: str,
+    shards: int,
+    fingerprint: str,
+    listen: bool = True,
+) -> ShardCoordinator | None:
+    """The shard coordinator of ``engine``'s database; ``None`` where relays cannot share.
+
+    Chosen by the ``shard_locks`` trait (:func:`mqdedup.db.dialects.traits`): advisory
+    locks (PostgreSQL), named locks (MySQL/MariaDB) or none (SQLite: one relay).
+    ``fingerprint`` names the relay's settings besides ``shards`` (its brokers): relays of
+    one table must agree on both. ``listen`` (PostgreSQL) wakes the relay on commits.
+    """
+    locks = traits(engine).shard_locks
+    if locks == "advisory":
+        return PostgreSQLCoordinator(
+            engine,
+            table_name=table_name,
+            channel=channel,
+            shards=shards,
+            fingerprint=fingerprint,
+            listen=listen,
+        )
+    if locks == "named":
+        return MySQLCoordinator(
+            engine, table_name=table_name, shards=shards, fingerprint=fingerprint
+        )
+    return None
+
+
+class LeaseTakeover:
+    """Which owned shards are safe to claim from (see :meth:`claimable`)."""
+
+    def __init__(self, engine: Engine, store: OutboxStore, relay_id: str) -> None:
+        self.engine = engine
+        self.store = store
+        self.relay_id = relay_id
+        self._verified: set[int] = set()
+
+    def claimable(self, owned: set[int]) -> set[int]:
+        """The owned shards that are safe to claim from.
+
+        A shard just taken over may hold rows a relay that died was publishing; they must
+        be published before later rows of their keys, so the shard waits until that
+        relay's lease has expired (or the relay settled its batches and removed it).
+        """
+        self._verified &= owned
+        unverified = owned - self._verified
+        if unverified:
+            held = self.store.foreign_leases(self.engine, self.relay_id) & unverified
+            self._verified |= unverified - held
+            if held:
+                log.info(
+                    "waiting for another relay's leases to expire before claiming",
+                    extra={"relay": self.relay_id, "shards": sorted(held)},
+                )
+        return set(self._verified)

@@ -4,8 +4,8 @@ On PostgreSQL the writer arranges one ``pg_notify(<prefix>outbox, '')`` per tran
 that wrote outbox rows. It is issued just before the outermost commit, inside the
 transaction, so PostgreSQL delivers it exactly when (and only if) the rows become
 visible. The relay ``LISTEN``s on a dedicated connection (see
-:mod:`mqdedup.outbox.postgresql_coordination`) and polls as a fallback; other databases are
-polled only.
+:class:`~mqdedup.outbox.coordination.PostgreSQLCoordinator`) and polls as a fallback;
+other databases are polled only.
 """
 
 from __future__ import annotations

@@ -1,11 +1,16 @@
-"""Publishing one claimed batch: each broker's rows through its publisher, traced, sorted
-into a :class:`~mqdedup.outbox.relay_metrics.CycleReport` (published / refused /
-not published because the broker was unavailable)."""
+"""The relay's publish step: :func:`publish_records` sends each broker's rows of a claimed
+batch through its publisher, in id order, with a producer trace span per row, and sorts
+the outcome into a :class:`CycleReport` (published / refused by the broker / not
+published because the broker was unavailable); :class:`BrokerPauses` keeps an unavailable
+broker paused with backoff until its rows go through again."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from mqdedup import tracing
 from mqdedup.outbox.publishers import (
@@ -15,10 +20,25 @@ from mqdedup.outbox.publishers import (
     Publisher,
     PublishResult,
 )
-from mqdedup.outbox.relay_metrics import CycleReport
 from mqdedup.tracing import TRACE_HEADERS, PublishTrace
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class CycleReport:
+    """What one claim → publish → mark cycle did."""
+
+    claimed: int = 0
+    published: list[OutboxRecord] = field(default_factory=list)
+    rejected: list[tuple[OutboxRecord, str]] = field(default_factory=list)
+    failed: list[OutboxRecord] = field(default_factory=list)
+    unavailable: list[OutboxRecord] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """True when every claimed row was published."""
+        return len(self.published) == self.claimed
 
 
 def publish_records(
@@ -87,3 +107,54 @@ def _with_trace(record: OutboxRecord, trace_headers: Mapping[str, str]) -> Outbo
     headers = {k: v for k, v in record.headers.items() if k not in TRACE_HEADERS}
     headers.update(trace_headers)
     return record._replace(headers=headers)
+
+
+@dataclass
+class _BrokerState:
+    """Backoff of one broker while it is unavailable."""
+
+    failures: int = 0
+    paused_until: float = 0.0
+
+
+class BrokerPauses:
+    """Which brokers are paused, and until when, after their rows came back unavailable."""
+
+    def __init__(self, brokers: Iterable[str], backoff_max: float) -> None:
+        self._brokers: dict[str, _BrokerState] = {name: _BrokerState() for name in brokers}
+        self._backoff_max = backoff_max
+
+    def record(self, broker: str, results: Sequence[PublishResult]) -> bool:
+        """Note ``broker``'s results of one batch; True when an outage begins."""
+        state = self._brokers[broker]
+        down = [r for r in results if r.outcome is Outcome.UNAVAILABLE]
+        if not down:
+            if state.failures:
+                log.info("broker available again", extra={"broker": broker})
+            state.failures = 0
+            state.paused_until = 0.0
+            return False
+        state.failures += 1
+        pause = min(self._backoff_max, 0.25 * 2 ** (state.failures - 1)) * random.uniform(0.8, 1.0)
+        state.paused_until = time.monotonic() + pause
+        log.warning(
+            "broker unavailable; its rows wait",
+            extra={
+                "broker": broker,
+                "rows": len(down),
+                "retry_in": round(pause, 2),
+                "consecutive": state.failures,
+                "error": down[0].error,
+            },
+        )
+        return state.failures == 1
+
+    def paused(self) -> set[str]:
+        """The brokers paused now."""
+        now = time.monotonic()
+        return {name for name, state in self._brokers.items() if state.paused_until > now}
+
+    def next_retry(self) -> float | None:
+        """The earliest end of a pause (``time.monotonic()``), None if none was set."""
+        pauses = [s.paused_until for s in self._brokers.values() if s.paused_until]
+        return min(pauses) if pauses else None

@@ -25,8 +25,8 @@ from sqlalchemy import Engine, func, insert, select
 
 from mqdedup import __version__
 from mqdedup.cli import exitcodes
-from mqdedup.cli.commands.replay import format_replay_report
 from mqdedup.cli.demo import demo_orders, run_demo
+from mqdedup.cli.replay import format_replay_report
 from mqdedup.consumers.replay import ReplayReport
 from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema

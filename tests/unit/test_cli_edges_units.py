@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from mqdedup.cli.commands.reachability import check_kafka_reachable, wait_for_consumer_broker
 from mqdedup.cli.config import check_keys, resolve_with_source
-from mqdedup.cli.options import parse_duration
+from mqdedup.cli.parser import parse_duration
+from mqdedup.cli.reachability import check_kafka_reachable, wait_for_consumer_broker
 from mqdedup.dedup import RedisDedup
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 

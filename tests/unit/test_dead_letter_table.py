@@ -12,7 +12,7 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from mqdedup import InMemoryBroker, Metrics, RetryPolicy
-from mqdedup.cli.commands.dead_letters import delete_dead_letters, replay_dead_letters
+from mqdedup.cli.dead_letters import delete_dead_letters, replay_dead_letters
 from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.consumers.worker import Worker
@@ -184,7 +184,7 @@ def test_cli_lists_and_deletes_kept_dead_letters(sqlite_engine: Engine, tmp_path
 
 
 def test_replay_hands_given_back_rows_out_again_first(sqlite_engine: Engine) -> None:
-    from mqdedup.consumers.parked import ParkedTransport
+    from mqdedup.consumers.replay import ParkedTransport
     from mqdedup.db.engine import session_factory
 
     broker = InMemoryBroker(seed=1)

@@ -8,8 +8,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from mqdedup import InMemoryBroker, Metrics
-from mqdedup.cli.exposition import process_stats, render_snapshots
-from mqdedup.cli.health import HealthServer
+from mqdedup.cli.health import HealthServer, process_stats, render_snapshots
 from mqdedup.consumers.worker import Worker
 from tests.support import OrderConsumer
 

@@ -428,7 +428,7 @@ def test_chain_with_duplicates_and_republished_rows_has_each_effect_once(
 def test_a_relay_on_mysql_or_mariadb_uses_named_lock_shards_and_polls() -> None:
     from sqlalchemy import create_engine
 
-    from mqdedup.outbox.mysql_coordination import MySQLCoordinator
+    from mqdedup.outbox.coordination import MySQLCoordinator
 
     for url in ("mysql+pymysql://u:p@127.0.0.1:1/db", "mariadb+pymysql://u:p@127.0.0.1:1/db"):
         engine = create_engine(url)  # never connects: the relay opens connections lazily
@@ -441,7 +441,7 @@ def test_a_relay_on_mysql_or_mariadb_uses_named_lock_shards_and_polls() -> None:
 
 
 def test_mysql_lock_names_fit_the_64_character_limit_and_differ_per_database_and_table() -> None:
-    from mqdedup.outbox.mysql_coordination import lock_namespace, shard_lock_name
+    from mqdedup.outbox.coordination import lock_namespace, shard_lock_name
 
     names = {
         shard_lock_name(lock_namespace(database, table), 4095)

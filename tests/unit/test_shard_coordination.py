@@ -9,10 +9,13 @@ from sqlalchemy.dialects.sqlite.base import SQLiteDialect
 
 from mqdedup.db.dialects import traits
 from mqdedup.errors import ConfigurationError
-from mqdedup.outbox.coordination import FairShareCoordinator, ShardCoordinator
-from mqdedup.outbox.mysql_coordination import MySQLCoordinator
-from mqdedup.outbox.postgresql_coordination import PostgreSQLCoordinator
-from mqdedup.outbox.shard_coordinators import create_coordinator
+from mqdedup.outbox.coordination import (
+    FairShareCoordinator,
+    MySQLCoordinator,
+    PostgreSQLCoordinator,
+    ShardCoordinator,
+    create_coordinator,
+)
 from mqdedup.outbox.store import ShardFilter
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from mqdedup.db import create_engine
 from mqdedup.outbox import Relay, RelayConfig
 from mqdedup.outbox.publishers import Publisher
-from mqdedup.outbox.relay_metrics import CycleReport
+from mqdedup.outbox.relay_publishing import CycleReport
 
 SETTINGS = ("batch_size", "lease", "shards", "rebalance_interval", "poll_interval")
 

@@ -23,11 +23,10 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from mqdedup.cli.commands.operations import outbox_status_data
+from mqdedup.cli.admin import outbox_status_data
 from mqdedup.dedup.store import utcnow
 from mqdedup.outbox import MemoryPublisher, OutboxStore, OutboxWriter, Relay, RelayConfig
-from mqdedup.outbox.mysql_coordination import MySQLCoordinator
-from mqdedup.outbox.postgresql_coordination import PostgreSQLCoordinator
+from mqdedup.outbox.coordination import MySQLCoordinator, PostgreSQLCoordinator
 from mqdedup.outbox.publishers import OutboxRecord
 from mqdedup.outbox.writer import OutgoingMessage
 from tests.integration.outbox.helpers import OutboxDb, events_table, order_problems, poll_until

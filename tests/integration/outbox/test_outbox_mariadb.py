@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 from mqdedup.db.schema import schema
 from mqdedup.errors import ConfigurationError
 from mqdedup.outbox import MemoryPublisher, OutboxStore, OutboxWriter, Relay, RelayConfig
-from mqdedup.outbox.mysql_coordination import MySQLCoordinator
+from mqdedup.outbox.coordination import MySQLCoordinator
 from mqdedup.outbox.store import ShardFilter
 from mqdedup.rabbitmq import RabbitMQPublisher
 from mqdedup.rabbitmq.topology import declare_topology

@@ -21,8 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from mqdedup.db.schema import schema
-from mqdedup.outbox import OutboxWriter, Relay
-from mqdedup.outbox.relay_config import RelayConfig
+from mqdedup.outbox import OutboxWriter, Relay, RelayConfig
 from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import OutboxDb, poll_until, relay_thread
 from tests.services import PrivateRabbitMQ

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import func, select
 
-from mqdedup.cli.publishers import create_publishers
+from mqdedup.cli.runners import create_publishers
 from mqdedup.db import create_engine
 from mqdedup.outbox import Relay, RelayConfig
 from mqdedup.stopping import StopToken

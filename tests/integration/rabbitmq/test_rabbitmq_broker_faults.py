@@ -33,8 +33,7 @@ from mqdedup.cli import exitcodes
 from mqdedup.cli.health import snapshot_ready
 from mqdedup.consumers.transport import DeadLetter
 from mqdedup.errors import DeadLetterRefusedError
-from mqdedup.outbox import OutboxStore, OutboxWriter, Relay
-from mqdedup.outbox.relay_config import RelayConfig
+from mqdedup.outbox import OutboxStore, OutboxWriter, Relay, RelayConfig
 from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import relay_thread
 from tests.integration.rabbitmq.conftest import Database

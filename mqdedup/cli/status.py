@@ -1,33 +1,66 @@
-"""``mqdedup status``: consumers' lag, the dedup table and the outbox on one screen.
-
-A broker that cannot be reached does not stop the screen: its consumers' lag column
-names it (``cannot reach RabbitMQ at host:5672: Connection refused``) and the database
-sections print as usual.
-"""
+"""``mqdedup status``: consumers' lag, the dedup table, the outbox and the kept dead letters
+on one screen (or as JSON); a broker that cannot be reached does not stop the screen: its
+consumers' lag column names it (``cannot reach RabbitMQ at host:5672: Connection
+refused``), the database sections print as usual and the exit code says it."""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Engine
 
-from mqdedup.cli.commands.dead_letters import dead_letter_counts
-from mqdedup.cli.commands.operations import (
+from mqdedup.cli import exitcodes
+from mqdedup.cli.admin import (
+    connected_engine,
     dedup_stats,
     dedup_stats_data,
     format_dedup_stats_data,
     format_outbox_status_data,
     outbox_status_data,
+    require_current_schema,
 )
-from mqdedup.cli.commands.reachability import check_consumer_broker
-from mqdedup.cli.commands.tables import render_table
+from mqdedup.cli.config import consumer_prefix, resolve_settings
+from mqdedup.cli.dead_letters import dead_letter_counts
+from mqdedup.cli.loading import create_consumer
+from mqdedup.cli.output import print_json, render_table
+from mqdedup.cli.reachability import check_consumer_broker
+from mqdedup.cli.runners import _export_environment
 from mqdedup.consumers.base import Consumer
 from mqdedup.errors import BrokerUnavailableError, MqdedupError
 from mqdedup.masking import mask_text
 
 log = logging.getLogger(__name__)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    settings = resolve_settings(
+        args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url"
+    )
+    _export_environment(settings)
+    consumers = [create_consumer(reference) for reference in args.consumers]
+    prefixes = {
+        consumer_prefix(args, reference, consumer)
+        for reference, consumer in zip(args.consumers, consumers, strict=True)
+    }
+    engine, prefix = connected_engine(args, require_schema=False)
+    if len(prefixes) == 1:  # the consumers' own tables, when they all agree
+        prefix = prefixes.pop()
+    require_current_schema(engine, prefix)
+    data = status_data(engine, prefix, consumers)
+    if args.json:
+        print_json(data)
+    else:
+        print(status_screen(data))
+    unreachable = [e for e in data["consumers"] if e["unreachable"]]
+    if unreachable:  # the screen is printed; the exit code and one line say what is missing
+        names = ", ".join(sorted({e["consumer"] for e in unreachable}))
+        print(f"mqdedup: error: {unreachable[0]['error']} (lag unknown: {names})", file=sys.stderr)
+        return exitcodes.BROKER_UNAVAILABLE
+    return exitcodes.OK
 
 
 def consumer_lags(consumers: Sequence[Consumer]) -> list[dict[str, Any]]:

@@ -1,23 +1,91 @@
-"""``mqdedup replay``: run a consumer again over a past range, through its dedup."""
+"""``mqdedup replay``: run a consumer again over a past range of its Kafka topic or RabbitMQ
+stream, or move its RabbitMQ dead letters back to its queue, through its dedup (messages
+already processed are skipped as duplicates), refusing a range that reaches before the
+dedup retention horizon unless asked."""
 
 from __future__ import annotations
 
+import argparse
+import sys
 import threading
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from sqlalchemy import Engine
 
-from mqdedup.cli.commands import RefusedError
-from mqdedup.cli.commands.tables import render_table
+from mqdedup.cli import exitcodes
+from mqdedup.cli.admin import connected_engine, require_current_schema
+from mqdedup.cli.config import consumer_prefix, resolve_settings
+from mqdedup.cli.exitcodes import RefusedError
+from mqdedup.cli.loading import create_consumer
+from mqdedup.cli.output import render_table
+from mqdedup.cli.reachability import connect_broker
+from mqdedup.cli.runners import _export_environment
 from mqdedup.consumers.base import Consumer
 from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import ConfigurationError
 from mqdedup.gc_tuning import tune_gc
-from mqdedup.stopping import StopToken
+from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
 
 BEGINNING = ("beginning", "earliest", "start")
 END = ("end", "latest")
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    settings = resolve_settings(
+        args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url"
+    )
+    _export_environment(settings)
+    start = parse_position(args.start)
+    end = parse_position(args.end, end=True)
+    consumer = create_consumer(args.consumer)
+    consumer_prefix(args, args.consumer, consumer)
+    consumer.validate()
+    engine, _ = connected_engine(args, require_schema=False)
+    require_current_schema(engine, consumer.table_prefix)
+    kind = consumer.broker
+    if args.from_dlq:
+        if kind != "rabbitmq":
+            raise ConfigurationError("--from-dlq is for RabbitMQ consumers")
+        connect_broker(consumer)
+        print(requeue_from_dlq(consumer, engine, args.limit))
+        return exitcodes.OK
+    if kind is None:
+        raise ConfigurationError(
+            f"{args.consumer} is neither a KafkaConsumer nor a RabbitMQConsumer: "
+            "replay needs a broker to read from"
+        )
+    connect_broker(consumer)
+    stop = StopToken()
+    try:
+        with graceful_signals(stop):
+            if kind == "kafka":
+                report = replay_kafka(
+                    consumer,
+                    engine,
+                    start=start,
+                    end=end,
+                    partitions=args.partitions,
+                    dry_run=args.dry_run,
+                    allow_reprocess=args.allow_reprocess,
+                    stop=stop,
+                    progress=sys.stderr,
+                )
+            else:
+                report = replay_stream(
+                    consumer,
+                    engine,
+                    start=start,
+                    end=end,
+                    stream=args.stream,
+                    dry_run=args.dry_run,
+                    allow_reprocess=args.allow_reprocess,
+                    stop=stop,
+                )
+    except ImmediateStop:
+        return exitcodes.INTERRUPTED
+    print(format_replay_report(report))
+    return exitcodes.OK
 
 
 class ReplayRefusedError(RefusedError):

@@ -1,29 +1,65 @@
-"""``mqdedup dead-letters``: list, replay and delete dead letters kept in the database.
-
-These are the dead letters the broker refused (see :mod:`mqdedup.dedup.dead_letters`).
-Replaying one runs the consumer's handler over it again — after the cause is fixed —
-through the same Worker and Processor as live messages, with its attempts counted anew.
-"""
+"""``mqdedup dead-letters``: list, replay and delete the dead letters kept in the database
+because the broker refused them (:mod:`mqdedup.dedup.dead_letters`); replaying one runs
+the consumer's handler over it again, after the cause is fixed, through the same Worker
+and Processor as live messages, with its attempts counted anew."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup.cli.commands.tables import render_table
+from mqdedup.cli import exitcodes
+from mqdedup.cli.admin import connected_engine, require_current_schema
+from mqdedup.cli.config import resolve_settings
+from mqdedup.cli.loading import create_consumer
+from mqdedup.cli.output import render_table
+from mqdedup.cli.runners import _export_environment
 from mqdedup.consumers.base import Consumer
-from mqdedup.consumers.parked import ParkedTransport
+from mqdedup.consumers.replay import ParkedTransport
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.engine import session_factory
 from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import ConfigurationError
-from mqdedup.stopping import StopToken
+from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
 
 _PREVIEW = 60
+
+
+def cmd_dead_letters_list(args: argparse.Namespace) -> int:
+    engine, prefix = connected_engine(args)
+    print(list_dead_letters(engine, prefix, args.consumer, args.limit))
+    return exitcodes.OK
+
+
+def cmd_dead_letters_replay(args: argparse.Namespace) -> int:
+    settings = resolve_settings(
+        args, "database_url", "table_prefix", "kafka_bootstrap", "rabbitmq_url"
+    )
+    _export_environment(settings)
+    consumer = create_consumer(args.consumer)
+    consumer.validate()
+    engine, _ = connected_engine(args, require_schema=False)
+    require_current_schema(engine, consumer.table_prefix)
+    stop = StopToken()
+    try:
+        with graceful_signals(stop):
+            outcome = replay_dead_letters(consumer, engine, ids=args.ids, stop=stop)
+    except ImmediateStop:
+        return exitcodes.INTERRUPTED
+    print(outcome)
+    return exitcodes.OK
+
+
+def cmd_dead_letters_delete(args: argparse.Namespace) -> int:
+    engine, prefix = connected_engine(args)
+    count = delete_dead_letters(engine, prefix, args.consumer, args.ids, args.all)
+    print(f"deleted {count} kept dead letter(s) of {args.consumer}")
+    return exitcodes.OK
 
 
 def list_dead_letters(

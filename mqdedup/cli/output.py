@@ -1,7 +1,8 @@
-"""Plain-text tables for command output."""
+"""What the commands print: plain-text tables, ages and JSON."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,3 +53,8 @@ def human_age(seconds: float | None) -> str:
         return f"{hours}h{minutes:02d}m"
     days, hours = divmod(hours, 24)
     return f"{days}d{hours:02d}h"
+
+
+def print_json(data: Any) -> None:
+    """``--json`` output: indented, keys sorted."""
+    print(json.dumps(data, indent=2, sort_keys=True))

@@ -1,4 +1,6 @@
-"""Can the brokers be reached? A TCP-level check for start-up errors in one line."""
+"""Can the brokers be reached? TCP-level checks before a command starts, so that an
+unreachable broker is awaited up to the consumer's start-up timeout and then reported in
+one line."""
 
 from __future__ import annotations
 
@@ -103,6 +105,19 @@ def wait_for_consumer_broker(
                 say(f"waiting up to {timeout:g}s for {kind}: {exc}")
                 announced = True
             time.sleep(min(poll, remaining))
+
+
+def connect_broker(consumer: Any) -> None:
+    """Wait for the consumer's broker up to its start-up timeout, then check it once.
+
+    Kafka and RabbitMQ behave the same: an unreachable broker is awaited (one line says
+    so) for ``connect_timeout`` / ``startup_timeout`` seconds, then the command exits
+    with BROKER_UNAVAILABLE; a broker that answers but refuses (login, topology) fails
+    at once with the consumer's own check.
+    """
+
+    wait_for_consumer_broker(consumer, lambda line: print(f"mqdedup: {line}", file=sys.stderr))
+    consumer.check_connection()
 
 
 def check_relay_brokers(kafka_bootstrap: str | None, rabbitmq_url: str | None) -> list[str]:
