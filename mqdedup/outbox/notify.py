@@ -23,11 +23,6 @@ def channel_name(prefix: str) -> str:
     return f"{prefix}outbox"
 
 
-def notify_pending(session: Session) -> bool:
-    """True when ``session``'s commit is to send a ``NOTIFY`` (outbox rows written)."""
-    return bool(session.info.get(_PENDING_KEY))
-
-
 def notify_on_commit(session: Session, channel: str) -> None:
     """Send ``NOTIFY channel`` in ``session``'s transaction, once, just before it commits.
 
