@@ -198,7 +198,8 @@ class TransactionalRuns:
     # -- transactions ----------------------------------------------------------------------
 
     def _alone(self, session: Session, delivery: Delivery[Any]) -> Outcome:
-        mode = _Mode(batch_handler=self.consumer.has_batch_handler, savepoints=False)
+        # ``handle`` when implemented (handle_batch with this one message otherwise)
+        mode = _Mode(batch_handler=False, savepoints=False)
         try:
             result = self._transaction(session, [delivery], mode)
         except Exception as commit_error:

@@ -138,3 +138,41 @@ def test_a_result_read_across_handler_calls_is_real(sqlite_engine: Engine) -> No
     assert {value["previous"] for value in stored_results(sqlite_engine).values()} <= {None, 0}
     with sqlite_engine.connect() as connection:
         assert connection.execute(select(func.count()).select_from(orders)).scalar_one() == 120
+
+
+class BatchThenSingle(Consumer):
+    """``handle_batch`` fails for the whole batch when one message is poison; ``handle``
+    names the message. Retries run the message alone through ``handle``."""
+
+    name = "batch-then-single"
+    batch_size = 10
+    poll_timeout = 0.01
+    retry_policy = FAST_RETRY
+
+    def handle_batch(self, messages: Any, ctx: Any) -> None:
+        if any(m.id == "m3" for m in messages):
+            raise ValueError("a message of this batch cannot be handled")
+        for message in messages:
+            ctx.session.execute(insert(orders), {"message_id": message.id, "amount": 1})
+
+    def handle(self, message: Message, ctx: Context) -> None:
+        if message.id == "m3":
+            raise ValueError(f"cannot handle {message.id}")
+        ctx.session.execute(insert(orders), {"message_id": message.id, "amount": 1})
+
+
+@pytest.mark.parametrize("isolation", ["auto", "savepoint", "rerun", "transaction"])
+def test_a_retried_message_runs_alone_through_handle_and_is_dead_lettered_with_its_error(
+    sqlite_engine: Engine, isolation: str
+) -> None:
+    consumer = type("B", (BatchThenSingle,), {"failure_isolation": isolation})()
+    broker = InMemoryBroker()
+    publish(broker, 6)
+    metrics = run_until_idle(consumer, broker.transport("q"), sqlite_engine)
+
+    assert order_counts(sqlite_engine) == {f"m{n}": 1 for n in range(6) if n != 3}
+    [letter] = broker.dead_letters["q"]
+    assert letter.record.reason == (
+        f"handler failed after {FAST_RETRY.max_attempts} attempts: ValueError: cannot handle m3"
+    )
+    assert metrics.processed == 5 and metrics.dead_lettered == 1
