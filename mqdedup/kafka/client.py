@@ -93,7 +93,7 @@ class KafkaClient:
         self.commits = OffsetCommits(settings.consumer_name, self.tracker)
         self._next_commit_attempt = 0.0
         self._assignment = Assignment(self.tracker, self._assigned_keys)
-        self._join = JoinWatch(settings.consumer_name)
+        self._join = JoinWatch(settings.consumer_name, resubscribe=self._resubscribe)
         self._closed = False
         self._lag = PartitionLag()
 
@@ -116,11 +116,7 @@ class KafkaClient:
             ) from error
         self._client = client
         self._owner = threading.current_thread()
-        listener = RebalanceListener(self)
-        if settings.pattern is not None:
-            client.subscribe(pattern=settings.pattern, listener=listener)
-        else:
-            client.subscribe(topics=list(settings.topics), listener=listener)
+        self._subscribe(client)
         log.info(
             "kafka consumer connected",
             extra={
@@ -352,6 +348,22 @@ class KafkaClient:
         return lag
 
     # -- rebalances -----------------------------------------------------------------------
+
+    def _subscribe(self, client: Any) -> None:
+        listener = RebalanceListener(self)
+        if self.settings.pattern is not None:
+            client.subscribe(pattern=self.settings.pattern, listener=listener)
+        else:
+            client.subscribe(topics=list(self.settings.topics), listener=listener)
+
+    def _resubscribe(self) -> None:
+        """Leave the group and join it again (owner thread; the join watchdog's public-API
+        fallback). What kafka-python still assigned is dropped by the next poll; its
+        deliveries come again and are deduplicated."""
+        if self._client is None:
+            return
+        self._client.unsubscribe()
+        self._subscribe(self._client)
 
     def _assigned_keys(self) -> set[PartitionKey]:
         if self._client is None:

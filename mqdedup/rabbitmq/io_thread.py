@@ -224,10 +224,8 @@ class ConsumingConnection(ConsumingChannel):
             if channel is not None and channel.is_closed:
                 # Closed by the broker (consumer_timeout, 403/404/406): pika only logs it,
                 # and acks on a closed channel would be dropped silently.
-                reason = getattr(channel, "_closing_reason", None)
                 raise _ChannelLostError(
-                    "the broker closed the consuming channel: "
-                    + (describe(reason) if reason is not None else "no reason given")
+                    "the broker closed the consuming channel: " + channel_close_reason(channel)
                 )
             if self._lag_interval > 0 and time.monotonic() >= self._next_lag_update:
                 self._update_lag()
@@ -273,3 +271,15 @@ class ConsumingConnection(ConsumingChannel):
         self._fast_path = None
         if connection is not None:
             close_quietly(connection)
+
+
+def channel_close_reason(channel: Any) -> str:
+    """Why the broker closed ``channel`` (a ``BlockingChannel``), for the log line.
+
+    pika keeps it only in ``BlockingChannel._closing_reason`` (an internal; see
+    docs/architecture.md, "Third-party internals in the adapters"), e.g.
+    ``ChannelClosedByBroker(406, 'PRECONDITION_FAILED - delivery acknowledgement on
+    channel 1 timed out...')``; without it: "no reason given".
+    """
+    reason = getattr(channel, "_closing_reason", None)
+    return describe(reason) if isinstance(reason, BaseException) else "no reason given"

@@ -137,10 +137,7 @@ class PublisherConnection(ConfirmWindow):
         if not connection.is_closed:
             # No close handshake (e.g. a blocked connection): tear the socket down, so
             # no connection is left behind on the broker.
-            try:
-                connection._terminate_stream(None)  # pika has no public abort
-            except Exception:
-                log.debug("tearing down the RabbitMQ connection failed", exc_info=True)
+            _abort(connection)
 
     # -- exchanges -------------------------------------------------------------------------
 
@@ -200,3 +197,31 @@ class PublisherConnection(ConfirmWindow):
                 self._done = None
                 loop.remove_timeout(timer)
         return done()
+
+
+def _abort(connection: Any) -> None:
+    """Close ``connection``'s socket now, without the close handshake.
+
+    pika has no public abort: this uses its ``_terminate_stream`` (an internal; see
+    docs/architecture.md, "Third-party internals in the adapters"), then runs the
+    connection's I/O loop once, where pika closes the socket. Without the internal the
+    connection is only dropped: it stays on the broker until the process ends.
+    """
+    terminate = getattr(connection, "_terminate_stream", None)
+    if not callable(terminate):
+        log.warning(
+            "pika cannot abort a connection (no _terminate_stream); it stays on the broker "
+            "until the relay stops"
+        )
+        return
+    try:
+        terminate(None)
+        loop = connection.ioloop
+        timer = loop.call_later(0.5, loop.stop)  # in case pika queued nothing
+        loop.add_callback_threadsafe(loop.stop)  # after pika's own callbacks
+        try:
+            loop.start()
+        finally:
+            loop.remove_timeout(timer)
+    except Exception:
+        log.debug("tearing down the RabbitMQ connection failed", exc_info=True)

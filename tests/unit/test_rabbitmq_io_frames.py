@@ -7,6 +7,7 @@ what it left to pika, and in which order.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pika
@@ -225,3 +226,137 @@ def test_properties_decode_as_pika_decodes_them(values: dict[str, Any]) -> None:
     expected.decode(header, 19)
     assert vars(got[0][4]) == vars(expected)
     assert list(vars(got[0][4])) == list(vars(expected))
+
+
+# -- whole deliveries, held to pika's own decoding byte for byte ----------------------------
+
+
+def _pikas_deliveries(stream: bytes) -> list[tuple[Any, ...]]:
+    """What pika makes of ``stream``: its frame decoder and its channel's content
+    assembler (``pika.channel.ContentFrameAssembler``), heartbeats skipped."""
+    return _assembled(_pikas_frames(stream))
+
+
+def _pikas_frames(stream: bytes) -> list[Any]:
+    frames = []
+    while stream:
+        consumed, frame_value = frame.decode_frame(stream)
+        assert frame_value is not None, "the test stream holds whole frames"
+        frames.append(frame_value)
+        stream = stream[consumed:]
+    return frames
+
+
+def _assembled(frames: list[Any]) -> list[tuple[Any, ...]]:
+    assembler = pika.channel.ContentFrameAssembler()
+    deliveries = []
+    for frame_value in frames:
+        if isinstance(frame_value, frame.Heartbeat):
+            continue
+        content = assembler.process(frame_value)
+        if content is not None:
+            method_frame, header_frame, body = content
+            deliveries.append(_delivery(method_frame.method, header_frame.properties, body))
+    return deliveries
+
+
+def _not_ours(frames: list[Any]) -> list[bytes]:
+    """The frames that are not part of a delivery to ``TAG``, marshalled, in order."""
+    left, ours = [], False
+    for frame_value in frames:
+        if isinstance(frame_value, frame.Method):
+            ours = frame_value.method.consumer_tag == TAG
+        elif not isinstance(frame_value, frame.Header | frame.Body):
+            ours = False
+        if not ours or isinstance(frame_value, frame.Heartbeat):
+            left.append(frame_value.marshal())
+    return left
+
+
+def _delivery(method: Any, properties: Any, body: bytes) -> tuple[Any, ...]:
+    """Everything a handler's message is built from, with the types pika gives."""
+    return (
+        method.consumer_tag,
+        method.delivery_tag,
+        bool(method.redelivered),
+        method.exchange,
+        method.routing_key,
+        list(vars(properties).items()),  # every attribute, its value and pika's order
+        body,
+    )
+
+
+_HEADER_VALUES = st.one_of(
+    st.text(max_size=20),
+    st.integers(-(2**63), 2**63 - 1),
+    st.booleans(),
+    st.binary(max_size=20),
+    st.none(),
+)
+_DELIVERY = st.fixed_dictionaries(
+    {
+        "ours": st.booleans(),
+        "tag": st.integers(1, 2**64 - 1),
+        "redelivered": st.booleans(),
+        "exchange": _SHORT_STRING,
+        "routing_key": _SHORT_STRING,
+        "properties": basic_properties(
+            _SHORT_STRING,
+            st.dictionaries(st.text(min_size=1, max_size=8), _HEADER_VALUES, max_size=4),
+        ),
+        "body": st.binary(max_size=1500),
+        "heartbeat_after": st.booleans(),
+    }
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    deliveries=st.lists(_DELIVERY, min_size=1, max_size=5),
+    body_max=st.integers(1, 600),
+    cuts=st.lists(st.integers(0, 20_000), max_size=12),
+)
+def test_whole_deliveries_decode_as_pika_decodes_them(
+    deliveries: list[dict[str, Any]], body_max: int, cuts: list[int]
+) -> None:
+    """Any stream of deliveries (any properties and headers, any body split into body
+    frames of any size, deliveries of another consumer, heartbeats between them) read in
+    chunks of any size: the fast path's deliveries are pika's own decoding of the same
+    bytes, field for field and byte for byte, and what it leaves to pika is exactly the
+    other frames, unchanged and in order."""
+    stream = b""
+    for d in deliveries:
+        method = spec.Basic.Deliver(
+            TAG if d["ours"] else "another-consumer",
+            d["tag"],
+            d["redelivered"],
+            d["exchange"],
+            d["routing_key"],
+        )
+        body = d["body"]
+        stream += frame.Method(CHANNEL, method).marshal()
+        stream += frame.Header(
+            CHANNEL, len(body), pika.BasicProperties(**d["properties"])
+        ).marshal()
+        for at in range(0, len(body), body_max):
+            stream += frame.Body(CHANNEL, body[at : at + body_max]).marshal()
+        if d["heartbeat_after"]:
+            stream += frame.Heartbeat().marshal()
+    expected = _pikas_deliveries(stream)
+
+    path, impl, got = fast_path()
+    bounds = sorted({cut % (len(stream) + 1) for cut in cuts} | {0, len(stream)})
+    for start, end in itertools.pairwise(bounds):
+        path.data_available(stream[start:end])
+
+    ours = [
+        _delivery(
+            spec.Basic.Deliver(TAG, tag, redelivered, exchange, routing_key), properties, body
+        )
+        for tag, redelivered, exchange, routing_key, properties, body in got
+    ]
+    assert ours == [d for d in expected if d[0] == TAG]
+    assert _assembled(impl.pika_frames) == [d for d in expected if d[0] != TAG]
+    assert [f.marshal() for f in impl.pika_frames] == _not_ours(_pikas_frames(stream))
+    assert impl._frame_buffer == b"" and impl.bytes_received == len(stream)
+    assert impl.frames_received + len(impl.pika_frames) == len(_pikas_frames(stream))

@@ -1,6 +1,7 @@
 """The consumer's own decoding of deliveries (``mqdedup/rabbitmq/io_frames.py``) on the
 real broker: the messages a handler gets are exactly what pika's own decoding makes of
-the same broker frames, for every kind of message, in the broker's order."""
+the same broker frames, for every kind of message, in the broker's order; and the same
+messages when pika lacks the internals the fast path uses (pika's own path then)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from decimal import Decimal
 from typing import Any
 
 import pika
+import pytest
 
+import mqdedup.rabbitmq.io_thread
 from mqdedup.rabbitmq import Binding, RabbitMQConsumer
 from mqdedup.rabbitmq.codec import to_message
 from tests.contract.conftest import fetch
@@ -57,9 +60,26 @@ class _Probe(RabbitMQConsumer):
         raise AssertionError("not run")
 
 
+class _WithoutInternals:
+    """A pika ``BlockingConnection`` as another pika version may have it: without the
+    ``_impl`` internals the delivery fast path relies on."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+
+@pytest.mark.parametrize("internals", ["pika's", "missing (pika's own path)"])
 def test_messages_decoded_by_the_consumer_equal_pikas_decoding_in_broker_order(
-    rabbitmq_url: str, rabbit: RabbitAdmin
+    rabbitmq_url: str, rabbit: RabbitAdmin, internals: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    fast = internals == "pika's"
+    if not fast:
+        install = mqdedup.rabbitmq.io_thread.install_fast_path
+        monkeypatch.setattr(
+            mqdedup.rabbitmq.io_thread,
+            "install_fast_path",
+            lambda connection, *args: install(_WithoutInternals(connection), *args),
+        )
     exchange = unique_name("decoding")
     queue = unique_name("decoding")
     consumer = type(
@@ -68,7 +88,7 @@ def test_messages_decoded_by_the_consumer_equal_pikas_decoding_in_broker_order(
         {"queue": queue, "url": rabbitmq_url, "bindings": (Binding(exchange, "", "fanout"),)},
     )()
     try:
-        _run(consumer, rabbitmq_url, rabbit, exchange, queue)
+        _run(consumer, rabbitmq_url, rabbit, exchange, queue, fast=fast)
     finally:
         channel = rabbit.channel()
         channel.queue_delete(queue)
@@ -77,7 +97,13 @@ def test_messages_decoded_by_the_consumer_equal_pikas_decoding_in_broker_order(
 
 
 def _run(
-    consumer: RabbitMQConsumer, url: str, rabbit: RabbitAdmin, exchange: str, queue: str
+    consumer: RabbitMQConsumer,
+    url: str,
+    rabbit: RabbitAdmin,
+    exchange: str,
+    queue: str,
+    *,
+    fast: bool,
 ) -> None:
     rabbit.declare(consumer)
     reference = rabbit.queue("decoding-reference")
@@ -89,7 +115,8 @@ def _run(
 
     transport = consumer.create_transport()
     try:
-        assert transport._fast_path is not None, "the consumer decodes its deliveries itself"
+        # The consumer decodes its deliveries itself, unless pika lacks the internals.
+        assert (transport._fast_path is not None) is fast
         deliveries = fetch(transport, len(sent))
         expected = []
         for _ in sent:

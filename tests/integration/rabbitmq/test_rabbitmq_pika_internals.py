@@ -1,0 +1,180 @@
+"""The pika internals of the RabbitMQ adapter, and what happens without them
+(docs/architecture.md, "Third-party internals in the adapters"), on real brokers.
+
+* its own ``basic.publish`` frames (``_adapter_emit_data``, ``_body_max_length``): the
+  messages on the broker are the same as through pika's ``basic_publish``, which every
+  message takes when pika lacks them;
+* the teardown of a connection that cannot close cleanly (``_terminate_stream``):
+  closing the publisher during a memory alarm, its connection goes from the broker as
+  soon as the alarm is over; without it the close returns all the same, and the
+  connection stays on the broker until the process ends;
+* the reason the broker closed the consuming channel (``_closing_reason``), named in the
+  consumer's log.
+
+The consumer's decoding of deliveries (``io_frames``) is in ``test_rabbitmq_decoding.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import pika
+import pika.connection
+import pytest
+
+from mqdedup.outbox.publishers import OutboxRecord
+from mqdedup.rabbitmq import RabbitMQPublisher, Topology
+from mqdedup.rabbitmq.publish_frames import PublishFrames
+from mqdedup.rabbitmq.transport import RabbitMQTransport
+from tests.services import PrivateRabbitMQ, RabbitAdmin, wait_for
+
+pytestmark = [pytest.mark.integration]
+
+
+class _Opaque:
+    """A pika connection as another pika version may have it: none of its internals."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+
+def _records(queue: str, user: str) -> list[OutboxRecord]:
+    now = datetime.now(UTC)
+    properties: list[dict[str, Any] | None] = [
+        None,
+        {"message_id": "m-1", "content_type": "application/json", "priority": 3},
+        {"message_id": "m-2", "user_id": user, "timestamp": 1_700_000_000, "app_id": "shop"},
+        {"message_id": "m-3", "correlation_id": "c", "reply_to": "r", "expiration": "60000"},
+        {"message_id": "m-4", "type": "order.created", "content_encoding": "identity"},
+    ]
+    bodies = [b'{"n": 0}', b"", bytes(range(256)) * 1200, "é ünïcode".encode(), b"\xff\xfe"]
+    return [
+        OutboxRecord(
+            id=n,
+            message_id=f"m-{n}",
+            broker="rabbitmq",
+            destination="",
+            routing_key=queue,
+            key=None,
+            headers={"message-id": f"m-{n}", "n": n, "flag": n % 2 == 0, "text": "é"},
+            properties=props,
+            payload=body,
+            attempts=0,
+            created_at=now,
+        )
+        for n, (props, body) in enumerate(zip(properties, bodies, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("internals", ["pika's", "missing (basic_publish)"])
+def test_the_relay_puts_the_same_messages_on_the_broker_with_or_without_its_own_frames(
+    rabbitmq_url: str, rabbit: RabbitAdmin, internals: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue = rabbit.queue("publish-frames")
+    records = _records(queue, pika.URLParameters(rabbitmq_url).credentials.username)
+    real_open = PublishFrames.open.__func__  # type: ignore[attr-defined]
+    writers: list[PublishFrames | None] = []
+
+    def open_frames(cls: type[PublishFrames], connection: Any, channel: Any) -> Any:
+        if internals != "pika's":
+            connection = _Opaque(connection)
+        writers.append(real_open(cls, connection, channel))
+        return writers[-1]
+
+    monkeypatch.setattr(PublishFrames, "open", classmethod(open_frames))
+    publisher = RabbitMQPublisher(rabbitmq_url)
+    try:
+        results = publisher.publish_batch(records)
+    finally:
+        publisher.close()
+    assert [r.ok for r in results] == [True] * len(records)
+    assert writers and all((w is not None) is (internals == "pika's") for w in writers)
+
+    got = rabbit.drain(queue, len(records))
+    assert [body for _, body in got] == [r.payload for r in records]
+    for (properties, _), record in zip(got, records, strict=True):
+        expected = pika.BasicProperties(
+            delivery_mode=2, headers=dict(record.headers), **(record.properties or {})
+        )
+        assert vars(properties) == vars(expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("internals", ["pika's", "missing"])
+def test_closing_the_relay_publisher_during_a_memory_alarm(
+    private_rabbit: PrivateRabbitMQ, internals: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocked connection cannot finish its close handshake. With pika's
+    ``_terminate_stream`` the publisher tears its socket down, and the broker drops the
+    connection as soon as the alarm is over (measured: within a second); without it the
+    close returns all the same, and the connection stays on the broker (measured: still
+    there a minute after the alarm) until the process ends. Either way the publisher
+    publishes again on a fresh connection."""
+    node = private_rabbit
+    name = f"mqdedup-relay-{uuid.uuid4().hex[:8]}"
+    queue = f"alarm-close-{uuid.uuid4().hex[:8]}"
+    admin = RabbitAdmin(node.url)
+    admin.channel().queue_declare(queue, durable=True)
+    records = _records(queue, "guest")
+    publisher = RabbitMQPublisher(node.url, confirm_timeout=1.0, connect_timeout=2.0)
+    publisher.parameters.client_properties = {"connection_name": name}
+    assert [r.ok for r in publisher.publish_batch(records[:1])] == [True]
+    wait_for(lambda: len(node.connections(name)) == 1, 10, "the relay's connection")
+
+    node.memory_alarm(True)
+    try:
+        # The broker blocks the connection at its next publish (that one may still pass).
+        for _ in range(5):
+            [result] = publisher.publish_batch(records[1:2])
+            if not result.ok:
+                break
+        assert not result.ok  # unavailable while the broker blocks publishers
+        with monkeypatch.context() as patch:
+            if internals == "missing":
+                patch.delattr(pika.connection.Connection, "_terminate_stream")
+            started = time.monotonic()
+            publisher.close()
+            assert time.monotonic() - started < 5.0, "the close never waits for the alarm"
+    finally:
+        node.memory_alarm(False)
+    if internals == "pika's":
+        wait_for(lambda: node.connections(name) == [], 10, "no relay connection left")
+    assert [r.ok for r in publisher.publish_batch(records[2:3])] == [True]
+    publisher.close()
+    arrived = {p.headers["message-id"] for p, _ in admin.drain(queue, 2)}
+    assert arrived >= {"m-0", "m-2"}  # m-1 too, if the broker took it before the close
+    admin.close()
+
+
+def test_the_log_names_why_the_broker_closed_the_consuming_channel(
+    rabbitmq_url: str, rabbit: RabbitAdmin, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pika keeps the broker's reason only in ``BlockingChannel._closing_reason``: the
+    consumer's log line names it (here an ack of a tag the broker never sent: 406); the
+    consumer reattaches either way."""
+    queue = rabbit.queue("close-reason")
+    transport = RabbitMQTransport(
+        Topology(queue), rabbitmq_url, connection_name=f"close-reason-{queue}", prefetch=10
+    ).start()
+    try:
+        generation = transport.live_generation
+        assert generation is not None
+        with caplog.at_level(logging.WARNING, logger="mqdedup.rabbitmq.transport"):
+            transport._submit(
+                lambda: transport._channel.basic_ack(delivery_tag=987_654),
+                generation,
+                "an ack the broker refuses",
+                detached=True,
+            )
+            wait_for(lambda: transport.generation > generation, 30, "the consumer to reattach")
+    finally:
+        transport.close()
+    [detached] = [
+        r for r in caplog.records if r.getMessage().startswith("RabbitMQ consumer detached")
+    ]
+    assert "406" in detached.error and "PRECONDITION_FAILED" in detached.error, detached.error
+    rabbit.delete(f"{queue}.dlq")
