@@ -37,6 +37,16 @@ class HandlerEndedTransactionError(RuntimeError):
     """
 
 
+class HandlerChangedConnectionError(RuntimeError):
+    """A handler changed the connection's ``client_encoding`` (``SET client_encoding``).
+
+    The claims, the stored results and the next messages of this worker share the
+    connection and are encoded with it: the change is refused as the message's own
+    failure (its transaction or savepoint rolls back, which undoes the ``SET``), so it is
+    retried and dead-lettered like any failing handler.
+    """
+
+
 class InvalidResultError(MessageError):
     """A handler returned a result no database can store as JSON (NaN, infinity, a NUL
     character, a lone surrogate, a type JSON does not have); the message is

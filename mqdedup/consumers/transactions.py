@@ -37,12 +37,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup.consumers.context import guard_session, unguard_session
+from mqdedup.consumers.context import (
+    HandlerChangedConnectionError,
+    guard_session,
+    unguard_session,
+)
 from mqdedup.consumers.handling import Handlers
 from mqdedup.consumers.report import Outcome, log_failure
 from mqdedup.consumers.staging import StagedWrites, close_stage, open_stage
 from mqdedup.db import sqlite_lock
-from mqdedup.db.dialects import is_data_error, is_sqlite_lock_error, is_transient
+from mqdedup.db.dialects import (
+    client_encoding,
+    is_data_error,
+    is_sqlite_lock_error,
+    is_transient,
+)
 
 if TYPE_CHECKING:
     from mqdedup.consumers.metrics import Metrics
@@ -140,6 +149,8 @@ class TransactionalRuns:
         self.name = consumer.consumer_name
         bind = sessions.kw.get("bind")
         self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
+        #: The connection's client encoding when the transaction began (None: not known).
+        self._encoding: str | None = None
         if self._sqlite:
             sqlite_lock.install()  # a handler's own connection to the file fails fast
 
@@ -167,17 +178,19 @@ class TransactionalRuns:
                     raise
                 result = _RolledBack(unattributed=commit_error)  # at commit, say
             if isinstance(result, Outcome):
+                for delivery, error in result.failures:  # failed in their savepoints
+                    log_failure(self.name, delivery, error)
                 result.failures[:0] = failed
                 return result
-            if result.unattributed is not None:
-                return self._each_alone(pending, failed, result.unattributed)
-            if not result.failed and not (mode.batch_handler and result.batch_handler):
+            if not (result.failed or result.unattributed or mode.batch_handler):
                 raise AssertionError("a transaction rolled back with nothing to change")
             for delivery, error in result.failed:
                 log_failure(self.name, delivery, error)
             culprits = {id(delivery) for delivery, _error in result.failed}
             pending = [delivery for delivery in pending if id(delivery) not in culprits]
             failed.extend(result.failed)
+            if result.unattributed is not None:
+                return self._each_alone(pending, failed, result.unattributed)
             mode = _Mode(
                 batch_handler=mode.batch_handler and result.batch_handler is None,
                 savepoints=mode.savepoints or isolation == "auto",
@@ -226,6 +239,8 @@ class TransactionalRuns:
     ) -> Outcome:
         """A data error no message's writes reproduce alone: each message on its own."""
         outcome = Outcome(failures=list(failed))
+        if not pending:
+            return outcome
         if len(pending) == 1:
             log_failure(self.name, pending[0], error)
             outcome.failures.append((pending[0], error))
@@ -245,11 +260,17 @@ class TransactionalRuns:
         transaction = session.begin()
         try:
             new = self._claim(session, deliveries, outcome)
+            self._encoding = client_encoding(session.connection())
             staged = open_stage(session)
             try:
                 rolled_back = self._handle(session, new, outcome, mode, staged)
                 if rolled_back is None and staged:
                     rolled_back = self._write_staged(session, staged)
+                    if rolled_back is not None and outcome.failures:
+                        # handlers that failed in their savepoints failed all the same
+                        rolled_back.failed = _in_order(
+                            deliveries, [*outcome.failures, *rolled_back.failed]
+                        )
             finally:
                 close_stage(session)
             if rolled_back is not None:
@@ -355,6 +376,14 @@ class TransactionalRuns:
         try:
             value = call()
             session.flush()  # the ORM's pending writes are the handler's too
+            if self._encoding is not None and client_encoding(session.connection()) != (
+                self._encoding
+            ):
+                raise HandlerChangedConnectionError(
+                    "the handler changed the connection's client_encoding (SET "
+                    "client_encoding): claims, results and the next messages share this "
+                    "connection; encode or decode in the handler instead"
+                )
         except Exception as raised:
             error = raised
             if is_transient(error):
@@ -367,7 +396,6 @@ class TransactionalRuns:
                 return _RolledBack(failed=[(delivery, error)])
             savepoint.rollback()
             staged.undo(mark)
-            log_failure(self.name, delivery, error)
             return error
         if savepoint is not None:
             savepoint.commit()
@@ -376,16 +404,16 @@ class TransactionalRuns:
     def _write_staged(self, session: Session, staged: StagedWrites) -> _RolledBack | None:
         """Write the staged rows in a savepoint; when they fail, find whose they are."""
         owners = staged.owners()
-        connection = session.connection()
         if len(owners) == 1:  # one owner: no savepoint needed to know whose they are
             try:
-                staged.flush(connection)
+                staged.flush(session.connection())
             except Exception as error:
                 if is_transient(error):
                     raise
                 return self._blame(owners[0], error)
             return None
         savepoint = session.begin_nested()
+        connection = session.connection()  # this is what emits the SAVEPOINT
         try:
             staged.flush(connection)
         except Exception as error:
@@ -404,9 +432,9 @@ class TransactionalRuns:
         if any(owner is None for owner in owners):
             return _RolledBack(batch_handler=error)  # the batch handler's rows: per message
         failed: list[tuple[Delivery[Any], Exception]] = []
-        connection = session.connection()
         for owner in owners:
             savepoint = session.begin_nested()
+            connection = session.connection()  # this is what emits the SAVEPOINT
             try:
                 staged.write_alone(connection, owner)
             except Exception as own_error:
@@ -448,3 +476,11 @@ def _self_deadlock(error: Exception) -> SQLiteSelfDeadlockError:
     )
     deadlock.__cause__ = error
     return deadlock
+
+
+def _in_order(
+    deliveries: Sequence[Delivery[Any]], failures: list[tuple[Delivery[Any], Exception]]
+) -> list[tuple[Delivery[Any], Exception]]:
+    """``failures`` in delivery order (their retries run in that order)."""
+    position = {id(delivery): index for index, delivery in enumerate(deliveries)}
+    return sorted(failures, key=lambda failure: position[id(failure[0])])

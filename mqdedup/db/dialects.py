@@ -184,6 +184,18 @@ def is_sqlite_lock_error(error: BaseException) -> bool:
     return isinstance(code, int) and (code & 0xFF) in _SQLITE_BUSY_CODES
 
 
+def client_encoding(connection: Connection) -> str | None:
+    """The client encoding the driver uses on ``connection`` (psycopg), None where the
+    driver does not say (SQLite, MySQL drivers).
+
+    Read from the driver's own connection info (psycopg reads the server's
+    ``ParameterStatus`` of ``client_encoding``): no round trip.
+    """
+    info = getattr(connection.connection.driver_connection, "info", None)
+    encoding = getattr(info, "encoding", None)
+    return encoding if isinstance(encoding, str) else None
+
+
 def claim_ids(
     session: Session, table: Table, consumer: str, ids: Sequence[str], now: datetime
 ) -> set[str]:
