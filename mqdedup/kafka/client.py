@@ -350,7 +350,12 @@ class KafkaClient:
     # -- rebalances -----------------------------------------------------------------------
 
     def _subscribe(self, client: Any) -> None:
-        listener = RebalanceListener(self)
+        listener = RebalanceListener(
+            self.settings.consumer_name,
+            revoked=self._partitions_revoked,
+            lost=self._partitions_lost,
+            assigned=self._partitions_assigned,
+        )
         if self.settings.pattern is not None:
             client.subscribe(pattern=self.settings.pattern, listener=listener)
         else:

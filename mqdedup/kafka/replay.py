@@ -13,21 +13,28 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.replay import ReplayReport, ReplayRun
+from mqdedup.consumers.spec import ConsumerSpec
 from mqdedup.db.engine import session_factory
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.range import KafkaRangeTransport
+from mqdedup.kafka.settings import KafkaSettings
 from mqdedup.stopping import StopToken
 
-if TYPE_CHECKING:
-    from mqdedup.kafka.consumer import KafkaConsumer
-
 log = logging.getLogger(__name__)
+
+
+class ReplayedConsumer(ConsumerSpec, Protocol):
+    """What a replay reads of its consumer (a :class:`~mqdedup.kafka.consumer.KafkaConsumer`)."""
+
+    def kafka_settings(self) -> KafkaSettings:
+        """The consumer's resolved Kafka settings."""
+        ...
 
 
 class KafkaReplay:
@@ -35,7 +42,7 @@ class KafkaReplay:
 
     def __init__(
         self,
-        consumer: KafkaConsumer,
+        consumer: ReplayedConsumer,
         database: Engine | sessionmaker[Session],
         *,
         start: int | datetime | None = None,

@@ -1,6 +1,6 @@
 """Dead letters of the aio-pika transport: a publishing connection of its own, confirms.
 
-As the pika transport's :class:`~mqdedup.rabbitmq.publishing.DeadLetterPublisher`: a
+As the pika transport's :class:`~mqdedup.rabbitmq.dead_letters.DeadLetterPublisher`: a
 resource alarm blocks publishing connections, so dead letters never share the consuming
 connection (its acks go on). Each copy is published with ``mandatory`` on a channel with
 publisher confirms and the call returns only once the broker confirmed it. The broker's

@@ -1,5 +1,6 @@
-"""What the broker refused the relay lately, so that the other records a refusal applies
-to are rejected without closing the channel again (for ``refusal_ttl`` seconds).
+"""What the broker refused the relay: which record a channel close points at
+(:func:`match_culprit`), and the refusals remembered so that the other records a refusal
+applies to are rejected without closing the channel again (for ``refusal_ttl`` seconds).
 
 A refusal is remembered by what it applies to: the exchange (403/404), the ``user_id``
 (406) or the body size limit (406, ``max_message_size``).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from mqdedup.outbox.publishers import OutboxRecord
@@ -64,3 +66,21 @@ def user_id_of(record: OutboxRecord) -> str | None:
     """The record's AMQP ``user_id`` property, if it sets one."""
     value = (record.properties or {}).get("user_id")
     return None if value is None else str(value)
+
+
+def match_culprit(
+    records: Sequence[OutboxRecord], inflight: Iterable[int], code: int | None, text: str
+) -> int | None:
+    """The record in flight (an index of ``records``) that the broker's close text points
+    at (the first match), if any."""
+    for index in sorted(inflight):
+        record = records[index]
+        user_id = user_id_of(record)
+        size = MAX_SIZE.search(text)
+        if code == 406 and user_id is not None and f"'{user_id}'" in text:
+            return index
+        if code == 406 and size is not None and len(record.payload) > int(size.group(1)):
+            return index
+        if code in (403, 404) and f"exchange '{record.destination}'" in text:
+            return index
+    return None

@@ -31,30 +31,129 @@ attempt): the connection cannot be opened or is lost, nacks, no confirm within
 no new record is sent, and records it carried that the broker confirms once the alarm
 is over count as published when the relay offers them again (they are not sent
 twice). A connection that cannot be closed cleanly is torn down, never left behind.
+
+The frames of a publish are encoded by :mod:`mqdedup.rabbitmq.publish_frames`; what the
+broker refused is remembered by :mod:`mqdedup.rabbitmq.publish_refusals`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import takewhile
+from typing import Any
 
+import pika
+import pika.exceptions
+import pika.spec
+
+from mqdedup.errors import ConfigurationError
 from mqdedup.outbox.publishers import PUBLISHED, OutboxRecord, PublishResult
-from mqdedup.rabbitmq.publish_batch import Batch, match_culprit
-from mqdedup.rabbitmq.publish_connection import PublisherConnection, UnavailableError
-from mqdedup.rabbitmq.publish_refusals import RECORD_REPLY_CODES
+from mqdedup.rabbitmq.publish_frames import CannotEncodeError, PublishFrames
+from mqdedup.rabbitmq.publish_refusals import (
+    RECORD_REPLY_CODES,
+    Refusals,
+    match_culprit,
+    user_id_of,
+)
+from mqdedup.rabbitmq.topology import connection_parameters, mask_amqp_url
 
 log = logging.getLogger(__name__)
 
+#: Late confirms remembered (message ids), at most.
+_LATE_CONFIRMS_MAX = 100_000
 
-class RabbitMQPublisher(PublisherConnection):
+
+class UnavailableError(Exception):
+    """The broker cannot be used right now (connect failed, channel lost)."""
+
+
+@dataclass
+class Batch:
+    """The records of one publishing round and their state on the channel."""
+
+    records: Sequence[OutboxRecord]
+    results: list[PublishResult | None]
+    order: list[int]
+    suspects: set[int] = field(default_factory=set)
+    position: int = 0
+    inflight: dict[int, int] = field(default_factory=dict)  # delivery tag -> record index
+    returned: dict[int, PublishResult] = field(default_factory=dict)
+    by_message_id: dict[str, int] = field(default_factory=dict)
+    alone: int | None = None  # index of the record published alone, until confirmed
+
+    @property
+    def done(self) -> bool:
+        """Every record was sent and confirmed (or settled without sending)."""
+        return self.position >= len(self.order) and not self.inflight
+
+    def unconfirmed(self) -> list[int]:
+        """Indices in flight or not sent yet, in the batch's order."""
+        return sorted(self.inflight.values()) + self.order[self.position :]
+
+
+class RabbitMQPublisher:
     """Publishes outbox records to RabbitMQ with asynchronous publisher confirms.
 
     ``url``: ``amqp://user:password@host:port/vhost``. ``window``: most unconfirmed
     messages at a time. ``confirm_timeout``: how long a batch waits for its acks.
     ``refusal_ttl``: seconds a broker refusal (missing or refusing exchange, ``user_id``,
     size limit) is applied to other records without asking the broker again.
+
+    Its methods, in this order: the ``Publisher`` seam and the publishing rounds, the
+    confirm window (pika callbacks, run in the I/O loop), the connection and its channel,
+    the passive exchange check, and the I/O loop driven from the relay's thread.
     """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        window: int = 1000,
+        confirm_timeout: float = 30.0,
+        connect_timeout: float = 10.0,
+        refusal_ttl: float = 30.0,
+    ) -> None:
+        if window < 1:
+            raise ConfigurationError("RabbitMQ confirm window must be at least 1")
+        self.parameters = connection_parameters(
+            url, f"mqdedup-relay:{socket.gethostname()}:{os.getpid()}"
+        )
+        self.parameters.socket_timeout = connect_timeout
+        self.parameters.stack_timeout = connect_timeout
+        # A blocked connection is kept while the alarm lasts (its records may still be
+        # confirmed); pika tears it down only after a long block.
+        self.parameters.blocked_connection_timeout = max(600.0, 10 * confirm_timeout)
+        self.safe_url = mask_amqp_url(url)
+        self.window = window
+        self.confirm_timeout = confirm_timeout
+        self.connect_timeout = connect_timeout
+        self._connection: Any = None
+        self._loop: Any = None
+        self._channel: Any = None
+        self._opening: Any = None
+        self._next_tag = 1
+        self._blocked = False
+        self._batch: Batch | None = None
+        self._last_error: str | None = None
+        self._channel_close: tuple[int | None, str] | None = None
+        self._done: Callable[[], bool] | None = None
+        # Per connection: exchanges that exist; what the broker accepted already.
+        self._known_exchanges: set[str] = set()
+        self._proven_exchanges: set[str] = set()
+        self._proven_user_ids: set[str] = set()
+        self._largest_confirmed = -1
+        # Across connections, for refusal_ttl seconds.
+        self._missing: dict[str, tuple[str, float]] = {}
+        self._refusals = Refusals(refusal_ttl)
+        # Records of ended batches still unconfirmed on the channel (tag -> message id),
+        # and message ids the broker confirmed after their batch had ended.
+        self._orphans: dict[int, str] = {}
+        self._late_confirmed: set[str] = set()
 
     # -- Publisher -------------------------------------------------------------------------
 
@@ -154,7 +253,11 @@ class RabbitMQPublisher(PublisherConnection):
         assert self._channel_close is not None
         code, text = self._channel_close
         reason = f"RabbitMQ refused the message: {code} {text}"
-        culprit = batch.alone if batch.alone in left else match_culprit(batch, code, text)
+        culprit = (
+            batch.alone
+            if batch.alone in left
+            else match_culprit(batch.records, batch.inflight.values(), code, text)
+        )
         if culprit is None:
             if code not in RECORD_REPLY_CODES:
                 log.warning(
@@ -182,3 +285,346 @@ class RabbitMQPublisher(PublisherConnection):
         if missing is not None and missing[1] > time.monotonic():
             return missing[0]
         return self._refusals.reason(record)
+
+    # -- the confirm window (pika callbacks run in the I/O loop) ---------------------------
+
+    def _risky(self, record: OutboxRecord) -> bool:
+        """Whether the broker may close the channel for this record (nothing proven yet)."""
+        if (record.destination != "" and record.destination not in self._proven_exchanges) or len(
+            record.payload
+        ) > self._largest_confirmed:
+            return True
+        properties = record.properties
+        if not properties or "user_id" not in properties:
+            return False
+        user_id = user_id_of(record)
+        return user_id is not None and user_id not in self._proven_user_ids
+
+    def _pump(self) -> None:
+        batch, channel = self._batch, self._channel
+        if batch is None or channel is None or self._blocked or batch.alone is not None:
+            return
+        if not channel.is_open:
+            return  # closing: what is not sent stays unconfirmed
+        frames = PublishFrames.open(self._connection, channel)
+        try:
+            self._pump_batch(batch, channel, frames)
+        finally:
+            if frames is not None:
+                frames.flush()
+
+    def _pump_batch(self, batch: Batch, channel: Any, frames: PublishFrames | None) -> None:
+        """Publish up to the window; ``frames`` (if any) buffers them for one write."""
+        while batch.position < len(batch.order) and len(batch.inflight) < self.window:
+            index = batch.order[batch.position]
+            record = batch.records[index]
+            alone = index in batch.suspects or self._risky(record)
+            if alone and batch.inflight:
+                return  # wait for the records before it to be confirmed
+            if not self._encode(frames, record):
+                if frames is not None:
+                    frames.flush()  # what is buffered goes first: the broker keeps order
+                try:
+                    channel.basic_publish(
+                        exchange=record.destination,
+                        routing_key=record.routing_key or "",
+                        body=record.payload,
+                        properties=pika.BasicProperties(
+                            delivery_mode=pika.DeliveryMode.Persistent,
+                            headers=dict(record.headers),
+                            **(record.properties or {}),
+                        ),
+                        mandatory=True,
+                    )
+                except (pika.exceptions.AMQPError, ValueError, TypeError) as error:
+                    if not channel.is_open:
+                        return  # the rest stays unconfirmed: unavailable
+                    batch.results[index] = PublishResult.rejected(
+                        f"{type(error).__name__}: {error}"
+                    )
+                    batch.position += 1
+                    continue
+            batch.inflight[self._next_tag] = index
+            batch.by_message_id[record.message_id] = index
+            self._next_tag += 1
+            batch.position += 1
+            if alone:
+                batch.alone = index
+                return  # nothing after it until it is confirmed
+
+    @staticmethod
+    def _encode(frames: PublishFrames | None, record: OutboxRecord) -> bool:
+        """Buffer ``record``'s frames; ``False``: it takes pika's ``basic_publish``."""
+        if frames is None:
+            return False
+        extra = record.properties
+        if extra and ("headers" in extra or "delivery_mode" in extra):
+            return False  # pika's path refuses the clash with the reason
+        properties = {"delivery_mode": 2, "headers": dict(record.headers)}
+        if extra:
+            properties.update(extra)
+        try:
+            frames.add(record.destination, record.routing_key or "", properties, record.payload)
+        except CannotEncodeError:
+            return False
+        return True
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        acked = isinstance(method, pika.spec.Basic.Ack)
+        self._late_confirms(method.delivery_tag, method.multiple, acked)
+        batch = self._batch
+        if batch is None:
+            return
+        if method.multiple:
+            # Tags enter ``inflight`` in increasing order: stop at the first one above.
+            tags = list(takewhile(method.delivery_tag.__ge__, batch.inflight))
+        else:
+            tags = [method.delivery_tag] if method.delivery_tag in batch.inflight else []
+        for tag in tags:
+            index = batch.inflight.pop(tag)
+            if index == batch.alone:
+                batch.alone = None
+            if not acked:
+                batch.results[index] = PublishResult.unavailable("nacked by the broker")
+                continue
+            batch.results[index] = batch.returned.get(index, PUBLISHED)
+            if index not in batch.returned:
+                self._prove(batch.records[index])
+        self._pump()
+        self._check_done()
+
+    def _late_confirms(self, tag: int, multiple: bool, acked: bool) -> None:
+        """Confirms of records whose batch has ended: published, if offered again."""
+        if not self._orphans:
+            return
+        tags = [t for t in self._orphans if t <= tag] if multiple else [tag]
+        for orphan in tags:
+            message_id = self._orphans.pop(orphan, None)
+            if message_id is not None and acked and len(self._late_confirmed) < _LATE_CONFIRMS_MAX:
+                self._late_confirmed.add(message_id)
+
+    def _prove(self, record: OutboxRecord) -> None:
+        self._proven_exchanges.add(record.destination)
+        size = len(record.payload)
+        self._largest_confirmed = max(self._largest_confirmed, size)
+        if record.properties and "user_id" in record.properties:
+            user_id = user_id_of(record)
+            if user_id is not None:
+                self._proven_user_ids.add(user_id)
+
+    def _on_return(self, _channel: Any, method: Any, properties: Any, _body: bytes) -> None:
+        batch = self._batch
+        if batch is None:
+            return
+        index = batch.by_message_id.get(properties.message_id)
+        if index is not None:
+            batch.returned[index] = PublishResult.rejected(
+                f"unroutable: {method.reply_code} {method.reply_text} "
+                f"(exchange {method.exchange!r}, routing key {method.routing_key!r})"
+            )
+
+    # -- connection ------------------------------------------------------------------------
+
+    def _ensure_channel(self) -> None:
+        if self._channel is not None and self._channel.is_open:
+            return
+        if self._connection is None or not self._connection.is_open:
+            self._reset()
+            self._last_error = None
+            self._connection = pika.SelectConnection(
+                self.parameters,
+                on_open_callback=self._on_connection_open,
+                on_open_error_callback=self._on_connection_error,
+                on_close_callback=self._on_connection_closed,
+            )
+            self._loop = self._connection.ioloop
+        else:
+            self._open_channel()
+        self._run_until(
+            lambda: self._channel is not None or self._connection is None, self.connect_timeout
+        )
+        if self._channel is None:
+            error = self._last_error or f"no channel within {self.connect_timeout} s"
+            raise UnavailableError(f"cannot connect to RabbitMQ at {self.safe_url}: {error}")
+
+    def _on_connection_open(self, connection: Any) -> None:
+        connection.add_on_connection_blocked_callback(self._on_blocked)
+        connection.add_on_connection_unblocked_callback(self._on_unblocked)
+        self._open_channel()
+
+    def _on_connection_error(self, _connection: Any, error: BaseException) -> None:
+        self._last_error = f"{type(error).__name__}: {error}"
+        self._connection = None
+        self._channel = None
+        self._stop_loop()
+
+    def _on_connection_closed(self, connection: Any, reason: BaseException) -> None:
+        if connection is not self._connection:
+            return
+        self._last_error = f"connection closed: {type(reason).__name__}: {reason}"
+        self._connection = None
+        self._channel = None
+        self._forget_connection_facts()
+        self._stop_loop()
+
+    def _on_blocked(self, _connection: Any, _frame: Any) -> None:
+        self._blocked = True
+        log.warning("RabbitMQ blocks publishing (resource alarm); the relay waits")
+        self._stop_loop()
+
+    def _on_unblocked(self, _connection: Any, _frame: Any) -> None:
+        self._blocked = False
+        log.info("RabbitMQ unblocked publishing")
+
+    def _open_channel(self) -> None:
+        self._channel = None
+        self._orphans.clear()  # their confirms would have come on the closed channel
+        self._opening = self._connection.channel(on_open_callback=self._on_channel_open)
+
+    def _on_channel_open(self, channel: Any) -> None:
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_return_callback(self._on_return)
+        channel.confirm_delivery(
+            ack_nack_callback=self._on_confirm,
+            callback=lambda _frame: self._on_confirm_mode(channel),
+        )
+
+    def _on_confirm_mode(self, channel: Any) -> None:
+        self._channel = channel
+        self._next_tag = 1
+        self._channel_close = None
+        self._check_done()
+
+    def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
+        if channel is self._channel or channel is self._opening:
+            self._channel = None
+            self._channel_close = (
+                getattr(reason, "reply_code", None),
+                str(getattr(reason, "reply_text", reason)),
+            )
+            self._last_error = f"channel closed: {type(reason).__name__}: {reason}"
+        self._stop_loop()
+
+    def _forget_connection_facts(self) -> None:
+        self._known_exchanges.clear()
+        self._proven_exchanges.clear()
+        self._proven_user_ids.clear()
+        self._largest_confirmed = -1
+        self._orphans.clear()
+        self._blocked = False
+
+    def _reset(self) -> None:
+        connection, self._connection = self._connection, None
+        self._channel = None
+        self._forget_connection_facts()
+        if connection is None:
+            return
+        try:
+            if connection.is_open:
+                connection.close()
+                self._connection = connection  # let the close handshake run
+                self._run_until(lambda: connection.is_closed, 2.0)
+        except Exception:
+            log.debug("closing the RabbitMQ connection failed", exc_info=True)
+        finally:
+            self._connection = None
+        if not connection.is_closed:
+            # No close handshake (e.g. a blocked connection): tear the socket down, so
+            # no connection is left behind on the broker.
+            _abort(connection)
+
+    # -- exchanges -------------------------------------------------------------------------
+
+    def _check_exchanges(self, exchanges: set[str]) -> None:
+        """Passively declare exchanges not checked yet; remember missing ones for a while."""
+        now = time.monotonic()
+        for exchange in sorted(exchanges - self._known_exchanges - {""}):
+            missing = self._missing.get(exchange)
+            if missing is not None and missing[1] > now:
+                continue
+            if self._exchange_exists(exchange):
+                self._known_exchanges.add(exchange)
+                self._missing.pop(exchange, None)
+                continue
+            if self._channel_close is not None and self._channel_close[0] == 404:
+                reason = f"RabbitMQ exchange {exchange!r} does not exist"
+                self._missing[exchange] = (reason, now + self._refusals.ttl)
+                self._ensure_channel()
+                continue
+            raise UnavailableError(
+                f"cannot check exchange {exchange!r}: {self._last_error or 'no answer'}"
+            )
+
+    def _exchange_exists(self, exchange: str) -> bool:
+        """Passive declare; False when the broker closed the channel instead of answering."""
+        confirmed: list[bool] = []
+        channel = self._channel
+
+        def on_ok(_frame: Any) -> None:
+            confirmed.append(True)
+            self._stop_loop()
+
+        channel.exchange_declare(exchange=exchange, passive=True, callback=on_ok)
+        self._run_until(
+            lambda: bool(confirmed) or self._channel is not channel, self.connect_timeout
+        )
+        return bool(confirmed)
+
+    # -- the I/O loop ----------------------------------------------------------------------
+
+    def _run_until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Run the connection's I/O loop until ``done()`` or ``timeout`` seconds (at least
+        one pass, so ``timeout=0`` serves what is pending)."""
+        deadline = time.monotonic() + timeout
+        first = True
+        while not done() and self._connection is not None and self._loop is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 and not first:
+                break
+            first = False
+            loop = self._loop
+            self._done = done
+            timer = loop.call_later(max(0.0, remaining), loop.stop)
+            try:
+                loop.start()
+            finally:
+                self._done = None
+                loop.remove_timeout(timer)
+        return done()
+
+    def _check_done(self) -> None:
+        if self._done is not None and self._done():
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        if self._loop is not None:
+            self._loop.stop()
+
+
+def _abort(connection: Any) -> None:
+    """Close ``connection``'s socket now, without the close handshake.
+
+    pika has no public abort: this uses its ``_terminate_stream`` (an internal; see
+    docs/architecture.md, "Third-party internals in the adapters"), then runs the
+    connection's I/O loop once, where pika closes the socket. Without the internal the
+    connection is only dropped: it stays on the broker until the process ends.
+    """
+    terminate = getattr(connection, "_terminate_stream", None)
+    if not callable(terminate):
+        log.warning(
+            "pika cannot abort a connection (no _terminate_stream); it stays on the broker "
+            "until the relay stops"
+        )
+        return
+    try:
+        terminate(None)
+        loop = connection.ioloop
+        timer = loop.call_later(0.5, loop.stop)  # in case pika queued nothing
+        loop.add_callback_threadsafe(loop.stop)  # after pika's own callbacks
+        try:
+            loop.start()
+        finally:
+            loop.remove_timeout(timer)
+    except Exception:
+        log.debug("tearing down the RabbitMQ connection failed", exc_info=True)

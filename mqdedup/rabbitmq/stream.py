@@ -33,7 +33,7 @@ from mqdedup.db.engine import session_factory
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.rabbitmq.codec import dead_letter_properties, to_message
 from mqdedup.rabbitmq.consumer import RabbitMQConsumer
-from mqdedup.rabbitmq.publishing import DeadLetterPublisher
+from mqdedup.rabbitmq.dead_letters import DeadLetterPublisher
 from mqdedup.rabbitmq.topology import connection_parameters, declare_dead_letter_topology
 from mqdedup.stopping import StopToken
 

@@ -2,9 +2,8 @@
 
 The I/O thread (:mod:`mqdedup.rabbitmq.io_thread`) consumes into a buffer; the worker
 thread takes batches from the buffer (``fetch``) and runs the handlers, as long as they
-take. Acks, nacks and dead-letter publishes are handed to the I/O thread with
-``add_callback_threadsafe``, the only pika call that is safe from another thread
-(:mod:`mqdedup.rabbitmq.io_commands`).
+take. Acks and nacks are handed to the I/O thread with ``add_callback_threadsafe``, the
+only pika call that is safe from another thread (:class:`~mqdedup.rabbitmq.io_thread.Command`).
 
 Every delivery carries the generation of the connection it came from: an ack for a
 delivery of an older generation is dropped, never sent (its tag would name another
@@ -12,7 +11,7 @@ message on the new channel): the broker redelivers that message and mqdedup's de
 skips it.
 
 Dead letters go out on a publishing connection of their own
-(:class:`~mqdedup.rabbitmq.publishing.DeadLetterPublisher`, used from the
+(:class:`~mqdedup.rabbitmq.dead_letters.DeadLetterPublisher`, used from the
 worker thread), so a resource alarm that blocks publishers never blocks the acks.
 """
 
@@ -28,10 +27,8 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError
 from mqdedup.rabbitmq.codec import dead_letter_properties
-from mqdedup.rabbitmq.io_channel import AmqpToken
-from mqdedup.rabbitmq.io_commands import noop
-from mqdedup.rabbitmq.io_thread import ConsumingConnection
-from mqdedup.rabbitmq.publishing import DeadLetterPublisher
+from mqdedup.rabbitmq.dead_letters import DeadLetterPublisher
+from mqdedup.rabbitmq.io_thread import AmqpToken, ConsumingConnection, noop
 from mqdedup.rabbitmq.topology import Topology
 from mqdedup.stopping import StopToken
 

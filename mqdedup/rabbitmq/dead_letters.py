@@ -31,13 +31,14 @@ import pika
 import pika.exceptions
 
 from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
+from mqdedup.rabbitmq.reconnecting import describe
 from mqdedup.rabbitmq.topology import (
     Topology,
     connection_parameters,
     declare_dead_letter_topology,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mqdedup.rabbitmq.publishing")  # its name before the module was renamed
 
 #: Longest pause, in seconds, between publish attempts while the broker blocks publishers.
 _BLOCKED_PAUSE_MAX = 5.0
@@ -221,11 +222,3 @@ class DeadLetterPublisher:
                 connection.close()
         except Exception as error:
             log.debug("ignoring error while closing the dead-letter connection: %r", error)
-
-
-def describe(error: BaseException) -> str:
-    """A one-line description of a pika / socket error (never contains credentials)."""
-    if isinstance(error, pika.exceptions.ChannelClosed | pika.exceptions.ConnectionClosed):
-        return f"{type(error).__name__}({error.reply_code}, {error.reply_text!r})"
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
