@@ -181,7 +181,7 @@ class Processor:
         if unique:
             try:
                 if self.attempts is not None and any(d.message.redelivered for d in unique):
-                    unique = self._careful(unique, report)
+                    unique = self._careful(self.attempts, unique, report)
                 if unique:
                     self._first(unique, report)
             except BatchAbandonedError:
@@ -287,12 +287,12 @@ class Processor:
     # -- careful mode ------------------------------------------------------------------
 
     def _careful(
-        self, deliveries: Sequence[Delivery[Any]], report: BatchReport
+        self, attempt_log: AttemptLog, deliveries: Sequence[Delivery[Any]], report: BatchReport
     ) -> list[Delivery[Any]]:
         """Process the redelivered deliveries one at a time; return the others."""
         careful = [d for d in deliveries if d.message.redelivered]
         others = [d for d in deliveries if not d.message.redelivered]
-        fresh = self._skip_processed(careful, report)
+        fresh = self._skip_processed(attempt_log, careful, report)
         lease = self.runs.lease()
         try:
             for index, delivery in enumerate(fresh):
@@ -300,20 +300,19 @@ class Processor:
                     report.unsettled.extend(fresh[index:])
                     report.unsettled.extend(others)
                     return []
-                self._careful_one(delivery, lease, report)
+                self._careful_one(attempt_log, delivery, lease, report)
         finally:
             lease.close()
         return others
 
     def _skip_processed(
-        self, deliveries: list[Delivery[Any]], report: BatchReport
+        self, attempt_log: AttemptLog, deliveries: list[Delivery[Any]], report: BatchReport
     ) -> list[Delivery[Any]]:
         """Settle the deliveries whose claims are committed; return the rest (one read)."""
-        assert self.attempts is not None
         if not self.consumer.deduplicate or not deliveries:
             return deliveries
         ids = [str(d.message.id) for d in deliveries]
-        done = self.outages.run(functools.partial(self.attempts.processed, self.name, ids))
+        done = self.outages.run(functools.partial(attempt_log.processed, self.name, ids))
         if not done:
             return deliveries
         duplicates = [d for d in deliveries if d.message.id in done]
@@ -321,15 +320,15 @@ class Processor:
         self._committed(Outcome(duplicates=duplicates, stored_results=stored), report)
         return [d for d in deliveries if d.message.id not in done]
 
-    def _careful_one(self, delivery: Delivery[Any], lease: _Lease, report: BatchReport) -> None:
+    def _careful_one(
+        self, attempt_log: AttemptLog, delivery: Delivery[Any], lease: _Lease, report: BatchReport
+    ) -> None:
         """Count the attempt first, then run the message alone; retry up to the policy."""
-        assert self.attempts is not None
-        attempt_log = self.attempts
         message_id = str(delivery.message.id)
         outages = self.outages
         while True:
             attempts, last_error, started = outages.run(
-                functools.partial(self._start_attempt, message_id, lease)
+                functools.partial(self._start_attempt, attempt_log, message_id, lease)
             )
             if not started:
                 record = self._exhausted_record(attempts, last_error)
@@ -367,11 +366,12 @@ class Processor:
                 return
             self.metrics.retries += 1
 
-    def _start_attempt(self, message_id: str, lease: _Lease) -> tuple[int, str | None, bool]:
-        assert self.attempts is not None
+    def _start_attempt(
+        self, attempt_log: AttemptLog, message_id: str, lease: _Lease
+    ) -> tuple[int, str | None, bool]:
         unit = lease.unit()
         try:
-            return self.attempts.start_attempt(
+            return attempt_log.start_attempt(
                 unit, self.name, message_id, WORKER_DIED, self.policy.max_attempts
             )
         except BaseException:

@@ -149,8 +149,6 @@ class TransactionalRuns:
         self.name = consumer.consumer_name
         bind = sessions.kw.get("bind")
         self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
-        #: The connection's client encoding when the transaction began (None: not known).
-        self._encoding: str | None = None
         if self._sqlite:
             sqlite_lock.install()  # a handler's own connection to the file fails fast
 
@@ -260,10 +258,10 @@ class TransactionalRuns:
         transaction = session.begin()
         try:
             new = self._claim(session, deliveries, outcome)
-            self._encoding = client_encoding(session.connection())
+            encoding = client_encoding(session.connection())
             staged = open_stage(session)
             try:
-                rolled_back = self._handle(session, new, outcome, mode, staged)
+                rolled_back = self._handle(session, new, outcome, mode, staged, encoding)
                 if rolled_back is None and staged:
                     rolled_back = self._write_staged(session, staged)
                     if rolled_back is not None and outcome.failures:
@@ -312,8 +310,10 @@ class TransactionalRuns:
         outcome: Outcome,
         mode: _Mode,
         staged: StagedWrites,
+        encoding: str | None,
     ) -> _RolledBack | None:
-        """Run the handlers (the session guarded); fill ``outcome``."""
+        """Run the handlers (the session guarded); fill ``outcome``. ``encoding``: the
+        connection's client encoding before them (None: the driver does not say)."""
         handlers = self.handlers
         guard_session(session)  # the handlers must not end this transaction
         if self._sqlite:
@@ -327,6 +327,7 @@ class TransactionalRuns:
                     staged,
                     None,
                     functools.partial(handlers.call_batch, session, new),
+                    encoding,
                 )
                 if isinstance(value, _RolledBack):
                     return value
@@ -342,6 +343,7 @@ class TransactionalRuns:
                     staged,
                     delivery,
                     functools.partial(handlers.call, session, delivery),
+                    encoding,
                 )
                 if isinstance(result, _RolledBack):
                     return result
@@ -364,6 +366,7 @@ class TransactionalRuns:
         staged: StagedWrites,
         delivery: Delivery[Any] | None,
         call: Callable[[], T],
+        encoding: str | None,
     ) -> T | Exception | _RolledBack:
         """Run ``call`` so that its failure undoes only its own work.
 
@@ -376,9 +379,7 @@ class TransactionalRuns:
         try:
             value = call()
             session.flush()  # the ORM's pending writes are the handler's too
-            if self._encoding is not None and client_encoding(session.connection()) != (
-                self._encoding
-            ):
+            if encoding is not None and client_encoding(session.connection()) != encoding:
                 raise HandlerChangedConnectionError(
                     "the handler changed the connection's client_encoding (SET "
                     "client_encoding): claims, results and the next messages share this "
@@ -391,9 +392,7 @@ class TransactionalRuns:
                     raise
                 error = _self_deadlock(error)
             if savepoint is None:
-                if delivery is None:
-                    return _RolledBack(batch_handler=error)
-                return _RolledBack(failed=[(delivery, error)])
+                return _blamed(delivery, error)
             savepoint.rollback()
             staged.undo(mark)
             return error
@@ -410,7 +409,7 @@ class TransactionalRuns:
             except Exception as error:
                 if is_transient(error):
                     raise
-                return self._blame(owners[0], error)
+                return _blamed(owners[0], error)
             return None
         savepoint = session.begin_nested()
         connection = session.connection()  # this is what emits the SAVEPOINT
@@ -429,8 +428,8 @@ class TransactionalRuns:
     ) -> _RolledBack:
         """Write each owner's staged rows alone (in a savepoint each) to find the failing
         messages; the transaction is rolled back afterwards either way."""
-        if any(owner is None for owner in owners):
-            return _RolledBack(batch_handler=error)  # the batch handler's rows: per message
+        if any(owner is None for owner in owners):  # the batch handler's rows
+            return _blamed(None, error)
         failed: list[tuple[Delivery[Any], Exception]] = []
         for owner in owners:
             savepoint = session.begin_nested()
@@ -446,11 +445,13 @@ class TransactionalRuns:
             savepoint.commit()
         return _RolledBack(failed=failed) if failed else _RolledBack(unattributed=error)
 
-    @staticmethod
-    def _blame(owner: Any, error: Exception) -> _RolledBack:
-        if owner is None:
-            return _RolledBack(batch_handler=error)
-        return _RolledBack(failed=[(owner, error)])
+
+def _blamed(owner: Delivery[Any] | None, error: Exception) -> _RolledBack:
+    """The rollback for ``owner``'s own failure (None: the batch handler's, so the next
+    transaction calls ``handle`` per message)."""
+    if owner is None:
+        return _RolledBack(batch_handler=error)
+    return _RolledBack(failed=[(owner, error)])
 
 
 def _waits_for_own_lock(session: Session, error: Exception) -> bool:
