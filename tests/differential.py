@@ -936,6 +936,12 @@ def describe(scenario: Scenario) -> str:
     return "\n".join(lines)
 
 
+def assert_matches(engine: Engine, tables: Tables, scenario: Scenario, isolation: str) -> None:
+    """Fail with the differences when mqdedup and the reference differ on ``scenario``."""
+    found = check(engine, tables, scenario, isolations=[isolation])
+    assert not found, failure_report(scenario, found)
+
+
 def failure_report(scenario: Scenario, found: Sequence[str]) -> str:
     """The assertion message of a differential test."""
     return "\n".join(

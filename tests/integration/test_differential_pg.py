@@ -60,8 +60,7 @@ def test_handler_programs_end_as_the_reference_on_postgresql(
     pg_differential: tuple[Engine, Tables], isolation: str, scenario: Scenario
 ) -> None:
     engine, tables = pg_differential
-    found = differential.check(engine, tables, scenario, isolations=[isolation])
-    assert not found, differential.failure_report(scenario, found)
+    differential.assert_matches(engine, tables, scenario, isolation)
 
 
 @pytest.mark.parametrize("isolation", differential.ISOLATIONS)
@@ -71,5 +70,4 @@ def test_handler_programs_end_as_the_reference_on_mariadb(
     mariadb_differential: tuple[Engine, Tables], isolation: str, scenario: Scenario
 ) -> None:
     engine, tables = mariadb_differential
-    found = differential.check(engine, tables, scenario, isolations=[isolation])
-    assert not found, differential.failure_report(scenario, found)
+    differential.assert_matches(engine, tables, scenario, isolation)

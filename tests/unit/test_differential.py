@@ -44,8 +44,7 @@ def test_handler_programs_end_as_the_reference_on_sqlite(
     sqlite_differential: tuple[Engine, Tables], isolation: str, scenario: Scenario
 ) -> None:
     engine, tables = sqlite_differential
-    found = differential.check(engine, tables, scenario, isolations=[isolation])
-    assert not found, differential.failure_report(scenario, found)
+    differential.assert_matches(engine, tables, scenario, isolation)
 
 
 def test_the_reference_models_retries_duplicates_and_order(
