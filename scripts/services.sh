@@ -1072,6 +1072,20 @@ mdb_status() {
     fi
 }
 
+# ----------------------------------------------------------------------------- extensions
+# Each scripts/services.d/NAME.sh adds optional services (never defaults): it appends to
+# ALL_SERVICES, defines <service>_start/_stop/_kill/_status (and optionally _logfiles, one
+# path per line), and may append a function to EXTRA_ENV_HOOKS that prints `export` lines.
+EXTRA_ENV_HOOKS=()
+if [[ -d $SCRIPT_DIR/services.d ]]; then
+    for _ext in "$SCRIPT_DIR"/services.d/*.sh; do
+        [[ -e $_ext ]] || continue
+        # shellcheck source=/dev/null
+        source "$_ext"
+    done
+    unset _ext
+fi
+
 # ----------------------------------------------------------------------------- commands
 
 svc_fn() { # SERVICE ACTION -> function name
@@ -1081,7 +1095,13 @@ svc_fn() { # SERVICE ACTION -> function name
     redis) echo "redis_$2" ;;
     kafka) echo "kafka_$2" ;;
     mariadb) echo "mdb_$2" ;;
-    *) die "unknown service '$1' (expected one of: ${ALL_SERVICES[*]})" ;;
+    *)
+        # Services from scripts/services.d/*.sh: functions named <service>_<action>
+        # with '-' as '_' (e.g. kafka-cluster -> kafka_cluster_start).
+        local f="${1//-/_}_$2"
+        declare -F "$f" >/dev/null || die "unknown service '$1' (expected one of: ${ALL_SERVICES[*]})"
+        echo "$f"
+        ;;
     esac
 }
 
@@ -1115,6 +1135,8 @@ EOF
     else
         echo "# MQDEDUP_TEST_MARIADB_URL unset: nothing listens on $HOST:$MARIADB_PORT ('$SCRIPT_PATH start mariadb' to run it)"
     fi
+    local hook
+    for hook in "${EXTRA_ENV_HOOKS[@]}"; do "$hook"; done
 }
 
 cmd_logs() {
@@ -1125,7 +1147,10 @@ cmd_logs() {
     redis) files=("$REDIS_LOG") ;;
     kafka) files=("$KAFKA_OUT" "$KAFKA_LOG") ;;
     mariadb) files=("$MDB_INST/mariadb.out" "$MDB_LOG") ;;
-    *) die "usage: $0 logs SERVICE" ;;
+    *)
+        declare -F "${1//-/_}_logfiles" >/dev/null || die "usage: $0 logs SERVICE"
+        mapfile -t files < <("${1//-/_}_logfiles")
+        ;;
     esac
     for f in "${files[@]}"; do
         echo "==== $f"
