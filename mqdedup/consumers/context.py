@@ -9,7 +9,7 @@ guarded ``AsyncSession`` and an awaitable outbox.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
@@ -17,6 +17,8 @@ from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
 from mqdedup.consumers.staging import Stageable, capture, staged_writes
+from mqdedup.consumers.steps import StepRunner
+from mqdedup.dedup.steps import idempotency_key
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outbox.async_writer import AsyncOutboxWriter
 from mqdedup.outbox.writer import OutboxWriter
@@ -141,6 +143,38 @@ class HandlerContext:
         """The dedup scope this message is claimed in."""
         return self.consumer.consumer_name
 
+    def idempotency_key(self, name: str, message: Message | None = None) -> str:
+        """The key of the external call ``name`` for this message (32 hex characters).
+
+        The same for this consumer, message id and name on every redelivery, replay and
+        rerun; different per consumer and per name. Pass it to the third party so that
+        it deduplicates the call: ``headers={"Idempotency-Key": key}``, or as the
+        merchant order number of a payment API. ``handle_batch`` passes the message.
+        See :mod:`mqdedup.dedup.steps`.
+        """
+        chosen = self._message_for(message, "ctx.idempotency_key")
+        return idempotency_key(self.consumer.consumer_name, self._id_of(chosen), name)
+
+    def _id_of(self, message: Message) -> str:
+        return message.id if message.id is not None else self.consumer.message_id(message)
+
+    def _message_for(self, message: Message | None, _what: str) -> Message:
+        return self.message if message is None else message
+
+    def _steps(self, message: Message | None, what: str) -> StepRunner:
+        """The step runner of ``message`` (one per message and handler call)."""
+        message_id = self._id_of(self._message_for(message, what))
+        runners: dict[str, StepRunner] = self.__dict__.setdefault("_step_runners", {})
+        runner = runners.get(message_id)
+        if runner is None:
+            runner = runners[message_id] = StepRunner(
+                self._transaction(what),
+                self.consumer.consumer_name,
+                message_id,
+                self.consumer.table_prefix,
+            )
+        return runner
+
 
 class Context(HandlerContext):
     """What a handler gets besides the message: the transaction's session and outbox.
@@ -188,6 +222,28 @@ class Context(HandlerContext):
             message=self.message,
         )
 
+    def step(self, name: str, fn: Callable[[str], Any], message: Message | None = None) -> Any:
+        """Call ``fn(key)`` at most once per message and ``name`` as far as the database
+        knows, and return its result (recorded as JSON; a rerun gets the record).
+
+        ``key`` is :meth:`idempotency_key` of ``name``: pass it to the third party, which
+        covers the one window the record cannot (a crash after the call, before its
+        record committed). The record is written in a short transaction of its own, so
+        it survives a rollback of the message's. See :mod:`mqdedup.consumers.steps`.
+        ``handle_batch`` passes the message.
+        """
+        return self._steps(message, "ctx.step").run(name, fn)
+
+
+def _batch_message(messages: Sequence[Message], message: Message | None, what: str) -> Message:
+    if message is None:
+        if len(messages) > 1:
+            raise TypeError(
+                f"{what} in handle_batch needs the message: {what}(name, ..., message=m)"
+            )
+        return messages[0]
+    return message
+
 
 class BatchContext(Context):
     """Context of :meth:`Consumer.handle_batch`; ``message`` is the batch's first one."""
@@ -197,6 +253,9 @@ class BatchContext(Context):
     ) -> None:
         super().__init__(session, consumer, messages[0])
         self.messages = messages
+
+    def _message_for(self, message: Message | None, what: str) -> Message:
+        return _batch_message(self.messages, message, what)
 
 
 # -- async consumers ---------------------------------------------------------------------
@@ -250,6 +309,17 @@ class AsyncContext(HandlerContext):
             message=self.message,
         )
 
+    async def step(
+        self,
+        name: str,
+        fn: Callable[[str], Awaitable[Any] | Any],
+        message: Message | None = None,
+    ) -> Any:
+        """``await ctx.step(name, fn)``: :meth:`Context.step` for async consumers;
+        ``fn(key)`` may be a coroutine function."""
+        runner = self._steps(message, "ctx.step")
+        return await runner.run_async(self.session, name, fn)
+
 
 class AsyncBatchContext(AsyncContext):
     """Context of ``AsyncConsumer.handle_batch``; ``message`` is the batch's first one."""
@@ -259,3 +329,6 @@ class AsyncBatchContext(AsyncContext):
     ) -> None:
         super().__init__(session, consumer, messages[0])
         self.messages = messages
+
+    def _message_for(self, message: Message | None, what: str) -> Message:
+        return _batch_message(self.messages, message, what)

@@ -40,7 +40,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from mqdedup.errors import ConfigurationError
 
 DEFAULT_PREFIX = "mqdedup_"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _PREFIX_PATTERN = re.compile(r"^[a-z_][a-z0-9_]*$")
 #: The longest identifier every supported database accepts: PostgreSQL's 63 bytes
 #: (MySQL/MariaDB allow 64; SQLite has no limit). Longer PostgreSQL names are silently
@@ -116,6 +116,8 @@ class Schema:
     outbox_counts: Table
     retention: Table
     dead_letters: Table
+    steps: Table
+    locks: Table
 
 
 def validate_prefix(prefix: str) -> str:
@@ -238,6 +240,19 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         **MYSQL_TABLE_OPTIONS,
     )
     dead_letters = _dead_letters_table(prefix, metadata)
+    steps = _steps_table(prefix, metadata)
+    # Lease locks with fencing tokens (mqdedup.locks, PostgreSQL): one row per lock name,
+    # never deleted, so its token only grows; ``owner`` NULL when released.
+    locks = Table(
+        f"{prefix}locks",
+        metadata,
+        Column("name", KeyString(255), nullable=False),
+        Column("owner", String(64), nullable=True),
+        Column("token", BigInteger, nullable=False),
+        Column("expires_at", PreciseDateTime, nullable=False),
+        PrimaryKeyConstraint("name", name=f"{prefix}locks_pk"),
+        **MYSQL_TABLE_OPTIONS,
+    )
     _check_identifier_lengths(prefix, metadata)
     return Schema(
         prefix=prefix,
@@ -250,6 +265,8 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         outbox_counts=outbox_counts,
         retention=retention,
         dead_letters=dead_letters,
+        steps=steps,
+        locks=locks,
     )
 
 
@@ -280,6 +297,31 @@ def _retention_indexes(prefix: str) -> tuple[Index, Index]:
             postgresql_using="brin",
             postgresql_with={"autosummarize": "on"},
         ).ddl_if(dialect="postgresql"),
+    )
+
+
+def _steps_table(prefix: str, metadata: MetaData) -> Table:
+    """``<prefix>steps`` (schema 4): the recorded external calls of ``ctx.step``.
+
+    One row per consumer, message id and step name, written in transactions of its own
+    (not the message's): ``started`` when a run is about to call, ``done`` with the
+    call's JSON ``result`` once it returned. Purged with the claims
+    (``mqdedup dedup purge``), by ``started_at``. See :mod:`mqdedup.dedup.steps`.
+    """
+    return Table(
+        f"{prefix}steps",
+        metadata,
+        Column("consumer_name", KeyString(255), nullable=False),
+        Column("message_id", KeyString(255), nullable=False),
+        Column("name", KeyString(200), nullable=False),
+        Column("state", String(16), nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("result", JSONType, nullable=True),
+        Column("started_at", PreciseDateTime, nullable=False),
+        Column("completed_at", PreciseDateTime, nullable=True),
+        PrimaryKeyConstraint("consumer_name", "message_id", "name", name=f"{prefix}steps_pk"),
+        Index(f"{prefix}steps_started_idx", "started_at"),
+        **MYSQL_TABLE_OPTIONS,
     )
 
 

@@ -184,7 +184,8 @@ class DedupStore:
         consumer: str | None = None,
         chunk_size: int = 5000,
     ) -> int:
-        """Delete claims (and attempt counters) older than ``older_than``, in chunks.
+        """Delete claims (and attempt counters and recorded steps, :mod:`mqdedup.dedup.steps`)
+        older than ``older_than``, in chunks.
 
         Each chunk is its own short transaction, so purging a large table never holds
         many locks at once. Returns the number of claims deleted.
@@ -194,6 +195,7 @@ class DedupStore:
         for table, time_column in (
             (self._processed, self._processed.c.processed_at),
             (self._attempts, self._attempts.c.updated_at),
+            (self.schema.steps, self.schema.steps.c.started_at),
         ):
             deleted = self._purge_table(engine, table, time_column, cutoff, consumer, chunk_size)
             if table is self._processed:

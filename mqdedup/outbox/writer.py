@@ -18,7 +18,8 @@ The rows commit or roll back with the session's transaction; the relay
 with the same message id. Ids are deterministic inside a consumer (derived from the
 consumer name, the incoming message id and the row's sequence in the handler), so a
 handler that runs again (retry, redelivery after a crash before commit) writes the same
-ids; elsewhere they are random UUIDs unless given.
+ids; elsewhere they are time-ordered UUIDv7s (:func:`mqdedup.ids.new_message_id`)
+unless given.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from mqdedup.db.dialects import traits
 from mqdedup.db.schema import DEFAULT_PREFIX, schema
 from mqdedup.dedup.store import utcnow
 from mqdedup.errors import MessageError, MqdedupError
+from mqdedup.ids import new_message_id
 from mqdedup.message import Message
 from mqdedup.outbox.notify import channel_name, notify_on_commit
 
@@ -279,7 +281,7 @@ class OutboxWriter:
                 )
             return given
         if self.consumer_name is None or causation_id is None:
-            return str(uuid.uuid4())
+            return new_message_id()  # time-ordered: outside a consumer nothing re-runs
         sequence = self._sequences.get(causation_id, 0)
         self._sequences[causation_id] = sequence + 1
         return outgoing_message_id(self.consumer_name, causation_id, sequence)

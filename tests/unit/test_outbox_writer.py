@@ -40,7 +40,7 @@ def test_a_consumer_writer_derives_the_same_ids_on_every_run(sqlite_engine: Engi
     assert outgoing_message_id("shipping", "in-1", 0) != ids[0][0]
 
 
-def test_a_writer_outside_a_consumer_uses_random_uuids(sqlite_engine: Engine) -> None:
+def test_a_writer_outside_a_consumer_uses_time_ordered_uuids(sqlite_engine: Engine) -> None:
     with Session(sqlite_engine) as session, session.begin():
         writer = OutboxWriter(session)
         first = writer.publish(b"a", topic="t")
@@ -48,7 +48,7 @@ def test_a_writer_outside_a_consumer_uses_random_uuids(sqlite_engine: Engine) ->
         given = writer.publish(b"a", topic="t", message_id="order-7-created")
 
     assert first != second
-    assert uuid.UUID(first).version == 4
+    assert uuid.UUID(first).version == 7 and first < second  # UUIDv7, monotonic
     assert given == "order-7-created"
     assert [row.message_id for row in outbox_rows(sqlite_engine)] == [first, second, given]
 
