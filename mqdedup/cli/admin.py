@@ -20,6 +20,7 @@ from mqdedup.cli.output import human_age, print_json, render_table
 from mqdedup.db.dialects import table_size
 from mqdedup.db.engine import check_connection, check_schema, create_engine, init_schema
 from mqdedup.db.migrations import schema_drift, upgrade_schema
+from mqdedup.db.replication import replication_warning
 from mqdedup.db.schema import schema
 from mqdedup.dedup.store import DedupStore, utcnow
 from mqdedup.errors import (
@@ -71,6 +72,9 @@ def cmd_db_init(args: argparse.Namespace) -> int:
 def cmd_db_check(args: argparse.Namespace) -> int:
     engine, prefix = connected_engine(args, require_schema=False)
     problems = check_schema(engine, prefix) + [str(d) for d in schema_drift(engine, prefix)]
+    replication = replication_warning(engine)
+    if replication is not None:  # a warning: the schema may well be right
+        print(f"warning: {replication}")
     for problem in problems:
         print(problem)
     if not problems:

@@ -45,6 +45,14 @@ def boolean(raw: Any) -> bool:
     raise ValueError(f"not a yes/no value: {raw!r}")
 
 
+def coordination(raw: Any) -> str:
+    """The relay's coordination: ``session`` or ``transaction``."""
+    text = str(raw).strip().lower()
+    if text not in ("session", "transaction"):
+        raise ValueError(f"not 'session' or 'transaction': {raw!r}")
+    return text
+
+
 SETTINGS: dict[str, Setting] = {
     "database_url": Setting(
         "mqdedup", "database_url", "MQDEDUP_DATABASE_URL", "sqlite:///mqdedup.db"
@@ -70,6 +78,12 @@ SETTINGS: dict[str, Setting] = {
     "relay_batch_size": Setting("relay", "batch_size", "MQDEDUP_RELAY_BATCH_SIZE", 2000, int),
     "relay_keep_published": Setting(
         "relay", "keep_published", "MQDEDUP_RELAY_KEEP_PUBLISHED", False, boolean
+    ),
+    "control_database_url": Setting(
+        "relay", "control_database_url", "MQDEDUP_CONTROL_DATABASE_URL", None
+    ),
+    "relay_coordination": Setting(
+        "relay", "coordination", "MQDEDUP_RELAY_COORDINATION", "session", coordination
     ),
 }
 
@@ -103,6 +117,9 @@ def load_file(path: str | None) -> dict[str, Any]:
         processes = 1
         poll_interval = 1.0
         batch_size = 500
+        # behind PgBouncer in transaction mode (docs/operations.md): one of
+        # control_database_url = "postgresql://app:secret@db-direct/app"
+        # coordination = "transaction"
     """
     path = path or os.environ.get(CONFIG_ENV)
     if not path:
@@ -260,6 +277,8 @@ def resolve_settings(args: argparse.Namespace, *names: str) -> dict[str, Any]:
         "poll_interval": getattr(args, "poll_interval", None),
         "relay_batch_size": getattr(args, "batch_size", None),
         "relay_keep_published": getattr(args, "keep_published", None),
+        "control_database_url": getattr(args, "control_database", None),
+        "relay_coordination": getattr(args, "coordination", None),
         "database_url": getattr(args, "database", None),
         "table_prefix": getattr(args, "table_prefix", None),
         "kafka_bootstrap": getattr(args, "kafka_bootstrap", None),

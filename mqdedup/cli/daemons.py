@@ -20,9 +20,12 @@ from mqdedup.cli.reachability import check_relay_brokers, connect_broker
 from mqdedup.cli.runners import _export_environment, create_publishers
 from mqdedup.cli.supervisor import ChildSpec, Supervisor
 from mqdedup.db.engine import check_connection, create_engine
+from mqdedup.db.replication import replication_warning
 from mqdedup.errors import (
     ConfigurationError,
 )
+from mqdedup.masking import mask_url
+from mqdedup.outbox.coordination import check_control_connection, check_coordination
 from mqdedup.outbox.store import OutboxStore
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         check_connection(engine)
         for database_consumer in database_consumers:
             require_current_schema(engine, database_consumer.table_prefix)
+        replication = replication_warning(engine)
+        if replication is not None:
+            log.warning(replication, extra={"database": mask_url(engine.url)})
         engine.dispose()
     for consumer in consumers:
         connect_broker(consumer)
@@ -100,6 +106,8 @@ def cmd_relay(args: argparse.Namespace) -> int:
         "poll_interval",
         "relay_batch_size",
         "relay_keep_published",
+        "control_database_url",
+        "relay_coordination",
         "shutdown_timeout",
         "health_port",
         "health_host",
@@ -109,6 +117,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     engine = create_engine(settings["database_url"])
     check_connection(engine)
     require_current_schema(engine, settings["table_prefix"])
+    _check_relay_coordination(engine, settings)
     engine.dispose()
     for publisher in create_publishers(
         kafka_bootstrap=settings["kafka_bootstrap"], rabbitmq_url=settings["rabbitmq_url"]
@@ -127,6 +136,24 @@ def cmd_relay(args: argparse.Namespace) -> int:
         for index in range(settings["relay_processes"])
     ]
     return _supervise(specs, settings)
+
+
+def _check_relay_coordination(engine: Engine, settings: dict[str, Any]) -> None:
+    """Refuse, in one line, a relay whose shard locks and LISTEN could not hold (a
+    transaction pooler without a control database), before any child starts."""
+    control_url = settings["control_database_url"]
+    control = create_engine(control_url) if control_url else None
+    try:
+        if control is not None:
+            check_connection(control)
+        coordination = settings["relay_coordination"]
+        table = OutboxStore(settings["table_prefix"]).table.name
+        check_coordination(engine, control, coordination, table_name=table)
+        if coordination == "session":
+            check_control_connection(control or engine)
+    finally:
+        if control is not None:
+            control.dispose()
 
 
 def _supervise(

@@ -169,6 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="mark published rows and keep them (purged after 7 days) instead of deleting "
         "them; status counts them either way" + env_help("relay_keep_published"),
     )
+    relay.add_argument(
+        "--control-database",
+        metavar="URL",
+        default=None,
+        help="a direct (or session-pooled) URL of the same database for the relays' shard "
+        "locks and LISTEN, when --database goes through a transaction pooler such as PgBouncer"
+        + env_help("control_database_url"),
+    )
+    relay.add_argument(
+        "--coordination",
+        choices=("session", "transaction"),
+        default=None,
+        help="session: shard locks and LISTEN on a control connection; transaction: no "
+        "session state (relays take turns under a transaction-level lock, polling), for a "
+        "database reached only through a transaction pooler" + env_help("relay_coordination"),
+    )
     daemon_options(relay)
     relay.set_defaults(run=cmd_relay)
 

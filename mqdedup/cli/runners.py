@@ -48,6 +48,8 @@ def run_relay(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
 
     options = spec.options
     engine = create_engine(options["database_url"])
+    control_url = options.get("control_database_url")
+    control = create_engine(control_url) if control_url else None
     try:
         check_connection(engine)
         publishers = create_publishers(
@@ -57,13 +59,22 @@ def run_relay(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> None:
             batch_size=options["relay_batch_size"],
             poll_interval=options["poll_interval"],
             delete_published=not options.get("relay_keep_published", False),
+            coordination=options.get("relay_coordination") or "session",
         )
-        relay = Relay(engine, publishers, prefix=options["table_prefix"], config=config)
+        relay = Relay(
+            engine,
+            publishers,
+            prefix=options["table_prefix"],
+            config=config,
+            control_engine=control,
+        )
         metrics.source = relay.metrics
         tune_gc()
         relay.run(stop)
     finally:
         engine.dispose()
+        if control is not None:
+            control.dispose()
 
 
 def create_publishers(

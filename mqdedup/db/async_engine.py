@@ -17,6 +17,7 @@ from sqlalchemy.engine import URL
 
 from mqdedup.db import dialects
 from mqdedup.db.engine import database_url_from_env, mask_url, parse_url
+from mqdedup.db.pooling import configure_pooling
 from mqdedup.errors import ConfigurationError
 from mqdedup.masking import mask_text
 
@@ -71,6 +72,7 @@ def create_async_engine(url: str | URL | Engine | None = None, **options: Any) -
             f"{type(exc).__name__}: {mask_text(str(exc), parsed)}"
         ) from None
     dialects.configure_engine(engine.sync_engine)
+    configure_pooling(engine.sync_engine)
     return engine
 
 

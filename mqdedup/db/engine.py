@@ -14,6 +14,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.db import dialects
+from mqdedup.db.pooling import configure_pooling, pooler_of, split_hosts
 from mqdedup.db.schema import DEFAULT_PREFIX, schema
 from mqdedup.errors import ConfigurationError, DatabaseUnavailableError
 from mqdedup.masking import mask_text
@@ -39,7 +40,7 @@ def parse_url(url: str | URL) -> URL:
     the host, and the driver's error would print it).
     """
     try:
-        parsed = make_url(_escape_user_info(url) if isinstance(url, str) else url)
+        parsed = make_url(split_hosts(_escape_user_info(url)) if isinstance(url, str) else url)
     except (sa_exc.ArgumentError, ValueError) as exc:
         raise ConfigurationError(
             f"malformed database URL {mask_url(url)!r}: expected e.g. "
@@ -52,6 +53,8 @@ def parse_url(url: str | URL) -> URL:
             f"unknown database kind {parsed.get_backend_name()!r} in database URL "
             f"{mask_url(parsed)!r} (supported: postgresql, sqlite, mysql/mariadb)"
         )
+    if parsed.get_backend_name() == "postgresql":
+        pooler_of(parsed)  # ConfigurationError for a pooler mqdedup does not know
     return parsed.set(drivername=driver)
 
 
@@ -79,7 +82,10 @@ _DRIVER_EXTRAS = {"psycopg": "postgresql", "pymysql": "mysql"}
 def create_engine(url: str | URL | None = None, **options: Any) -> Engine:
     """An engine for ``url`` (default: ``MQDEDUP_DATABASE_URL`` or embedded SQLite).
 
-    ``postgresql://`` URLs use psycopg 3. SQLite gets WAL, a busy timeout and real
+    ``postgresql://`` URLs use psycopg 3; their ``pooler`` parameter says whether a
+    connection pooler (PgBouncer) sits in front, and several hosts
+    (``h1:5432,h2:5432`` with ``target_session_attrs=read-write``) are tried in order
+    (:mod:`mqdedup.db.pooling`). SQLite gets WAL, a busy timeout and real
     ``BEGIN IMMEDIATE`` transactions so that savepoints and concurrent writers work.
 
     Pooled connections are not pinged on checkout (``pool_pre_ping``: one more round
@@ -110,6 +116,7 @@ def create_engine(url: str | URL | None = None, **options: Any) -> Engine:
             f"{type(exc).__name__}: {mask_text(str(exc), parsed)}"
         ) from None
     dialects.configure_engine(engine)
+    configure_pooling(engine)
     return engine
 
 

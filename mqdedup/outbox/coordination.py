@@ -22,7 +22,9 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.dialects import postgresql
 
 from mqdedup.db.dialects import traits
+from mqdedup.db.pooling import declares_transaction_pooler, keeps_session
 from mqdedup.errors import ConfigurationError
+from mqdedup.masking import mask_url
 from mqdedup.outbox.store import OutboxStore, ShardFilter
 
 log = logging.getLogger(__name__)
@@ -225,6 +227,9 @@ class PostgreSQLCoordinator(FairShareCoordinator):
         """Connect, ``LISTEN``, join as a member and check that relays agree on settings."""
         self.close()
         raw = self.engine.raw_connection()
+        if not keeps_session(self.engine, raw):
+            raw.close()
+            raise ConfigurationError(pooled_control_message(self.engine))
         conn: Any = raw.driver_connection
         raw.detach()  # ours alone: never returned to the pool, closed for real
         conn.rollback()
@@ -545,6 +550,57 @@ def create_coordinator(
             engine, table_name=table_name, shards=shards, fingerprint=fingerprint
         )
     return None
+
+
+def pooled_control_message(engine: Engine) -> str:
+    """The one line a relay says when its control connection cannot keep a session."""
+    return (
+        f"relay: {mask_url(engine.url)} goes through a transaction pooler (e.g. PgBouncer "
+        "pool_mode = transaction), where shard locks and LISTEN cannot hold: give "
+        "--control-database a direct or session-pooled URL of the same database, or run "
+        "with --coordination transaction (relays take turns, polling)"
+    )
+
+
+def check_coordination(
+    engine: Engine, control_engine: Engine | None, coordination: str, *, table_name: str
+) -> int | None:
+    """Check a relay's coordination settings before it connects.
+
+    ``session``: ``None`` (a :class:`ShardCoordinator` on ``control_engine`` or
+    ``engine``); refused at once when the only URL declares a transaction pooler
+    (``?pooler=transaction``; a pooler found on connecting is refused by
+    :meth:`PostgreSQLCoordinator.open`). ``transaction``: PostgreSQL only; the
+    advisory-lock class the claims take turns under (see
+    :meth:`~mqdedup.outbox.store.OutboxStore.claim_in_turn`).
+    """
+    if coordination == "transaction":
+        if traits(engine).family != "postgresql":
+            raise ConfigurationError(
+                "relay coordination 'transaction' is for PostgreSQL; other databases use 'session'"
+            )
+        if control_engine is not None:
+            raise ConfigurationError(
+                "a control database is for coordination 'session'; 'transaction' needs none"
+            )
+        return lock_class(table_name, "turns")
+    if control_engine is None:
+        if declares_transaction_pooler(engine):
+            raise ConfigurationError(pooled_control_message(engine))
+        return None
+    if traits(control_engine).family != traits(engine).family:
+        raise ConfigurationError(
+            "the control database must be the same database as the relay's, reached directly"
+        )
+    return None
+
+
+def check_control_connection(engine: Engine) -> None:
+    """Connect once; ConfigurationError (one line) when ``engine``'s connections cannot
+    keep a session (a transaction pooler, declared or detected)."""
+    with engine.connect() as connection:
+        if not keeps_session(engine, connection.connection):
+            raise ConfigurationError(pooled_control_message(engine))
 
 
 class LeaseTakeover:

@@ -27,12 +27,18 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, Engine
 
 from mqdedup.db.dialects import is_transient, prepare_relay_connection, traits
+from mqdedup.db.pooling import session_state_works
 from mqdedup.db.schema import DEFAULT_PREFIX
 from mqdedup.dedup.store import utcnow
 from mqdedup.errors import ConfigurationError
 from mqdedup.histograms import Histograms
 from mqdedup.outages import Outages
-from mqdedup.outbox.coordination import LeaseTakeover, ShardCoordinator, create_coordinator
+from mqdedup.outbox.coordination import (
+    LeaseTakeover,
+    ShardCoordinator,
+    check_coordination,
+    create_coordinator,
+)
 from mqdedup.outbox.publishers import OutboxRecord, Publisher, PublishResult
 from mqdedup.outbox.relay_publishing import BrokerPauses, CycleReport, publish_records
 from mqdedup.outbox.store import OutboxStatus, OutboxStore, ShardFilter
@@ -40,6 +46,10 @@ from mqdedup.stopping import StopToken, graceful_signals
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+#: How relays of one table take turns (see :class:`RelayConfig`).
+COORDINATIONS = ("session", "transaction")
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,14 @@ class RelayConfig:
       same number.
     * ``rebalance_interval``: seconds between shard rebalancing checks.
     * ``listen``: use ``LISTEN``/``NOTIFY`` on PostgreSQL (MySQL/MariaDB always poll).
+    * ``coordination`` (PostgreSQL): ``session`` (the default) shares the table through
+      session advisory locks and ``LISTEN`` on a control connection (the relay's
+      ``control_engine``, else its engine), which needs a session: a direct connection
+      or a pooler in session mode. ``transaction`` needs no session state, for a
+      database reached only through a transaction pooler (PgBouncer
+      ``pool_mode = transaction``): each claim takes a transaction-level advisory lock
+      and claims nothing while another relay's lease is live, so relays take turns
+      (one publishes at a time) and poll every ``poll_interval``.
     """
 
     batch_size: int = 2000
@@ -85,8 +103,14 @@ class RelayConfig:
     shards: int = 16
     rebalance_interval: float = 5.0
     listen: bool = True
+    coordination: str = "session"
 
     def __post_init__(self) -> None:
+        if self.coordination not in COORDINATIONS:
+            raise ConfigurationError(
+                f"relay coordination must be one of {', '.join(COORDINATIONS)}, "
+                f"not {self.coordination!r}"
+            )
         if self.batch_size < 1:
             raise ConfigurationError("relay batch_size must be at least 1")
         if self.max_attempts < 1:
@@ -185,6 +209,7 @@ class Relay:
         prefix: str = DEFAULT_PREFIX,
         config: RelayConfig | None = None,
         relay_id: str | None = None,
+        control_engine: Engine | None = None,
     ) -> None:
         if not publishers:
             raise ConfigurationError("a relay needs at least one publisher (kafka or rabbitmq)")
@@ -197,14 +222,20 @@ class Relay:
         self.metrics = RelayMetrics()
         self.stop = StopToken()
         self._brokers = BrokerPauses(publishers, self.config.broker_backoff_max)
-        self._control: ShardCoordinator | None = create_coordinator(
-            engine,
-            table_name=self.store.table.name,
-            channel=self.store.channel,
-            shards=self.config.shards,
-            fingerprint=",".join(sorted(publishers)),
-            listen=self.config.listen,
+        #: ``transaction`` coordination: the claims' transaction-level lock (else None).
+        self._turns = check_coordination(
+            engine, control_engine, self.config.coordination, table_name=self.store.table.name
         )
+        self._control: ShardCoordinator | None = None
+        if self._turns is None:
+            self._control = create_coordinator(
+                control_engine or engine,
+                table_name=self.store.table.name,
+                channel=self.store.channel,
+                shards=self.config.shards,
+                fingerprint=",".join(sorted(publishers)),
+                listen=self.config.listen,
+            )
         self._next_rebalance = 0.0
         self._next_purge = 0.0
         self._takeover = LeaseTakeover(engine, self.store, self.relay_id)
@@ -235,6 +266,7 @@ class Relay:
                 "relay": self.relay_id,
                 "table": self.store.table.name,
                 "brokers": sorted(self.publishers),
+                "coordination": self.config.coordination,
             },
         )
         with self._signals(handle_signals):
@@ -381,6 +413,17 @@ class Relay:
         brokers = [name for name in self.publishers if name not in self._paused_brokers()]
         if not brokers:
             return []
+        if self._turns is not None:  # transaction coordination: one relay at a time
+            return self._on(
+                "claim",
+                self.store.claim_in_turn,
+                self.relay_id,
+                self.config.batch_size,
+                timedelta(seconds=self.config.lease),
+                brokers=brokers,
+                lock_class=self._turns,
+                in_flight=in_flight,
+            )
         shard_filter: ShardFilter | None = None
         control = self._control
         if control is not None:
@@ -607,7 +650,16 @@ class RelayConnections:
             return statement(self.engine, *arguments, **options)
         connection = self._connections.get(name)
         if connection is None or connection.closed or connection.invalidated:
-            connection = prepare_relay_connection(self.engine.connect())
+            connection = self.engine.connect()
+            if not session_state_works(connection):
+                # A transaction pooler: session settings would reach other clients'
+                # transactions. Each statement group runs as a short transaction
+                # with SET LOCAL instead.
+                connection.close()
+                self.dedicated = False
+                log.info("relay statements run as pooled transactions (transaction pooler)")
+                return statement(self.engine, *arguments, **options)
+            connection = prepare_relay_connection(connection)
             connection.detach()  # the session settings must not reach the pool
             self._connections[name] = connection
         try:

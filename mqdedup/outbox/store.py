@@ -170,16 +170,7 @@ class OutboxStore:
         connection prepared with :func:`~mqdedup.db.dialects.prepare_relay_connection`.
         Returns the records sorted by id.
         """
-        now = utcnow()
-        params: dict[str, Any] = {
-            "now": now,
-            "until": now + lease,
-            "relay_id": relay_id,
-            "limit": limit,
-            "in_flight": list(in_flight),
-            "brokers": sorted(brokers),
-            "lease_shards": "0",
-        }
+        params = _claim_params(relay_id, limit, lease, brokers, list(in_flight))
         if shard_filter is not None:
             params.update(
                 shards=shard_filter.shards,
@@ -196,6 +187,42 @@ class OutboxStore:
         statement = self._claim_statement(shard_filter is not None)
         with relay_transaction(bind, CLAIM_SETTINGS) as connection:
             rows = connection.execute(statement, params).all()
+        return _records(rows)
+
+    def claim_in_turn(
+        self,
+        engine: Engine,
+        relay_id: str,
+        limit: int,
+        lease: timedelta,
+        *,
+        brokers: Collection[str],
+        lock_class: int,
+        in_flight: Sequence[int] = (),
+    ) -> list[OutboxRecord]:
+        """The claim of relays that take turns (PostgreSQL, no session state needed).
+
+        For a database reached through a transaction pooler, where session advisory
+        locks cannot hold. One transaction: a transaction-level advisory lock
+        (``pg_advisory_xact_lock``, ``lock_class``) serialises the claims of every relay
+        of the table; then, in a fresh snapshot, nothing is claimed while another
+        relay's lease is live (it has rows published or being published and not yet
+        marked); else the rows are claimed as by :meth:`claim` (unsharded), which writes
+        this relay's lease. So one relay publishes at a time and a key's rows leave in
+        id order; a relay that died holds the others off until its lease expires.
+        """
+        params = _claim_params(relay_id, limit, lease, brokers, _array_literal(in_flight))
+        leases = self.leases
+        live = select(func.count()).where(
+            leases.c.relay_id != relay_id, leases.c.locked_until >= params["now"]
+        )
+        with relay_transaction(engine, CLAIM_SETTINGS) as connection:
+            connection.execute(
+                text("SELECT pg_advisory_xact_lock(CAST(:c AS int), 0)"), {"c": lock_class}
+            )
+            if connection.execute(live).scalar():
+                return []
+            rows = connection.execute(self._claim_statement(False), params).all()
         return _records(rows)
 
     def _claim_in_steps(
@@ -623,6 +650,22 @@ class OutboxStore:
 
     def _notify(self, connection: Connection) -> None:
         connection.execute(text("SELECT pg_notify(:channel, '')"), {"channel": self.channel})
+
+
+def _claim_params(
+    relay_id: str, limit: int, lease: timedelta, brokers: Collection[str], in_flight: Any
+) -> dict[str, Any]:
+    """The parameters every claim statement takes (unsharded; a shard filter adds its own)."""
+    now = utcnow()
+    return {
+        "now": now,
+        "until": now + lease,
+        "relay_id": relay_id,
+        "limit": limit,
+        "in_flight": in_flight,
+        "brokers": sorted(brokers),
+        "lease_shards": "0",
+    }
 
 
 def _records(rows: Sequence[Any]) -> list[OutboxRecord]:

@@ -1,0 +1,157 @@
+"""PostgreSQL behind a connection pooler (PgBouncer), and URLs with several hosts.
+
+A pooler in *transaction* mode hands each transaction whichever server connection is
+free, so nothing of a session survives a transaction: server-side prepared statements,
+session ``SET``s, session advisory locks, ``LISTEN``. mqdedup's worker, claims, dead
+letters, replays and HTTP keys use none of these except psycopg's automatic prepared
+statements (``prepare_threshold``: after 5 runs of one query psycopg prepares it as
+``_pg3_N``, which a transaction pooler without prepared-statement tracking answers
+with ``prepared statement "_pg3_0" already exists`` or ``does not exist``).
+
+The ``pooler`` query parameter of a PostgreSQL URL says what sits in front of the
+database (mqdedup reads it and never passes it to the driver):
+
+* ``auto`` (the default): each new connection compares the backend pid the server
+  announced at login with ``pg_backend_pid()`` (one round trip per new connection); a
+  pooler announces its own, random one. A pooler found this way is treated as
+  ``transaction``.
+* ``none``: a direct connection (no check).
+* ``session``: a pooler in session mode (PgBouncer ``pool_mode = session``): a
+  connection keeps its server for its life, everything works as direct.
+* ``transaction``: a pooler in transaction mode without prepared-statement tracking
+  (PgBouncer < 1.21, or ``max_prepared_statements = 0``): psycopg prepares nothing
+  (``prepare_threshold = None``).
+* ``transaction-prepared``: a transaction pooler that tracks protocol-level prepared
+  statements (PgBouncer >= 1.21 with ``max_prepared_statements`` > 0): psycopg keeps
+  preparing.
+
+What still needs a session (the relay's shard locks and ``LISTEN``) is the relay's
+business: :func:`session_state_works` tells it whether it may rely on one.
+
+Several hosts: ``postgresql://u:p@h1:5432,h2:5432/db?target_session_attrs=read-write``
+(libpq's form) is rewritten to SQLAlchemy's ``?host=h1:5432&host=h2:5432``; libpq tries
+the hosts in order and keeps the first that accepts writes, so a reconnect after a
+failover finds the promoted replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from sqlalchemy import Connection, Engine, event
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import PoolProxiedConnection
+
+from mqdedup.errors import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+POOLER_PARAMETER = "pooler"
+POOLERS = ("auto", "none", "session", "transaction", "transaction-prepared")
+#: Poolers that keep a session's state (session ``SET``, advisory locks, ``LISTEN``).
+_SESSION_KEEPING = ("none", "session")
+
+_MULTI_HOST = re.compile(
+    r"^(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://(?:[^/?#]*@)?)(?P<hosts>[^@/?#]*,[^@/?#]*)(?P<tail>.*)$"
+)
+
+
+def split_hosts(url: str) -> str:
+    """``url`` with libpq's ``h1:p1,h2:p2`` authority as ``?host=h1:p1&host=h2:p2``."""
+    match = _MULTI_HOST.match(url)
+    if match is None or not match.group("head").lower().startswith("postgres"):
+        return url
+    hosts = [host.strip() for host in match.group("hosts").split(",") if host.strip()]
+    tail = match.group("tail")
+    path, question, query = tail.partition("?")
+    extra = "&".join(f"host={host}" for host in hosts)
+    query = f"{extra}&{query}" if question and query else extra
+    return f"{match.group('head')}{path or '/'}?{query}"
+
+
+def pooler_of(url: URL) -> str:
+    """The ``pooler`` parameter of ``url`` (``auto`` when absent); ConfigurationError if bad."""
+    value = url.query.get(POOLER_PARAMETER, "auto")
+    if not isinstance(value, str) or value not in POOLERS:
+        raise ConfigurationError(
+            f"database URL parameter pooler={value!r} is not one of {', '.join(POOLERS)}"
+        )
+    return value
+
+
+def behind_pooler(dbapi_connection: Any, driver_connection: Any | None = None) -> bool:
+    """True when a psycopg connection talks to a pooler (its login pid is not the server's).
+
+    ``dbapi_connection`` runs the query (SQLAlchemy's adapter on asyncio);
+    ``driver_connection`` (default: the same) is psycopg's own, which knows the pid the
+    server side announced at login. One round trip (``SELECT pg_backend_pid()``), rolled
+    back.
+    """
+    driver = dbapi_connection if driver_connection is None else driver_connection
+    announced = int(driver.info.backend_pid)
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SELECT pg_backend_pid()")
+        row = cursor.fetchone()
+    finally:
+        cursor.close()
+    if not driver.autocommit:
+        dbapi_connection.rollback()
+    return row is None or int(row[0]) != announced
+
+
+def configure_pooling(engine: Engine) -> None:
+    """PostgreSQL: drop ``pooler`` from the driver's arguments and, where a transaction
+    pooler sits in front (declared or detected), turn psycopg's prepared statements off."""
+    if engine.dialect.name != "postgresql":
+        return
+    pooler = pooler_of(engine.url)
+
+    @event.listens_for(engine, "do_connect")
+    def _drop_parameter(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+        cparams.pop(POOLER_PARAMETER, None)
+
+    if "psycopg" not in engine.dialect.driver or pooler in (
+        "none",
+        "session",
+        "transaction-prepared",
+    ):
+        return
+
+    @event.listens_for(engine, "connect")
+    def _no_prepared_statements(dbapi_connection: Any, record: Any) -> None:
+        driver = record.driver_connection
+        pooled = pooler == "transaction" or behind_pooler(dbapi_connection, driver)
+        record.info["mqdedup_pooled"] = pooled
+        if pooled:
+            driver.prepare_threshold = None  # psycopg's public setting, per connection
+
+
+def session_state_works(connection: Connection) -> bool:
+    """True when session state (``SET``, session advisory locks, ``LISTEN``) lasts on
+    ``connection``: no pooler, or one declared ``session``; a detected pooler is not."""
+    return keeps_session(connection.engine, connection.connection)
+
+
+def keeps_session(engine: Engine, pool_connection: PoolProxiedConnection) -> bool:
+    """:func:`session_state_works` for a pool connection of ``engine``."""
+    if engine.dialect.name != "postgresql":
+        return True
+    pooler = pooler_of(engine.url)
+    if pooler in _SESSION_KEEPING:
+        return True
+    if pooler != "auto":
+        return False
+    known = pool_connection.info.get("mqdedup_pooled")  # set at connect (configure_pooling)
+    if isinstance(known, bool):
+        return not known
+    if "psycopg" not in engine.dialect.driver:
+        return True  # no way to tell: trusted
+    return not behind_pooler(pool_connection.dbapi_connection, pool_connection.driver_connection)
+
+
+def declares_transaction_pooler(engine: Engine) -> bool:
+    """True when ``engine``'s URL says a transaction pooler sits in front (no check made)."""
+    return engine.dialect.name == "postgresql" and pooler_of(engine.url).startswith("transaction")
