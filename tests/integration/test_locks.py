@@ -60,7 +60,9 @@ Factory = Callable[..., LeaseLock]
 
 
 @pytest.fixture(params=["postgresql", "redis"])
-def make_lock(request: pytest.FixtureRequest, db: TestDatabase, redis_url: str) -> Iterator[Factory]:
+def make_lock(
+    request: pytest.FixtureRequest, db: TestDatabase, redis_url: str
+) -> Iterator[Factory]:
     """A lock factory on one store; ``expired(name)`` tells the store's view of a lease."""
     if request.param == "postgresql":
 
