@@ -48,7 +48,7 @@ class PaymentServer:
         ledger = self.ledger
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 key = self.headers.get("Idempotency-Key")
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")

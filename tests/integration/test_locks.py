@@ -167,7 +167,7 @@ def test_fifty_contenders_hold_the_lock_one_at_a_time_with_increasing_tokens(
                 write_stock(db, row.count + 1, str(number), lease.token)
                 with guard:
                     holding.remove(number)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=contend, args=(n,)) for n in range(50)]

@@ -8,6 +8,7 @@ duplicate; the clocks are injected.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import uuid
@@ -44,8 +45,8 @@ def test_eight_processes_make_800k_unique_ids_of_each_kind_monotonic_per_process
     assert len({i for ids in uuids for i in ids}) == PROCESSES * PER_PROCESS
     assert len({n for numbers in snowflakes for n in numbers}) == PROCESSES * PER_PROCESS
     for ids, numbers in zip(uuids, snowflakes, strict=True):
-        assert all(a < b for a, b in zip(ids, ids[1:], strict=False))  # strings, strictly
-        assert all(a < b for a, b in zip(numbers, numbers[1:], strict=False))
+        assert all(a < b for a, b in itertools.pairwise(ids))  # strings, strictly
+        assert all(a < b for a, b in itertools.pairwise(numbers))
     sample = uuid.UUID(uuids[0][0])
     assert sample.version == 7 and sample.variant == uuid.RFC_4122
     assert abs((uuid7_time(sample) - datetime.now(UTC)).total_seconds()) < 300
