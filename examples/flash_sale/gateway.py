@@ -1,5 +1,8 @@
-"""A fake payment API on loopback: a real HTTP server that deduplicates on the
-``Idempotency-Key`` header and counts charges, as a payment provider does.
+"""A fake payment API: a real HTTP server that deduplicates on the ``Idempotency-Key``
+header and counts charges, as a payment provider does; and the client the consumer uses.
+
+``python -m examples.flash_sale.gateway --port 8099`` runs it (until Ctrl-C); the tests
+run :class:`PaymentServer` in their own process on a free port.
 
 ``POST /charge`` with a JSON body ``{"order": ..., "amount": ...}`` and an
 ``Idempotency-Key`` header: the first request of a key makes a charge; a later one with
@@ -9,8 +12,11 @@ request without the header is refused (400).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import threading
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,7 +49,7 @@ class Ledger:
 class PaymentServer:
     """Run with ``with PaymentServer() as server:``; ``server.url`` is its base URL."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.ledger = Ledger()
         ledger = self.ledger
 
@@ -68,7 +74,7 @@ class PaymentServer:
             def log_message(self, *_args: Any) -> None:  # quiet
                 return
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -80,3 +86,42 @@ class PaymentServer:
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(timeout=10)
+
+
+def charge(url: str, key: str, order: dict[str, Any]) -> dict[str, Any]:
+    """Charge ``order`` once per ``key``: the key goes as the ``Idempotency-Key`` header
+    and as the merchant order number (``merchant_order_no``), the two ways payment APIs
+    deduplicate. Returns the gateway's charge (``charge_id``; the same on a repeat)."""
+    body = {
+        "order": order["order_id"],
+        "merchant_order_no": key,
+        "amount": order["amount_cents"],
+    }
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"the payment API URL must be http(s)://, got {url!r}")
+    request = urllib.request.Request(  # noqa: S310 - the scheme is checked above
+        f"{url}/charge",
+        data=json.dumps(body).encode(),
+        headers={"Idempotency-Key": key, "Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as reply:  # noqa: S310
+        charged: dict[str, Any] = json.load(reply)
+    return charged
+
+
+def main() -> None:
+    """Serve on ``--port`` until interrupted, then print the charges per order."""
+    parser = argparse.ArgumentParser(description="a fake payment API deduplicating on keys")
+    parser.add_argument("--port", type=int, default=8099)
+    args = parser.parse_args()
+    with PaymentServer(args.port) as server:
+        print(f"payment API on {server.url} (Ctrl-C to stop)", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()
+    charged = server.ledger.charges_per_order()
+    print(f"{len(charged)} orders charged, {sum(charged.values()) - len(charged)} twice")
+
+
+if __name__ == "__main__":
+    main()
