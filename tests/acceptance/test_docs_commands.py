@@ -63,6 +63,12 @@ ALLOWED_SKIPS: dict[tuple[str, str], str] = {
         "an illustration; tests/acceptance/test_cli_redis_worker.py runs a RedisDedup consumer so"
     ),
     ("scripts/README-services.md", "docker compose up"): "no Docker here",
+    ("examples/flash_sale/README.md", "python -m examples.flash_sale.gateway"): (
+        "a server until Ctrl-C; tests/acceptance/test_example_flash_sale.py runs it"
+    ),
+    ("examples/flash_sale/README.md", "mqdedup worker examples.flash_sale.consumer"): (
+        "needs that server; tests/acceptance/test_example_flash_sale.py runs it end to end"
+    ),
 }
 #: At least this many blocks must really run (guards against a parser that finds nothing).
 MIN_EXECUTED = 15
@@ -100,6 +106,8 @@ class DocsEnv:
             "PAYMENTS_QUEUE": f"{name}-payments",
             "API_ORDER_EVENTS_TOPIC": f"{name}-api-order-events",
             "API_SHIPPING_GROUP": f"{name}-api-shipping",
+            "FLASH_SALE_QUEUE": f"{name}-flash-sale-orders",
+            "FLASH_SALE_EVENTS_QUEUE": f"{name}-flash-sale-events",
         }
 
 
