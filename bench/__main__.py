@@ -38,6 +38,8 @@ from pathlib import Path
 from bench.suite_common import FULL, QUICK, Section, Settings, Sizes, fmt, progress
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Results of standalone bench scripts appended to docs/benchmarks.md (see docs_markdown).
+STANDALONE_RESULTS = [ROOT / "bench" / "results" / "id_order.md"]
 SUITES = ("kafka", "rabbitmq", "handlers", "relay", "claim", "memory")
 #: Suites run only when named in ``--only`` (not part of the default full / quick run).
 OPTIONAL = ("async",)
@@ -227,6 +229,11 @@ def docs_markdown(
         "depend on the machine; compare the ratios.",
         "",
     ]
+    # Measurements of their own scripts (long runs, not part of `python -m bench`),
+    # kept on this page through its rewrites.
+    for standalone in STANDALONE_RESULTS:
+        if standalone.is_file():
+            lines += [standalone.read_text(encoding="utf-8").rstrip(), ""]
     return "\n".join(lines)
 
 
