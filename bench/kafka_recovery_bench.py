@@ -15,6 +15,22 @@ Usage::
         '{"reconnect_backoff_max_ms": 30000, "request_timeout_ms": 30000}'  # old defaults
 
 The shared broker is never touched.
+
+``--scenario crash`` / ``--scenario poison`` (issue 33) measure how fast the group
+recovers from dead worker processes instead: ``mqdedup worker --processes 3`` (the
+real supervisor, so each child gets its static ``group.instance.id``) drains a
+6-partition topic on the shared Kafka into the shared PostgreSQL (fresh topic, group
+and tables per run). ``crash``: 3,000 messages, a worker child killed with SIGKILL three
+times (2 s apart after the previous restart was back at work); ``poison``: 500 messages,
+one of which kills the process handling it (``os.kill(getpid(), SIGKILL)``) until it is
+dead-lettered. The figure is the drain time: first message produced to the last row
+committed. ``--client sync|async`` picks KafkaConsumer (kafka-python) or
+AsyncKafkaConsumer (aiokafka); ``--variant before`` runs them as before issue 33
+(dynamic members; kafka-python's 45 s session timeout), ``after`` with today's
+defaults. ``--all`` runs every combination ``--runs`` times, interleaved, and prints the
+medians side by side::
+
+    .venv/bin/python bench/kafka_recovery_bench.py --all --runs 3
 """
 
 from __future__ import annotations
@@ -40,7 +56,7 @@ import kafka
 
 from mqdedup import StopToken, create_engine, init_schema
 from mqdedup.consumers.context import Context
-from mqdedup.kafka import KafkaConsumer
+from mqdedup.kafka import AsyncKafkaConsumer, KafkaConsumer
 from mqdedup.message import Message
 
 SERVICES = Path(__file__).resolve().parent.parent / "scripts" / "services.sh"
@@ -115,7 +131,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--outage", type=float, default=20.0)
     parser.add_argument("--kafka-config", default="{}", help="JSON merged into kafka_config")
+    parser.add_argument("--scenario", choices=["outage", "crash", "poison"], default="outage")
+    parser.add_argument("--client", choices=["sync", "async"], default="sync")
+    parser.add_argument("--variant", choices=["before", "after"], default="after")
+    parser.add_argument("--all", action="store_true", help="crash and poison, every variant")
     args = parser.parse_args()
+    if args.all or args.scenario != "outage":
+        crash_main(args)
+        return
     logging.basicConfig(level=logging.ERROR)
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # connection errors are expected
     extra = json.loads(args.kafka_config)
@@ -169,6 +192,208 @@ def main() -> None:
             f"median {statistics.median(figures):.1f} s over {len(figures)} runs "
             f"(outage {args.outage:.0f} s, kill -9; kafka_config overrides: {extra or 'none'})"
         )
+
+
+# -- crash recovery (issue 33) --------------------------------------------------------------
+
+#: Handler time per message: 3,000 messages over 3 processes drain in ~5 s undisturbed.
+CRASH_DELAY = 0.005
+
+
+def _bench_settings() -> dict[str, Any]:
+    return json.loads(os.environ["MQDEDUP_BENCH_CRASH"])
+
+
+def _crash_namespace() -> dict[str, Any]:
+    settings = _bench_settings()
+    return {
+        "topics": [settings["topic"]],
+        "group_id": settings["group"],
+        "batch_size": 50,
+        "static_membership": settings["variant"] == "after",
+        "kafka_config": (
+            {"session_timeout_ms": 45_000, "heartbeat_interval_ms": 3_000}
+            if settings["variant"] == "before" and settings["client"] == "sync"
+            else {}
+        ),
+    }
+
+
+def _rows_table(prefix: str) -> Any:
+    from sqlalchemy import Column, MetaData, String, Table
+
+    return Table(f"{prefix}rows", MetaData(), Column("message_id", String(64), primary_key=True))
+
+
+def _kill_if_poison(message: Message) -> None:
+    if message.id == "poison":
+        os.kill(os.getpid(), 9)
+    time.sleep(CRASH_DELAY)
+
+
+class CrashSync(KafkaConsumer):
+    """One row per message (kafka-python); ``poison`` kills its process."""
+
+    def handle(self, message: Message, ctx: Context) -> Any:
+        _kill_if_poison(message)
+        table = _rows_table(_bench_settings()["prefix"])
+        ctx.session.execute(table.insert().values(message_id=message.id))
+        return None
+
+
+class CrashAsync(AsyncKafkaConsumer):
+    """One row per message (aiokafka); ``poison`` kills its process."""
+
+    async def handle(self, message: Message, ctx: Any) -> Any:
+        _kill_if_poison(message)
+        table = _rows_table(_bench_settings()["prefix"])
+        await ctx.session.execute(table.insert().values(message_id=message.id))
+        return None
+
+
+if "MQDEDUP_BENCH_CRASH" in os.environ:  # in the worker processes: configure the classes
+    for _cls in (CrashSync, CrashAsync):
+        for _key, _value in _crash_namespace().items():
+            setattr(_cls, _key, _value)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _workers(supervisor: int) -> list[int]:
+    """The supervisor's worker children (not multiprocessing's resource tracker)."""
+    found = []
+    for child in _children(supervisor):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            found.append(child)
+    return found
+
+
+def crash_run(scenario: str, client: str, variant: str, database: str, bootstrap: str) -> float:
+    """One run: seconds from the first message produced to the last row committed."""
+    from sqlalchemy import create_engine as sa_engine
+    from sqlalchemy import func, select
+
+    tag = uuid.uuid4().hex[:8]
+    topic, prefix = f"crash-{tag}", f"cr{tag}_"
+    settings = {
+        "topic": topic,
+        "group": f"g-{topic}",
+        "prefix": prefix,
+        "client": client,
+        "variant": variant,
+    }
+    engine = sa_engine(database)
+    init_schema(engine, prefix)
+    rows = _rows_table(prefix)
+    rows.metadata.create_all(engine)
+    admin = kafka.KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics({topic: {"num_partitions": 6}}, wait_for_metadata=True)
+    admin.close()
+    total = 3000 if scenario == "crash" else 500
+    ids = [f"m{i:05d}" for i in range(total)]
+    if scenario == "poison":
+        ids[total // 5] = "poison"
+    env = {
+        **os.environ,
+        "MQDEDUP_BENCH_CRASH": json.dumps(settings),
+        "MQDEDUP_KAFKA_BOOTSTRAP": bootstrap,
+        "PYTHONPATH": str(SERVICES.parent.parent),
+    }
+    target = "bench.kafka_recovery_bench:" + ("CrashSync" if client == "sync" else "CrashAsync")
+    level = os.environ.get("MQDEDUP_BENCH_LOG_LEVEL", "WARNING")
+    log_file = Path(tempfile.gettempdir()) / f"mqdedup-crash-{tag}.log"
+    with log_file.open("w") as log_handle:
+        worker = subprocess.Popen(
+            [str(Path(sys.executable).parent / "mqdedup"), "worker", target, "--processes", "3",
+             "--database", database, "--table-prefix", prefix, "--log-level", level,
+             "--shutdown-timeout", "10"],
+            env=env, stdout=log_handle, stderr=subprocess.STDOUT, cwd=SERVICES.parent.parent,
+        )  # fmt: skip
+
+        def count() -> int:
+            with engine.connect() as connection:
+                return int(connection.execute(select(func.count()).select_from(rows)).scalar_one())
+
+        try:
+            wait(lambda: len(_workers(worker.pid)) == 3, 60, "three worker processes")
+            time.sleep(8)  # the group formed (rebalances of the start settled)
+            started = time.monotonic()
+            produce(bootstrap, topic, ids)
+            expected = total - (1 if scenario == "poison" else 0)
+            if scenario == "crash":
+                for _ in range(3):
+                    wait(lambda: count() > 0, 120, "rows")
+                    time.sleep(2)
+                    victims = _workers(worker.pid)
+                    if victims and count() < expected:
+                        os.kill(victims[0], 9)
+                        wait(lambda: len(_workers(worker.pid)) == 3, 60, "the restarted child")
+            wait(lambda: count() >= expected, 600, f"{expected} rows")
+            elapsed = time.monotonic() - started
+        finally:
+            worker.terminate()
+            try:
+                worker.wait(30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    with engine.begin() as connection:
+        for table in reversed([*schema_tables(prefix), rows]):
+            table.drop(connection, checkfirst=True)
+    engine.dispose()
+    log_file.unlink(missing_ok=True)
+    return elapsed
+
+
+def schema_tables(prefix: str) -> list[Any]:
+    from mqdedup.db.schema import schema
+
+    return list(schema(prefix).metadata.sorted_tables)
+
+
+def crash_main(args: argparse.Namespace) -> None:
+    database = os.environ.get("MQDEDUP_TEST_DATABASE_URL") or os.environ["MQDEDUP_DATABASE_URL"]
+    bootstrap = os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    scenarios = ["crash", "poison"] if args.all else [args.scenario]
+    clients = ["sync", "async"] if args.all else [args.client]
+    variants = ["before", "after"] if args.all else [args.variant]
+    figures: dict[tuple[str, str, str], list[float]] = {}
+    for run in range(args.runs):
+        for scenario in scenarios:
+            for client in clients:
+                for variant in variants:
+                    seconds = crash_run(scenario, client, variant, database, bootstrap)
+                    figures.setdefault((scenario, client, variant), []).append(seconds)
+                    print(
+                        f"run {run + 1}: {scenario} {client} {variant}: {seconds:.1f} s",
+                        flush=True,
+                    )
+    print("\n| scenario | client | before (s) | after (s) | runs |")
+    print("|---|---|---|---|---|")
+    for scenario in scenarios:
+        for client in clients:
+            cells = []
+            for variant in ("before", "after"):
+                values = figures.get((scenario, client, variant))
+                cells.append(f"{statistics.median(values):.1f}" if values else "-")
+            name = "kafka-python" if client == "sync" else "aiokafka"
+            print(f"| {scenario} | {name} | {cells[0]} | {cells[1]} | {args.runs} |")
 
 
 if __name__ == "__main__":

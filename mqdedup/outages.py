@@ -37,6 +37,60 @@ def _nothing(*_args: Any) -> None:
     return None
 
 
+class OutageLog:
+    """The log lines of one kind of outage: one WARNING when it starts, one INFO (with
+    its duration) when it ends, DEBUG for every retry in between.
+
+    Broker transports call :meth:`down` on every failed attempt (a lost connection, a
+    failed reconnect or poll) and :meth:`up` once connected / polling again, so a
+    16-second outage is two lines, not one per reconnect attempt. ``what`` is the
+    message's subject ("rabbitmq connection", "kafka poll"); ``context`` is added to
+    every line (queue, consumer). Not thread-safe: one owner (an I/O thread, a loop).
+    """
+
+    def __init__(
+        self, what: str, *, logger: logging.Logger | None = None, context: Mapping[str, Any]
+    ) -> None:
+        self.what = what
+        self.log = logger or log
+        self.context = dict(context)
+        self._since: float | None = None
+        self._attempts = 0
+
+    @property
+    def ongoing(self) -> bool:
+        """True between :meth:`down` and :meth:`up`."""
+        return self._since is not None
+
+    def down(self, error: str | None, message: str | None = None) -> None:
+        """An attempt failed: the WARNING when the outage starts, else a DEBUG line."""
+        self._attempts += 1
+        if self._since is None:
+            self._since = time.monotonic()
+            self._attempts = 1
+            self.log.warning(
+                message or f"{self.what} unavailable; retrying until it is back",
+                extra={**self.context, "error": error},
+            )
+            return
+        self.log.debug(
+            f"{self.what} still unavailable",
+            extra={**self.context, "error": error, "attempt": self._attempts},
+        )
+
+    def up(self) -> float | None:
+        """Working again: the INFO line with the outage's duration (seconds), if any."""
+        since, self._since = self._since, None
+        if since is None:
+            return None
+        seconds = time.monotonic() - since
+        self.log.info(
+            f"{self.what} back after {seconds:.1f}s",
+            extra={**self.context, "outage_seconds": round(seconds, 1), "attempts": self._attempts},
+        )
+        return seconds
+
+
 class Outages:
     """Runs units of work through infrastructure outages.
 

@@ -27,6 +27,26 @@ Ack contract (every transport keeps it):
   transports own their I/O thread, which does that all the time).
 * ``close`` releases the connection; deliveries still unsettled go back to the broker.
 
+Recovery bounds (every transport keeps them; ``tests/integration/test_recovery_parity.py``
+checks them on KafkaConsumer, AsyncKafkaConsumer, RabbitMQConsumer and
+AsyncRabbitMQConsumer):
+
+* **A stop ends within 2 s in any state** — connected, mid-batch, broker down, or still
+  starting against an unreachable broker — whether it comes from a signal, the stop
+  token or ``task.cancel()`` (``run_async`` then ends with ``CancelledError``; a stop is
+  not an error, ``mqdedup worker`` exits 0). The batch in flight is finished and what
+  committed is settled if the broker is reachable; nothing else is acked. No command of
+  a stop waits on a connection that is down.
+* **A dead-letter publish never holds the acks or the next batch longer than 1 s**: a
+  publish the broker blocks (a resource alarm) or refuses raises within that time, the
+  delivery stays unsettled, the rest of the batch is settled and the worker goes on.
+* **``connect_timeout`` / ``startup_timeout`` is waited out** at start before
+  ``BrokerUnavailableError``, by every client alike.
+* **A channel the broker closes is one WARNING with the broker's reply code and text**,
+  counted in ``Metrics.channel_reopens`` when the channel is open again.
+* **An outage is one WARNING when it starts and one INFO (with its duration) when it
+  ends**, not a line per reconnect attempt (:class:`~mqdedup.outages.OutageLog`).
+
 Deliveries are typed by their transport's token (``Delivery[KafkaToken]``,
 ``Delivery[AmqpToken]``, ``Delivery[int]`` in memory): core code that works with any
 transport uses ``Delivery[Any]`` / ``Transport[Any]``.

@@ -31,6 +31,7 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.aio_settings import AioKafkaSettings
 from mqdedup.kafka.consumer import KafkaConsumer
+from mqdedup.kafka.membership import GROUP_DEFAULTS
 from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
@@ -98,7 +99,11 @@ class AsyncKafkaConsumer(AsyncConsumer, KafkaConsumer):
             "auto_offset_reset": cls.auto_offset_reset,
             "max_poll_records": max(cls.batch_size, 1),
             "metadata_max_age_ms": int(cls.metadata_refresh * 1000),
+            **GROUP_DEFAULTS,
         }
+        instance_id = self.group_instance_id(base.group_id)
+        if instance_id is not None:
+            consumer["group_instance_id"] = instance_id
         consumer_keys = _parameters("consumer")
         consumer.update({k: v for k, v in cls.kafka_config.items() if k in consumer_keys})
         consumer.update(cls.aiokafka_config)

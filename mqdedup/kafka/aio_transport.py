@@ -25,6 +25,12 @@ aiokafka waits for the listener) and drops their buffered and in-flight deliveri
 their settles are then ignored and the next owner gets them again, deduplicated. A
 graceful close commits with the clean-stop marker (:mod:`mqdedup.kafka.clean_stop`), so
 the next owner need not treat the first records as possibly redelivered.
+
+**Start-up** waits ``connect_timeout`` for an unreachable cluster, as the kafka-python
+transport does: aiokafka gives up a bootstrap after one round of its servers (1–2 s),
+so the start is attempted again (with a fresh client, ``START_RETRY`` apart) until the
+deadline. A stop request (or cancelling the task of ``run_async``) during start-up ends
+it within ``START_SLICE``: the transport is then unconnected and hands out nothing.
 """
 
 from __future__ import annotations
@@ -65,6 +71,10 @@ LAG_INTERVAL = 1.0
 CLOSE_TIMEOUT = 10.0
 #: Pause of the poll task after a retriable error.
 RETRY_PAUSE = 0.5
+#: Seconds between two start attempts while no bootstrap server answers.
+START_RETRY = 1.0
+#: Longest wait of a start attempt between two looks at the stop token.
+START_SLICE = 0.1
 
 
 def require_bridge(operation: str) -> None:
@@ -195,23 +205,40 @@ class AioKafkaTransport:
     async def _start(self) -> None:
         settings = self.settings
         self._arrived = asyncio.Event()
-        try:
-            consumer = aiokafka.AIOKafkaConsumer(**settings.consumer)
-        except (TypeError, ValueError, aio_errors.KafkaError) as error:
-            raise ConfigurationError(f"invalid aiokafka settings: {error}") from error
-        listener = _RebalanceListener(self)
-        if settings.base.pattern is not None:
-            consumer.subscribe(pattern=settings.base.pattern, listener=listener)
-        else:
-            consumer.subscribe(topics=list(settings.base.topics), listener=listener)
-        try:
-            await asyncio.wait_for(consumer.start(), settings.connect_timeout)
-        except (aio_errors.KafkaError, TimeoutError, OSError) as error:
-            await _quietly(consumer.stop())
-            raise BrokerUnavailableError(
-                f"cannot reach Kafka at {','.join(settings.base.bootstrap_servers)}: "
-                f"{describe_error(error)}"
-            ) from error
+        deadline = time.monotonic() + settings.connect_timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            consumer = self._new_consumer()
+            try:
+                started = await self._unless_stopped(consumer.start(), deadline)
+            except (aio_errors.KafkaError, TimeoutError, OSError) as error:
+                await _quietly(consumer.stop(), START_RETRY)
+                if time.monotonic() + START_RETRY >= deadline or not _retriable_start(error):
+                    raise BrokerUnavailableError(
+                        f"cannot reach Kafka at {','.join(settings.base.bootstrap_servers)} "
+                        f"within {settings.connect_timeout:g}s: {describe_error(error)}"
+                    ) from error
+                log.log(
+                    logging.WARNING if attempt == 1 else logging.DEBUG,
+                    "cannot reach Kafka; retrying until connect_timeout",
+                    extra={
+                        "consumer": settings.consumer_name,
+                        "error": describe_error(error),
+                        "connect_timeout": settings.connect_timeout,
+                    },
+                )
+                if await self._unless_stopped(asyncio.sleep(START_RETRY), deadline + 1):
+                    continue
+                started = False
+            if not started:  # a stop request
+                await _quietly(consumer.stop(), START_RETRY)
+                log.info(
+                    "stop requested while connecting to Kafka; not consuming",
+                    extra={"consumer": settings.consumer_name},
+                )
+                return
+            break
         self._consumer = consumer
         self.commits.consumer = consumer
         self._poll_task = asyncio.get_running_loop().create_task(
@@ -226,6 +253,38 @@ class AioKafkaTransport:
                 "bootstrap": ",".join(settings.base.bootstrap_servers),
             },
         )
+
+    def _new_consumer(self) -> Any:
+        try:
+            consumer = aiokafka.AIOKafkaConsumer(**self.settings.consumer)
+        except (TypeError, ValueError, aio_errors.KafkaError) as error:
+            raise ConfigurationError(f"invalid aiokafka settings: {error}") from error
+        listener = _RebalanceListener(self)
+        if self.settings.base.pattern is not None:
+            consumer.subscribe(pattern=self.settings.base.pattern, listener=listener)
+        else:
+            consumer.subscribe(topics=list(self.settings.base.topics), listener=listener)
+        return consumer
+
+    async def _unless_stopped(self, awaitable: Awaitable[Any], deadline: float) -> bool:
+        """Await ``awaitable`` until the monotonic ``deadline`` (then TimeoutError); True
+        once it is done, False at once when a stop is requested (it is cancelled)."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while not task.done():
+                if self._stop.requested:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("connect_timeout passed")
+                await asyncio.wait({task}, timeout=min(left, START_SLICE))
+        except BaseException:
+            task.cancel()
+            raise
+        task.result()  # raises what it raised
+        return True
 
     async def _close(self) -> None:
         self._closing = True
@@ -429,6 +488,11 @@ class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
         self.transport._partitions_assigned([partition_key(tp) for tp in assigned])
 
 
+def _retriable_start(error: BaseException) -> bool:
+    """A failed start worth another attempt: no broker answered (not a refused setting)."""
+    return isinstance(error, TimeoutError | OSError) or _retriable(error)
+
+
 def _retriable(error: BaseException) -> bool:
     return bool(getattr(error, "retriable", False)) or isinstance(
         error,
@@ -442,9 +506,9 @@ def _names(keys: Collection[PartitionKey]) -> list[str]:
     return [f"{topic}/{partition}" for topic, partition in sorted(keys)]
 
 
-async def _quietly(awaitable: Awaitable[T]) -> None:
+async def _quietly(awaitable: Awaitable[T], timeout: float = CLOSE_TIMEOUT) -> None:
     try:
-        await asyncio.wait_for(awaitable, CLOSE_TIMEOUT)
+        await asyncio.wait_for(awaitable, timeout)
     except Exception as error:
         log.warning(
             "kafka consumer did not stop cleanly (aiokafka)", extra={"error": describe_error(error)}

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import ConfigurationError
+from mqdedup.kafka.membership import GROUP_DEFAULTS, static_instance_id
 from mqdedup.kafka.settings import TOPIC_PLACEHOLDER, KafkaSettings
 from mqdedup.kafka.transport import KafkaTransport
 from mqdedup.stopping import StopToken
@@ -139,6 +140,17 @@ class KafkaConsumer(Consumer):
     #: partitions of a subscribed topic, and new topics of a ``topic_pattern``, are
     #: noticed within this bound (then a rebalance of a few seconds assigns them).
     metadata_refresh: ClassVar[float] = 10.0
+    #: A child of ``mqdedup worker`` joins the group as a static member with an id
+    #: stable per supervisor slot and host, so after a crash its restart takes its
+    #: partitions back at once (see :mod:`mqdedup.kafka.membership`).
+    static_membership: ClassVar[bool] = True
+
+    def group_instance_id(self, group_id: str) -> str | None:
+        """The static member id of this process (None: a dynamic member), unless
+        ``kafka_config`` sets ``group_instance_id`` itself."""
+        if not type(self).static_membership:
+            return None
+        return static_instance_id(group_id)
 
     def default_name(self) -> str:
         """The dedup scope when ``name`` is not set: the consumer group."""
@@ -260,8 +272,12 @@ class KafkaConsumer(Consumer):
             "max_poll_records": max(cls.batch_size, 1),
             "bootstrap_timeout_ms": int(cls.connect_timeout * 1000),
             **RECOVERY_DEFAULTS,
+            **GROUP_DEFAULTS,
             "metadata_max_age_ms": int(cls.metadata_refresh * 1000),
         }
+        instance_id = self.group_instance_id(group_id)
+        if instance_id is not None:
+            consumer_config["group_instance_id"] = instance_id
         consumer_config.update(self.kafka_config)
         producer_config: dict[str, Any] = {
             "bootstrap_servers": list(bootstrap),

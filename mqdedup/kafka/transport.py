@@ -127,6 +127,8 @@ class KafkaTransport:
         self._closing = threading.Event()
         self._failure: BaseException | None = None
         self._closed = False
+        #: Stopped during start-up: the poll thread closes the client once it connected.
+        self._abandoned = False
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -146,7 +148,23 @@ class KafkaTransport:
         )
         self._thread.start()
         connect = float(self.settings.consumer_config.get("bootstrap_timeout_ms", 30_000)) / 1000
-        if not self._ready.wait(connect + CLOSE_TIMEOUT):
+        deadline = time.monotonic() + connect + CLOSE_TIMEOUT
+        while not self._ready.wait(POLL_SLICE):
+            if self._stop.requested:
+                # A stop during start-up (Kafka unreachable): kafka-python's bootstrap
+                # cannot be interrupted, so the poll thread is left to finish it and
+                # close the client; this transport hands out nothing.
+                log.info(
+                    "stop requested while connecting to Kafka; not consuming",
+                    extra={"consumer": self.settings.consumer_name},
+                )
+                self._abandoned = True
+                self._closed = True
+                self._closing.set()
+                return self
+            if time.monotonic() >= deadline:
+                break
+        if not self._ready.is_set():
             self.close()
             raise BrokerUnavailableError(
                 f"Kafka at {','.join(self.settings.bootstrap_servers)} did not answer "
@@ -251,6 +269,10 @@ class KafkaTransport:
             self.client.close(commit=False)
             return
         self._ready.set()
+        if self._abandoned:
+            # Stopped during start-up (see start): nothing consumed, nothing to commit.
+            self.client.close(commit=False)
+            return
         failed = False
         try:
             self._poll_loop()

@@ -7,12 +7,25 @@ publisher confirms and the call returns only once the broker confirmed it. The b
 refusals (a nack, a copy returned as unroutable twice, a channel closed for it) raise
 :class:`~mqdedup.errors.DeadLetterRefusedError` with the reason; outages and timeouts
 :class:`~mqdedup.errors.BrokerUnavailableError`. Coroutines, awaited through the bridge.
+
+A publish the broker does not confirm within ``blocked_timeout`` seconds (1 s, as the
+pika transport's blocked-connection timeout) is given up like a blocked one: during a
+resource alarm RabbitMQ stops reading a publishing connection, so the connection is
+closed (the unread copy goes with it) and publishes are refused at once for a growing
+pause (1 s doubling to 5 s, reset by the next confirmed one). So a long alarm costs the
+worker one short wait per pause, never the 30-second ``timeout`` per poison message,
+and the acks and the next batch go on. The trade-off: a confirm slower than
+``blocked_timeout`` on a healthy but overloaded broker also counts as refused; the
+delivery is then dead-lettered again later and the dead-letter queue may hold two
+copies with the same ``message-id`` (nothing is lost; the business effect is not
+doubled). aio-pika has no public "blocked" state, so the timeout is the signal.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import aio_pika
@@ -29,22 +42,39 @@ from mqdedup.rabbitmq.topology import Topology
 
 log = logging.getLogger(__name__)
 
+#: Longest pause, in seconds, between publish attempts while publishes time out (an alarm).
+_BLOCKED_PAUSE_MAX = 5.0
+
 
 class AioDeadLetterPublisher:
     """Publishes dead letters with confirms and ``mandatory`` (opened on first use)."""
 
     def __init__(
-        self, url: str, topology: Topology, *, connection_name: str, timeout: float = 30.0
+        self,
+        url: str,
+        topology: Topology,
+        *,
+        connection_name: str,
+        timeout: float = 30.0,
+        blocked_timeout: float = 1.0,
     ) -> None:
         self.topology = topology
         self.connection_name = connection_name
         self._url = url
         self._timeout = timeout
+        self._blocked_timeout = blocked_timeout
         self._connection: Any = None
         self._channel: Any = None
+        self._refuse_until = 0.0
+        self._pause = 1.0
 
     async def publish(self, message: aio_pika.Message) -> None:
         """Publish one dead letter and wait for the broker's confirm (see the module docs)."""
+        if time.monotonic() < self._refuse_until:
+            raise BrokerUnavailableError(
+                "RabbitMQ did not confirm the last dead letter in time (a resource alarm?); "
+                "the dead letter waits"
+            )
         for attempt in (1, 2):
             channel = await self._open_channel()
             try:
@@ -54,12 +84,22 @@ class AioDeadLetterPublisher:
                     )
                 else:
                     exchange = channel.default_exchange
-                await exchange.publish(
-                    message,
-                    routing_key=self.topology.dead_letter_routing_key,
-                    mandatory=True,
-                    timeout=self._timeout,
+                await asyncio.wait_for(
+                    exchange.publish(
+                        message,
+                        routing_key=self.topology.dead_letter_routing_key,
+                        mandatory=True,
+                        timeout=self._timeout,
+                    ),
+                    self._blocked_timeout,
                 )
+            except TimeoutError as error:
+                await self._on_blocked_timeout()
+                raise BrokerUnavailableError(
+                    f"RabbitMQ did not confirm the dead letter within {self._blocked_timeout:g}s "
+                    "(publishing blocked by a resource alarm?); the connection was closed and "
+                    "the dead letter waits"
+                ) from error
             except aio_errors.DeliveryError as error:
                 returned = type(getattr(error, "frame", None)).__name__ == "Return"
                 if returned and attempt == 1:
@@ -88,14 +128,27 @@ class AioDeadLetterPublisher:
                         f"dead-letter publish failed: {describe_error(error)}"
                     ) from error
                 continue  # a connection the broker closed while idle: once more, fresh
+            self._pause = 1.0
             return
 
-    async def close(self) -> None:
-        """Close the connection (quietly: it may be broken already)."""
+    async def _on_blocked_timeout(self) -> None:
+        if self._pause == 1.0:
+            log.warning(
+                "RabbitMQ does not confirm dead letters (resource alarm?); dead letters wait, "
+                "acks go on",
+                extra={"connection_name": self.connection_name},
+            )
+        self._refuse_until = time.monotonic() + self._pause
+        self._pause = min(self._pause * 2, _BLOCKED_PAUSE_MAX)
+        await self.close(timeout=self._blocked_timeout)
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Close the connection (quietly: it may be broken already), waiting at most
+        ``timeout`` seconds (default: the blocked timeout, so a stop is never held)."""
         connection, self._connection, self._channel = self._connection, None, None
         if connection is not None and not connection.is_closed:
             try:
-                await asyncio.wait_for(connection.close(), self._timeout)
+                await asyncio.wait_for(connection.close(), timeout or self._blocked_timeout)
             except Exception as error:
                 log.debug("ignoring an error closing the dead-letter connection: %r", error)
 

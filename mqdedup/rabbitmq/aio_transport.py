@@ -21,7 +21,16 @@ a method raises a clear error.
 * Prefetch = the batch size (or ``prefetch``); ``fetch`` returns as soon as a batch is
   there, the broker cannot send more, or no delivery came for ``linger`` seconds.
 * On a stop request it cancels its consumer and returns the buffered deliveries to the
-  queue; the batch in flight is still acked until :meth:`close`.
+  queue; the batch in flight is still acked until :meth:`close`. Every command of a stop
+  (``basic.cancel``, closing the connections) waits at most ``STOP_TIMEOUT`` seconds, and
+  none is sent on a connection that is down, so a stop ends within the Transport
+  contract's bound in any state; a stop during start-up (the broker unreachable) ends the
+  connect attempts at once: the transport starts unconnected and hands out nothing.
+* A channel the broker closes (``consumer_timeout``: 406, a deleted queue: 404) is one
+  WARNING with the broker's reply code and text, and counted in
+  ``Metrics.channel_reopens`` when aio-pika reopens it (as every reconnect is); a lost
+  connection is one WARNING when it is lost and one INFO with the outage's duration
+  when it is back (:class:`~mqdedup.outages.OutageLog`), not a line per attempt.
 * Dead letters go out on a connection of their own with publisher confirms
   (:class:`~mqdedup.rabbitmq.aio_dead_letters.AioDeadLetterPublisher`).
 """
@@ -45,6 +54,7 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.masking import mask_url
+from mqdedup.outages import OutageLog
 from mqdedup.rabbitmq.aio_codec import aio_dead_letter_message, aio_to_message
 from mqdedup.rabbitmq.aio_dead_letters import AioDeadLetterPublisher
 from mqdedup.rabbitmq.aio_topology import (
@@ -63,6 +73,10 @@ log = logging.getLogger(__name__)
 WAIT_SLICE = 0.25
 #: Seconds to wait for the broker's answer to a command (declare, cancel, close).
 COMMAND_TIMEOUT = 30.0
+#: Seconds a command of a stop (``basic.cancel``, a connection close) may take.
+STOP_TIMEOUT = 1.0
+#: Longest single wait of a connect attempt at start, so a stop request is seen promptly.
+START_SLICE = 0.1
 #: Seconds between two reads of the queue's depth (``Metrics.lag``).
 LAG_INTERVAL = 15.0
 
@@ -130,6 +144,11 @@ class AioPikaTransport:
         self._handed_out = 0
         self._reconnects = 0
         self._closed = False
+        self._outage = OutageLog(
+            "rabbitmq connection",
+            logger=log,
+            context={"queue": self.queue, "connection_name": connection_name},
+        )
         self.dead_letters = AioDeadLetterPublisher(
             url, topology, connection_name=f"{connection_name}:dead-letters"
         )
@@ -217,7 +236,7 @@ class AioPikaTransport:
         pause = 0.2
         while True:
             try:
-                connection = await asyncio.wait_for(
+                connection = await self._unless_stopped(
                     aio_pika.connect_robust(
                         self._url,
                         client_properties={"connection_name": self.connection_name},
@@ -225,6 +244,12 @@ class AioPikaTransport:
                     ),
                     COMMAND_TIMEOUT,
                 )
+                if connection is None:
+                    log.info(
+                        "stop requested while connecting to RabbitMQ; not consuming",
+                        extra={"queue": self.queue, "url": self._masked_url},
+                    )
+                    return
                 break
             except aio_errors.ProbableAuthenticationError as error:
                 raise ConfigurationError(
@@ -236,8 +261,11 @@ class AioPikaTransport:
                     raise BrokerUnavailableError(
                         f"cannot connect to RabbitMQ at {self._masked_url}: {describe_error(error)}"
                     ) from error
-                await asyncio.sleep(pause)
+                self._outage.down(describe_error(error), "cannot connect to RabbitMQ; retrying")
+                if await self._unless_stopped(asyncio.sleep(pause, True), pause + 1) is None:
+                    return
                 pause = min(pause * 2, 2.0)
+        self._outage.up()
         try:
             channel = await connection.channel()
             await channel.set_qos(prefetch_count=self.prefetch)
@@ -250,6 +278,8 @@ class AioPikaTransport:
         self._channel = channel
         connection.reconnect_callbacks.add(self._on_reconnect)
         connection.close_callbacks.add(self._on_connection_lost)
+        channel.close_callbacks.add(self._on_channel_closed)
+        channel.reopen_callbacks.add(self._on_channel_reopened)
         self.metrics.consumer_attached = True
         log.info(
             "rabbitmq consumer connected (aio-pika)",
@@ -260,10 +290,10 @@ class AioPikaTransport:
         connection, self._connection = self._connection, None
         if connection is not None:
             await self._cancel_consuming()
-            await _quietly(connection.close())
+            await _quietly(connection.close(), STOP_TIMEOUT)
         self.metrics.consumer_attached = False
         self._buffer.clear()
-        await self.dead_letters.close()
+        await self.dead_letters.close(timeout=STOP_TIMEOUT)
 
     async def _on_message(self, incoming: Any) -> None:
         try:
@@ -380,9 +410,12 @@ class AioPikaTransport:
         tag, self._consumer_tag = self._consumer_tag, None
         if tag is None or self._queue is None:
             return
-        with contextlib.suppress(*CONNECTION_FAILURES):
-            await asyncio.wait_for(self._queue.cancel(tag), COMMAND_TIMEOUT)
         live = await self._current_channel()
+        if live is not None and not self._outage.ongoing:
+            # Not on a connection that is down: it would wait for the reconnect.
+            with contextlib.suppress(*CONNECTION_FAILURES):
+                await asyncio.wait_for(self._queue.cancel(tag), STOP_TIMEOUT)
+            live = await self._current_channel()
         unfetched = [d.token.delivery_tag for d in self._buffer if d.token.channel is live]
         self._buffer.clear()
         if live is not None and unfetched:
@@ -414,25 +447,38 @@ class AioPikaTransport:
     # -- the robust connection's callbacks -------------------------------------------------
 
     def _on_connection_lost(self, _connection: Any, error: BaseException | None) -> None:
+        # aio-pika calls this for the lost connection and again for every failed
+        # reconnect attempt: one WARNING per outage (OutageLog), DEBUG for the rest.
         if self._closed:
             return
         self.metrics.consumer_attached = False
-        log.warning(
+        self._outage.down(
+            describe_error(error) if error is not None else "closed",
             "rabbitmq connection lost; reconnecting (unacked deliveries come back redelivered)",
-            extra={
-                "queue": self.queue,
-                "error": describe_error(error) if error is not None else "closed",
-            },
         )
 
     def _on_reconnect(self, _connection: Any) -> None:
         self._reconnects += 1
         self._handed_out = 0
         self.metrics.consumer_attached = self._consumer_tag is not None
-        log.info(
-            "rabbitmq connection re-established (aio-pika)",
-            extra={"queue": self.queue, "reconnects": self._reconnects},
+        self._outage.up()
+
+    def _on_channel_closed(self, _channel: Any, error: BaseException | None) -> None:
+        """The consuming channel closed: the broker's reason, once (a WARNING)."""
+        if self._closed or self._outage.ongoing or not isinstance(error, aio_errors.ChannelClosed):
+            return  # our own close, or the connection is lost (logged once by the outage)
+        code, text = reply_of(error)
+        self.metrics.consumer_attached = False
+        log.warning(
+            "the broker closed the consuming channel; reopening it (unacked deliveries come "
+            "back redelivered)",
+            extra={"queue": self.queue, "reply_code": code, "reply_text": text},
         )
+
+    def _on_channel_reopened(self, _channel: Any) -> None:
+        self.metrics.channel_reopens += 1
+        self._handed_out = 0
+        self.metrics.consumer_attached = self._consumer_tag is not None
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -450,9 +496,39 @@ class AioPikaTransport:
     def _stopping(self) -> bool:
         return self._stop is not None and self._stop.requested
 
+    async def _unless_stopped(self, awaitable: Any, timeout: float) -> Any:
+        """Await ``awaitable`` (at most ``timeout`` s); None at once if a stop is requested."""
+        task = asyncio.ensure_future(awaitable)
+        deadline = time.monotonic() + timeout
+        try:
+            while not task.done():
+                if self._stopping():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no answer within {timeout:g}s")
+                await asyncio.wait({task}, timeout=min(left, START_SLICE))
+        except BaseException:
+            task.cancel()
+            raise
+        return task.result()
 
-async def _quietly(awaitable: Any) -> None:
+
+def reply_of(error: BaseException) -> tuple[int | None, str]:
+    """The reply code and text of a channel the broker closed (aiormq's exception)."""
+    from aiormq.channel import EXCEPTION_MAPPING
+
+    args: tuple[Any, ...] = tuple(getattr(error, "args", ()))
+    if len(args) >= 2 and isinstance(args[0], int):
+        return args[0], str(args[1])
+    code = next((c for c, kind in EXCEPTION_MAPPING.items() if type(error) is kind), None)
+    return code, str(args[-1]) if args else str(error)
+
+
+async def _quietly(awaitable: Any, timeout: float = COMMAND_TIMEOUT) -> None:
     try:
-        await asyncio.wait_for(awaitable, COMMAND_TIMEOUT)
+        await asyncio.wait_for(awaitable, timeout)
     except Exception as error:
         log.debug("ignoring an error while closing a RabbitMQ connection: %r", error)

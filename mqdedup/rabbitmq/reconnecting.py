@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pika
 import pika.exceptions
@@ -26,6 +28,7 @@ from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 
 # The transport's logger, as before these helpers moved out of mqdedup.rabbitmq.transport.
 log = logging.getLogger("mqdedup.rabbitmq.transport")
+T = TypeVar("T")
 
 #: Channel-close reply codes that mean "your configuration is wrong", not "try again".
 CONFIGURATION_REPLY_CODES = frozenset({403, 404, 406})
@@ -43,8 +46,14 @@ def connect_retrying(
     closing: threading.Event,
     queue: str,
     masked_url: str,
-) -> Retrying:
-    """Backoff for (re)connecting: bounded by ``startup_timeout`` only the first time."""
+) -> Callable[[Callable[[], T]], T]:
+    """Backoff for (re)connecting: bounded by ``startup_timeout`` only the first time.
+
+    An outage is logged once, not per attempt: a WARNING for the first failed attempt
+    at start-up (a reconnect follows the I/O thread's "detached" WARNING), DEBUG for the
+    rest (ERROR for a configuration error), and an INFO with the outage's duration once
+    connected again.
+    """
 
     def sleep_unless_closing(seconds: float) -> None:
         if closing.wait(seconds):
@@ -55,7 +64,9 @@ def connect_retrying(
         log.log(
             logging.ERROR
             if error is not None and is_configuration_error(error)
-            else logging.WARNING,
+            else logging.WARNING
+            if first and state.attempt_number == 1
+            else logging.DEBUG,
             "cannot connect to RabbitMQ; retrying",
             extra={
                 "queue": queue,
@@ -65,7 +76,7 @@ def connect_retrying(
             },
         )
 
-    return Retrying(
+    retrying = Retrying(
         retry=retry_if_exception(lambda error: retry_connect(error, first)),
         wait=wait_random_exponential(multiplier=0.2, max=backoff_max),
         stop=stop_after_delay(startup_timeout) if first else stop_never,
@@ -73,6 +84,20 @@ def connect_retrying(
         before_sleep=log_connect_retry,
         reraise=True,
     )
+
+    def connect(fn: Callable[[], T]) -> T:
+        started = time.monotonic()
+        result = retrying(fn)
+        attempts = int(retrying.statistics.get("attempt_number", 1))
+        if attempts > 1 or not first:
+            seconds = time.monotonic() - started
+            log.info(
+                f"RabbitMQ connection back after {seconds:.1f}s",
+                extra={"queue": queue, "outage_seconds": round(seconds, 1), "attempts": attempts},
+            )
+        return result
+
+    return connect
 
 
 def retry_connect(error: BaseException, first: bool) -> bool:

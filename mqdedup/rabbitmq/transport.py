@@ -110,7 +110,20 @@ class RabbitMQTransport(ConsumingConnection):
             target=self._io_main, name=f"mqdedup-rabbitmq-io[{self.queue}]", daemon=True
         )
         self._thread.start()
-        if not self._ready.wait(self._startup_timeout + self._command_timeout):
+        deadline = time.monotonic() + self._startup_timeout + self._command_timeout
+        while not self._ready.wait(0.1):
+            if self._stop_requested():
+                # A stop during start-up (the broker unreachable): end the connect
+                # attempts; this transport hands out nothing.
+                log.info(
+                    "stop requested while connecting to RabbitMQ; not consuming",
+                    extra={"queue": self.queue},
+                )
+                self.close()
+                return self
+            if time.monotonic() >= deadline:
+                break
+        if not self._ready.is_set():
             self.close()
             raise BrokerUnavailableError(
                 f"RabbitMQ at {self._masked_url} did not answer within {self._startup_timeout:.0f}s"

@@ -1,0 +1,355 @@
+"""Recovery bounds of the Transport contract, the same on every transport (issue 33).
+
+Each scenario runs on the transports it concerns, through ``consumer.run`` (what a
+``mqdedup worker`` child runs) or ``run_async`` (a host application's task), and asserts
+the bound written in ``mqdedup/consumers/transport.py``:
+
+* a stop request (stop token, ``task.cancel()``) during start-up against an unreachable
+  broker ends within 2 s, cleanly (``run_async``: ``CancelledError``) — all four;
+* ``connect_timeout`` is waited out by both Kafka clients before they give up;
+* a stop while the RabbitMQ broker is down ends within 2 s, and the outage is one
+  WARNING, not a line per reconnect attempt (pika, aio-pika; private node);
+* a dead letter blocked by a memory alarm holds neither the acks nor the next batch:
+  every good message is committed and acked during the alarm (private node);
+* a channel the broker closes (``consumer_timeout``) is one WARNING with the reply code
+  (406) and counted in ``channel_reopens`` (private node).
+
+Scenarios that stop a broker or change its settings use the PRIVATE RabbitMQ node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+from sqlalchemy import Table, func, insert, select
+
+from mqdedup import AsyncConsumer, Consumer, Message, RetryPolicy, StopToken
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.db import create_engine
+from mqdedup.errors import BrokerUnavailableError
+from tests.services import (
+    PrivateRabbitMQ,
+    RabbitAdmin,
+    TestDatabase,
+    free_port,
+    prefixed_database,
+    table_prefix,
+    wait_for,
+)
+from tests.support import orders_table
+
+pytestmark = [pytest.mark.integration]
+
+TRANSPORTS = ["kafka", "aiokafka", "rabbitmq", "aio-pika"]
+RABBIT_TRANSPORTS = ["rabbitmq", "aio-pika"]
+#: The Transport contract's bound on a stop, in any state.
+STOP_BOUND = 2.0
+FAST_RETRY = RetryPolicy(
+    max_attempts=1, initial_backoff=0.01, max_backoff=0.02, infrastructure_backoff_max=1.0
+)
+
+
+class SyncOrders(Consumer):
+    """One row per message; ``poison*`` ids fail; ``slow_once`` holds one message."""
+
+    __test__ = False
+    orders: ClassVar[Table]
+    slow_once: ClassVar[dict[str, float]] = {}
+    batch_size = 50
+    poll_timeout = 0.2
+    retry_policy = FAST_RETRY
+
+    def handle(self, message: Message, ctx: Any) -> Any:
+        assert message.id is not None
+        if message.id.startswith("poison"):
+            raise ValueError(f"cannot handle {message.id}")
+        pause = type(self).slow_once.pop(message.id, None)
+        if pause:
+            time.sleep(pause)
+        ctx.session.execute(insert(type(self).orders).values(message_id=message.id))
+        return None
+
+
+class AsyncOrders(AsyncConsumer):
+    """:class:`SyncOrders` with ``async def handle``."""
+
+    __test__ = False
+    orders: ClassVar[Table]
+    slow_once: ClassVar[dict[str, float]] = {}
+    batch_size = 50
+    poll_timeout = 0.2
+    retry_policy = FAST_RETRY
+
+    async def handle(self, message: Message, ctx: Any) -> Any:
+        assert message.id is not None
+        if message.id.startswith("poison"):
+            raise ValueError(f"cannot handle {message.id}")
+        pause = type(self).slow_once.pop(message.id, None)
+        if pause:
+            await asyncio.sleep(pause)
+        await ctx.session.execute(insert(type(self).orders).values(message_id=message.id))
+        return None
+
+
+def consumer_class(kind: str, orders: Table, address: str, **attributes: Any) -> type[Any]:
+    """A consumer of ``kind``'s transport at ``address`` (bootstrap or AMQP URL)."""
+    name = f"parity-{uuid.uuid4().hex[:8]}"
+    namespace: dict[str, Any] = {"orders": orders, "slow_once": {}}
+    if kind in ("kafka", "aiokafka"):
+        from mqdedup.kafka import AsyncKafkaConsumer, KafkaConsumer
+
+        bases: tuple[type, ...] = (
+            (SyncOrders, KafkaConsumer) if kind == "kafka" else (AsyncOrders, AsyncKafkaConsumer)
+        )
+        namespace.update(topics=[name], group_id=name, bootstrap_servers=address)
+    else:
+        from mqdedup.rabbitmq import AsyncRabbitMQConsumer, RabbitMQConsumer
+
+        bases = (
+            (SyncOrders, RabbitMQConsumer)
+            if kind == "rabbitmq"
+            else (AsyncOrders, AsyncRabbitMQConsumer)
+        )
+        namespace.update(queue=name, url=address, connection_name=f"mqdedup-{name}")
+    namespace.update(attributes)
+    return type(f"Parity{kind.title().replace('-', '')}", bases, namespace)
+
+
+def unreachable(kind: str) -> str:
+    port = free_port()
+    if kind in ("kafka", "aiokafka"):
+        return f"127.0.0.1:{port}"
+    return f"amqp://guest:guest@127.0.0.1:{port}/%2F"
+
+
+class Running:
+    """``consumer.run(database, stop=...)`` in a thread, as a worker process runs it."""
+
+    def __init__(self, consumer: Any, database: Any) -> None:
+        self.stop = StopToken()
+        self.metrics = Metrics()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(
+            target=self._run, args=(consumer, database), name="parity-worker", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, consumer: Any, database: Any) -> None:
+        try:
+            consumer.run(database, stop=self.stop, metrics=self.metrics)
+        except BaseException as error:
+            self.error = error
+
+    def stop_and_time(self, limit: float = 60.0) -> float:
+        """Request the stop; seconds until ``run`` returned."""
+        asked = time.monotonic()
+        self.stop.request()
+        self.thread.join(limit)
+        assert not self.thread.is_alive(), f"the worker did not stop within {limit} s"
+        return time.monotonic() - asked
+
+
+@pytest.fixture
+def sqlite_engine(tmp_path: Path) -> Iterator[Any]:
+    engine = create_engine(f"sqlite:///{tmp_path / 'parity.db'}")
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def orders_db(pg_url: str) -> Iterator[tuple[TestDatabase, Table]]:
+    prefix = table_prefix()
+    orders = orders_table(prefix)
+    with prefixed_database(pg_url, "PostgreSQL", orders.metadata, prefix=prefix) as db:
+        yield db, orders
+
+
+def rows(db: TestDatabase, orders: Table) -> int:
+    with db.engine.connect() as connection:
+        return int(connection.execute(select(func.count()).select_from(orders)).scalar_one())
+
+
+# -- start-up ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_a_stop_during_start_up_against_an_unreachable_broker_ends_within_2s(
+    kind: str, sqlite_engine: Any
+) -> None:
+    consumer = consumer_class(
+        kind, orders_table("p_"), unreachable(kind), connect_timeout=30.0, startup_timeout=30.0
+    )()
+    worker = Running(consumer, sqlite_engine)
+    time.sleep(1.0)  # the worker is in its connect attempts (nothing to await: it fails)
+    assert worker.thread.is_alive(), f"gave up at once: {worker.error!r}"
+    took = worker.stop_and_time()
+    assert worker.error is None, f"a stop is not an error: {worker.error!r}"
+    assert took < STOP_BOUND, f"{kind}: the stop took {took:.1f} s"
+
+
+@pytest.mark.parametrize("kind", ["aiokafka", "aio-pika"])
+def test_task_cancel_during_start_up_ends_run_async_with_cancelled_error_within_2s(
+    kind: str, tmp_path: Path
+) -> None:
+    consumer = consumer_class(
+        kind, orders_table("p_"), unreachable(kind), connect_timeout=30.0, startup_timeout=30.0
+    )()
+
+    async def scenario() -> tuple[float, BaseException | None]:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'parity.db'}")
+        task = asyncio.ensure_future(consumer.run_async(engine))
+        await asyncio.sleep(1.0)
+        assert not task.done(), f"gave up at once: {task.exception()!r}"
+        cancelled = time.monotonic()
+        task.cancel()
+        outcome: BaseException | None = None
+        try:
+            await asyncio.wait_for(task, 60)
+        except BaseException as error:
+            outcome = error
+        took = time.monotonic() - cancelled
+        await engine.dispose()
+        return took, outcome
+
+    took, outcome = asyncio.run(scenario())
+    assert isinstance(outcome, asyncio.CancelledError), f"ended with {outcome!r}"
+    assert took < STOP_BOUND, f"{kind}: the cancel took {took:.1f} s"
+
+
+@pytest.mark.parametrize("kind", ["kafka", "aiokafka"])
+def test_connect_timeout_is_waited_out_by_both_kafka_clients(kind: str) -> None:
+    consumer = consumer_class(kind, orders_table("p_"), unreachable(kind), connect_timeout=4.0)()
+
+    def start() -> Any:
+        return consumer.create_transport(stop=StopToken())
+
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailableError):
+        if kind == "aiokafka":
+            from mqdedup.bridge import run_bridged
+
+            asyncio.run(run_bridged(start))
+        else:
+            start()
+    took = time.monotonic() - started
+    assert 3.0 <= took < 20.0, f"{kind} gave up after {took:.1f} s (connect_timeout 4 s)"
+
+
+# -- RabbitMQ broker faults (private node) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", RABBIT_TRANSPORTS)
+def test_a_stop_while_the_broker_is_down_ends_within_2s_and_the_outage_is_one_warning(
+    kind: str,
+    private_rabbit: PrivateRabbitMQ,
+    orders_db: tuple[TestDatabase, Table],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    db, orders = orders_db
+    consumer = consumer_class(kind, orders, private_rabbit.url, table_prefix=db.prefix)()
+    admin = RabbitAdmin(private_rabbit.url)
+    admin.declare(consumer)
+    admin.publish(consumer.queue, [f"m-{n:03d}" for n in range(20)])
+    admin.close()
+    caplog.set_level(logging.DEBUG, logger="mqdedup")
+    worker = Running(consumer, db.engine)
+    wait_for(lambda: rows(db, orders) == 20, 60, "the first messages committed")
+
+    private_rabbit.service.kill()
+    wait_for(lambda: worker.metrics.consumer_attached is False, 30, "the lost connection noticed")
+    time.sleep(4.0)  # the outage goes on: several reconnect attempts fail meanwhile
+    took = worker.stop_and_time()
+
+    assert worker.error is None, f"a stop is not an error: {worker.error!r}"
+    assert took < STOP_BOUND, f"{kind}: the stop during the outage took {took:.1f} s"
+    assert rows(db, orders) == 20
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith("mqdedup")
+    ]
+    assert len(warnings) == 1, f"{kind}: one WARNING per outage, got {warnings}"
+
+
+@pytest.mark.parametrize("kind", RABBIT_TRANSPORTS)
+def test_a_dead_letter_blocked_by_a_memory_alarm_holds_neither_acks_nor_the_next_batch(
+    kind: str, private_rabbit: PrivateRabbitMQ, orders_db: tuple[TestDatabase, Table]
+) -> None:
+    db, orders = orders_db
+    consumer = consumer_class(kind, orders, private_rabbit.url, table_prefix=db.prefix)()
+    admin = RabbitAdmin(private_rabbit.url)
+    admin.declare(consumer)
+    # One poison per batch of 50: each waits for its blocked dead-letter publish.
+    ids = [f"poison-{n}" if n % 50 == 7 else f"m-{n:04d}" for n in range(300)]
+    admin.publish(consumer.queue, ids)
+    admin.close()
+    good = len([i for i in ids if not i.startswith("poison")])
+    poisons = len(ids) - good
+
+    private_rabbit.memory_alarm(True)
+    worker = Running(consumer, db.engine)
+    try:
+        # The sync transport gives a blocked dead letter up after 1 s: all good messages
+        # are committed and acked within seconds. Before issue 33 aio-pika waited 30 s
+        # per blocked dead letter, holding the acks and the next batch.
+        wait_for(
+            lambda: (
+                rows(db, orders) == good
+                and private_rabbit.queue_messages(consumer.queue) == poisons
+            ),
+            40,
+            "every good message committed and acked during the alarm",
+        )
+        assert worker.metrics.dead_lettered == 0, "nothing can be published during the alarm"
+    finally:
+        private_rabbit.memory_alarm(False)
+        took = worker.stop_and_time()
+    assert took < STOP_BOUND + 1.0, f"{kind}: the stop after the alarm took {took:.1f} s"
+
+
+@pytest.mark.parametrize("kind", RABBIT_TRANSPORTS)
+def test_a_channel_the_broker_closes_is_one_warning_with_its_reply_code_and_counted(
+    kind: str,
+    private_rabbit: PrivateRabbitMQ,
+    orders_db: tuple[TestDatabase, Table],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    db, orders = orders_db
+    private_rabbit.set_env("consumer_timeout", 2000)
+    private_rabbit.set_env("channel_tick_interval", 500)
+    consumer = consumer_class(
+        kind, orders, private_rabbit.url, table_prefix=db.prefix, batch_size=10
+    )()
+    type(consumer).slow_once["m-005"] = 5.0  # longer than consumer_timeout
+    admin = RabbitAdmin(private_rabbit.url)
+    admin.declare(consumer)
+    admin.publish(consumer.queue, [f"m-{n:03d}" for n in range(40)])
+    admin.close()
+    caplog.set_level(logging.INFO, logger="mqdedup")
+    worker = Running(consumer, db.engine)
+    try:
+        wait_for(
+            lambda: rows(db, orders) == 40 and private_rabbit.queue_messages(consumer.queue) == 0,
+            60,
+            "every message committed and acked after the channel was closed",
+        )
+        wait_for(lambda: worker.metrics.channel_reopens >= 1, 10, "the reopen counted")
+    finally:
+        worker.stop_and_time()
+    warnings = [
+        f"{r.getMessage()} {r.__dict__}"
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.name.startswith("mqdedup")
+    ]
+    assert len(warnings) == 1, f"{kind}: one WARNING for the closed channel, got {warnings}"
+    assert "406" in warnings[0] and "PRECONDITION_FAILED" in warnings[0], warnings[0]
