@@ -2,7 +2,7 @@
 
 Raw psycopg, no framework: two tables of mqdedup's ``processed_messages`` shape (primary
 key (consumer_name, message_id), BRIN on ``processed_at``), one filled and claimed with
-UUIDv4 ids, the other with UUIDv7 ids (:func:`mqdedup.ids.new_message_id`). At each
+UUIDv4 ids, the other with UUIDv7 ids (:func:`mqdedup.id_generators.new_message_id`). At each
 table size (default 0, 1M and 10M rows) both are measured side by side: rounds of
 ``--claims`` claims of 500 fresh ids (mqdedup's claim statement, one transaction each),
 interleaved v4 / v7, medians of ``--rounds``. The tables are grown between sizes by
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psycopg
 
 from bench.suite_consumers import psycopg_dsn
-from mqdedup.ids import new_message_id
+from mqdedup.id_generators import new_message_id
 
 BATCH = 500
 FILL_CHUNK = 500_000

@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session
 from examples import settings
 from examples.flash_sale import config
 from mqdedup.dedup.tokens import DatabaseTokenStore, TokenOutcome
-from mqdedup.ids import new_message_id
+from mqdedup.id_generators import new_message_id
 from mqdedup.locks import LeaseLock, fenced_update
 from mqdedup.outbox.writer import OutboxWriter
 

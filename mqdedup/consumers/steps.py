@@ -27,8 +27,9 @@ calls again with the same key.
 
 SQLite allows one writer per file and the message's transaction holds it while the
 handler runs, so there the record is written in the message's transaction instead:
-it is lost with a rollback, and the rerun calls again with the same key (still
-covered by the third party's deduplication, never by the record alone).
+it is lost with a rollback of that transaction (the message's, or its whole batch's
+when the batch reruns), and the rerun calls again with the same key (covered by the
+third party's deduplication only).
 
 A consumer whose claims live in Redis (``dedup = RedisDedup(...)``) has no database:
 ``ctx.step`` raises :class:`~mqdedup.consumers.context.NoTransactionError` there.

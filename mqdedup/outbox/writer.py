@@ -18,7 +18,7 @@ The rows commit or roll back with the session's transaction; the relay
 with the same message id. Ids are deterministic inside a consumer (derived from the
 consumer name, the incoming message id and the row's sequence in the handler), so a
 handler that runs again (retry, redelivery after a crash before commit) writes the same
-ids; elsewhere they are time-ordered UUIDv7s (:func:`mqdedup.ids.new_message_id`)
+ids; elsewhere they are time-ordered UUIDv7s (:func:`mqdedup.id_generators.new_message_id`)
 unless given.
 """
 
@@ -40,7 +40,7 @@ from mqdedup.db.dialects import traits
 from mqdedup.db.schema import DEFAULT_PREFIX, schema
 from mqdedup.dedup.store import utcnow
 from mqdedup.errors import MessageError, MqdedupError
-from mqdedup.ids import new_message_id
+from mqdedup.id_generators import new_message_id
 from mqdedup.message import Message
 from mqdedup.outbox.notify import channel_name, notify_on_commit
 

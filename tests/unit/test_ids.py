@@ -1,4 +1,4 @@
-"""``mqdedup.ids``: UUIDv7 message ids and Snowflake ids.
+"""``mqdedup.id_generators`` (also ``mqdedup.ids.*``): UUIDv7 message ids and Snowflake ids.
 
 8 processes x 100,000 ids of each kind: no duplicate, strictly increasing within each
 process. A clock stepped back is waited out (UUIDv7: the last millisecond is kept;
@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from mqdedup.ids import (
+from mqdedup.id_generators import (
     ClockMovedBackwardsError,
     ForkedGeneratorError,
     Snowflake,
