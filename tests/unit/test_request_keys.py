@@ -188,7 +188,7 @@ def test_read_key_refuses_with_400(value: str | None, detail: str) -> None:
 
 
 def test_scopes_and_fingerprints() -> None:
-    assert caller_scope("alice") == "http:alice"
+    assert caller_scope("alice") == "http:id:alice"
     long_scope = caller_scope("x" * 400)
     assert long_scope.startswith("http:sha256:") and len(long_scope) <= 255
     base = request_fingerprint("POST", "/orders", b"{}")

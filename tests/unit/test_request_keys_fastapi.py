@@ -17,6 +17,7 @@ from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.schema import schema
+from mqdedup.dedup.request_keys import SHARED_SCOPE
 from mqdedup.errors import ConfigurationError
 from mqdedup.fastapi import (
     ConsumerTasks,
@@ -37,7 +38,7 @@ def count(engine: Engine, table: Any) -> int:
 
 
 def keyed_app(engine: AsyncEngine, route_class: type[Any] = IdempotentRoute) -> FastAPI:
-    idempotency = Idempotency(async_sessionmaker(engine))
+    idempotency = Idempotency(async_sessionmaker(engine), caller=SHARED_SCOPE)
     router = APIRouter(route_class=route_class)
 
     @router.post("/orders", status_code=201)
