@@ -789,11 +789,16 @@ num.io.threads=4
 num.recovery.threads.per.data.dir=1
 log.retention.hours=168
 EOF
-    cat >"$KAFKA_INST/log4j2.properties" <<EOF
+    kafka_write_log4j "$KAFKA_INST" "$KAFKA_LOG"
+}
+
+# The broker's log4j2 config (to LOGFILE) and the admin tools' (to stderr) in DIR.
+kafka_write_log4j() { # DIR LOGFILE
+    cat >"$1/log4j2.properties" <<EOF
 status = warn
 appender.file.type = File
 appender.file.name = FILE
-appender.file.fileName = $KAFKA_LOG
+appender.file.fileName = $2
 appender.file.append = true
 appender.file.layout.type = PatternLayout
 appender.file.layout.pattern = [%d] %p %m (%c)%n
@@ -802,7 +807,7 @@ rootLogger.appenderRef.file.ref = FILE
 logger.request.name = kafka.request.logger
 logger.request.level = WARN
 EOF
-    cat >"$KAFKA_INST/log4j2-tools.properties" <<EOF
+    cat >"$1/log4j2-tools.properties" <<EOF
 status = error
 appender.err.type = Console
 appender.err.name = STDERR

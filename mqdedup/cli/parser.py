@@ -385,9 +385,10 @@ def broker_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rabbitmq-url",
-        metavar="URL",
+        metavar="URL[,URL...]",
         default=None,
-        help="RabbitMQ URL" + env_help("rabbitmq_url"),
+        help="RabbitMQ URL (a cluster: its nodes' URLs, comma-separated)"
+        + env_help("rabbitmq_url"),
     )
 
 

@@ -38,18 +38,24 @@ def check_kafka_reachable(bootstrap: str, timeout: float = 3.0) -> None:
 
 
 def check_rabbitmq_reachable(url: str, timeout: float = 3.0) -> None:
-    """Raise BrokerUnavailableError unless the RabbitMQ URL's host accepts a connection."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("amqp", "amqps") or not parts.hostname:
-        raise ConfigurationError("RabbitMQ URL must look like amqp://user:password@host:5672/vhost")
-    port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
-    try:
-        with socket.create_connection((parts.hostname, port), timeout=timeout):
-            return
-    except OSError as exc:
-        raise BrokerUnavailableError(
-            f"cannot reach RabbitMQ at {parts.hostname}:{port}: {exc.strerror or exc}"
-        ) from exc
+    """Raise BrokerUnavailableError unless the RabbitMQ URL's host accepts a connection
+    (for a cluster's comma-separated node URLs: one of them)."""
+    from mqdedup.rabbitmq.topology import split_urls  # lazy: the rabbitmq extra
+
+    errors = []
+    for node_url in split_urls(url) or [url]:
+        parts = urlsplit(node_url)
+        if parts.scheme not in ("amqp", "amqps") or not parts.hostname:
+            raise ConfigurationError(
+                "RabbitMQ URL must look like amqp://user:password@host:5672/vhost"
+            )
+        port = parts.port or (5671 if parts.scheme == "amqps" else 5672)
+        try:
+            with socket.create_connection((parts.hostname, port), timeout=timeout):
+                return
+        except OSError as exc:
+            errors.append(f"{parts.hostname}:{port}: {exc.strerror or exc}")
+    raise BrokerUnavailableError(f"cannot reach RabbitMQ at {'; '.join(errors)}")
 
 
 def consumer_broker(consumer: Any) -> tuple[str, str, float] | None:

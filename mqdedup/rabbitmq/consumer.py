@@ -43,6 +43,7 @@ from mqdedup.rabbitmq.topology import (
     Topology,
     check_broker,
     default_connection_name,
+    join_urls,
     rabbitmq_url_from_env,
     validate_prefetch,
 )
@@ -92,8 +93,10 @@ class RabbitMQConsumer(Consumer):
     #: one-at-a-time dispatch among competing workers, for slow handlers).
     prefetch: ClassVar[int | None] = None
     #: ``amqp://`` URL; ``None`` means ``MQDEDUP_RABBITMQ_URL`` (or a local broker).
-    #: Query options such as ``?heartbeat=30`` are passed to pika.
-    url: ClassVar[str | None] = None
+    #: Query options such as ``?heartbeat=30`` are passed to pika. A cluster: the URLs of
+    #: its nodes, as a list or joined by commas; a lost connection reconnects to the next
+    #: live node (docs/rabbitmq.md, "In a cluster").
+    url: ClassVar[str | Sequence[str] | None] = None
     #: Shown in ``rabbitmqctl list_connections``; default ``mqdedup:<name>:<host>:<pid>``.
     connection_name: ClassVar[str | None] = None
     #: Direct exchange dead-lettered copies are published to ("" = the default exchange).
@@ -131,8 +134,9 @@ class RabbitMQConsumer(Consumer):
 
     @property
     def broker_url(self) -> str:
-        """The connection URL (may contain a password: never log it unmasked)."""
-        return self.url or rabbitmq_url_from_env()
+        """The connection URL, or the node URLs joined by commas (may contain passwords:
+        never log it unmasked)."""
+        return join_urls(self.url) if self.url else rabbitmq_url_from_env()
 
     def topology(self) -> Topology:
         """What is declared on every (re)connect."""
@@ -190,12 +194,10 @@ class RabbitMQConsumer(Consumer):
         """Messages waiting in the queue and in its dead-letter queue (passive declares)."""
         import pika
 
-        from mqdedup.rabbitmq.topology import connection_parameters
+        from mqdedup.rabbitmq.topology import BrokerNodes
 
         topology = self.topology()
-        connection = pika.BlockingConnection(
-            connection_parameters(self.broker_url, f"mqdedup-status-{self.consumer_name}")
-        )
+        connection = BrokerNodes(self.broker_url, f"mqdedup-status-{self.consumer_name}").connect()
         try:
             counts: dict[str, int] = {}
             for queue in (topology.queue, topology.dead_letter_queue):

@@ -33,8 +33,8 @@ import pika.exceptions
 from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
 from mqdedup.rabbitmq.reconnecting import describe
 from mqdedup.rabbitmq.topology import (
+    BrokerNodes,
     Topology,
-    connection_parameters,
     declare_dead_letter_topology,
 )
 
@@ -57,9 +57,11 @@ class DeadLetterPublisher:
     ) -> None:
         self.topology = topology
         self.connection_name = connection_name
-        self._parameters = connection_parameters(url, connection_name)
-        # A blocked publish waits this long; then pika closes the connection.
-        self._parameters.blocked_connection_timeout = blocked_timeout
+        # One URL or a cluster's node URLs; after a lost connection the next node first.
+        self._nodes = BrokerNodes(url, connection_name)
+        for parameters in self._nodes.parameters:
+            # A blocked publish waits this long; then pika closes the connection.
+            parameters.blocked_connection_timeout = blocked_timeout
         self._connection: Any = None
         self._channel: Any = None
         self._blocked = False
@@ -119,6 +121,9 @@ class DeadLetterPublisher:
                     "connection was closed and the dead letter waits"
                 ) from error
             except (pika.exceptions.AMQPError, OSError) as error:
+                # Not confirmed: never taken as published. Its node may be dead: the
+                # next connection tries a cluster's other nodes first.
+                self._nodes.lost()
                 self._drop()
                 if attempt == 2:
                     raise BrokerUnavailableError(
@@ -143,6 +148,7 @@ class DeadLetterPublisher:
                 "dead-letter connection lost; reopened when needed",
                 extra={"connection_name": self.connection_name, "error": describe(error)},
             )
+        self._nodes.lost()
         self._drop()
 
     def close(self) -> None:
@@ -160,7 +166,7 @@ class DeadLetterPublisher:
         if self._connection is None or not self._connection.is_open:
             self._drop()
             try:
-                connection = pika.BlockingConnection(self._parameters)
+                connection = self._nodes.connect()
             except (pika.exceptions.AMQPError, OSError) as error:
                 raise BrokerUnavailableError(
                     f"cannot open the dead-letter connection: {describe(error)}"

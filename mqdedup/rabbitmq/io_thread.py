@@ -51,8 +51,8 @@ from mqdedup.rabbitmq.reconnecting import (
     startup_failure,
 )
 from mqdedup.rabbitmq.topology import (
+    BrokerNodes,
     Topology,
-    connection_parameters,
     declare_topology,
     mask_amqp_url,
 )
@@ -147,9 +147,11 @@ class ConsumingConnection:
         self.queue = topology.queue
         self._url = url
         self._masked_url = mask_amqp_url(url)
-        self._parameters = connection_parameters(url, connection_name)
-        if self._parameters.blocked_connection_timeout is None:
-            self._parameters.blocked_connection_timeout = _DEFAULT_BLOCKED_TIMEOUT
+        # One URL, or a cluster's node URLs: a lost connection reconnects to the next node.
+        self._nodes = BrokerNodes(url, connection_name)
+        for parameters in self._nodes.parameters:
+            if parameters.blocked_connection_timeout is None:
+                parameters.blocked_connection_timeout = _DEFAULT_BLOCKED_TIMEOUT
         self.connection_name = connection_name
         self.prefetch = prefetch
         self._stop = stop
@@ -296,9 +298,11 @@ class ConsumingConnection:
                         extra={
                             "queue": self.queue,
                             "connection_name": self.connection_name,
+                            "node": self._nodes.masked[self._nodes.current],
                             "error": describe(error),
                         },
                     )
+                    self._nodes.lost()  # try the other nodes of a cluster first
                     with self._lock:
                         self._reconnects += 1
             finally:
@@ -333,7 +337,7 @@ class ConsumingConnection:
     def _connect(self) -> None:
         if self._closing.is_set():
             raise ClosingError
-        connection = pika.BlockingConnection(self._parameters)
+        connection = self._nodes.connect()
         try:
             channel = connection.channel()
             declare_topology(channel, self.topology)
@@ -359,6 +363,7 @@ class ConsumingConnection:
         except BaseException:
             self._connection = None
             close_quietly(connection)
+            self._nodes.lost()  # e.g. a node that cannot reach the queue's leader yet
             raise
         with self._lock:
             self._live_generation = generation
@@ -371,7 +376,7 @@ class ConsumingConnection:
             "consuming from RabbitMQ",
             extra={
                 "queue": self.queue,
-                "url": self._masked_url,
+                "url": self._nodes.masked[self._nodes.current],
                 "connection_name": self.connection_name,
                 "generation": generation,
                 "prefetch": self.prefetch,

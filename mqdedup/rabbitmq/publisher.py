@@ -60,7 +60,7 @@ from mqdedup.rabbitmq.publish_refusals import (
     match_culprit,
     user_id_of,
 )
-from mqdedup.rabbitmq.topology import connection_parameters, mask_amqp_url
+from mqdedup.rabbitmq.topology import BrokerNodes, mask_amqp_url
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +120,16 @@ class RabbitMQPublisher:
     ) -> None:
         if window < 1:
             raise ConfigurationError("RabbitMQ confirm window must be at least 1")
-        self.parameters = connection_parameters(
-            url, f"mqdedup-relay:{socket.gethostname()}:{os.getpid()}"
-        )
-        self.parameters.socket_timeout = connect_timeout
-        self.parameters.stack_timeout = connect_timeout
-        # A blocked connection is kept while the alarm lasts (its records may still be
-        # confirmed); pika tears it down only after a long block.
-        self.parameters.blocked_connection_timeout = max(600.0, 10 * confirm_timeout)
+        # One URL, or a cluster's node URLs: tried in turn, the next node first after a
+        # lost connection. Records unconfirmed when a node dies are never taken as
+        # published: they are "unavailable" and the relay sends them again.
+        self._nodes = BrokerNodes(url, f"mqdedup-relay:{socket.gethostname()}:{os.getpid()}")
+        for parameters in self._nodes.parameters:
+            parameters.socket_timeout = connect_timeout
+            parameters.stack_timeout = connect_timeout
+            # A blocked connection is kept while the alarm lasts (its records may still
+            # be confirmed); pika tears it down only after a long block.
+            parameters.blocked_connection_timeout = max(600.0, 10 * confirm_timeout)
         self.safe_url = mask_amqp_url(url)
         self.window = window
         self.confirm_timeout = confirm_timeout
@@ -154,6 +156,16 @@ class RabbitMQPublisher:
         # and message ids the broker confirmed after their batch had ended.
         self._orphans: dict[int, str] = {}
         self._late_confirmed: set[str] = set()
+
+    @property
+    def parameters(self) -> pika.URLParameters:
+        """The connection parameters of the first node (all of them: ``nodes.parameters``)."""
+        return self._nodes.parameters[0]
+
+    @property
+    def nodes(self) -> BrokerNodes:
+        """The broker's nodes this publisher connects to, in turn."""
+        return self._nodes
 
     # -- Publisher -------------------------------------------------------------------------
 
@@ -430,20 +442,29 @@ class RabbitMQPublisher:
         if self._channel is not None and self._channel.is_open:
             return
         if self._connection is None or not self._connection.is_open:
-            self._reset()
-            self._last_error = None
-            self._connection = pika.SelectConnection(
-                self.parameters,
-                on_open_callback=self._on_connection_open,
-                on_open_error_callback=self._on_connection_error,
-                on_close_callback=self._on_connection_closed,
-            )
-            self._loop = self._connection.ioloop
+            for index in self._nodes.order():
+                self._reset()
+                self._last_error = None
+                self._connection = pika.SelectConnection(
+                    self._nodes.parameters[index],
+                    on_open_callback=self._on_connection_open,
+                    on_open_error_callback=self._on_connection_error,
+                    on_close_callback=self._on_connection_closed,
+                )
+                self._loop = self._connection.ioloop
+                self._run_until(
+                    lambda: self._channel is not None or self._connection is None,
+                    self.connect_timeout,
+                )
+                if self._channel is not None:
+                    self._nodes.current = index
+                    break
         else:
             self._open_channel()
-        self._run_until(
-            lambda: self._channel is not None or self._connection is None, self.connect_timeout
-        )
+            self._run_until(
+                lambda: self._channel is not None or self._connection is None,
+                self.connect_timeout,
+            )
         if self._channel is None:
             error = self._last_error or f"no channel within {self.connect_timeout} s"
             raise UnavailableError(f"cannot connect to RabbitMQ at {self.safe_url}: {error}")
@@ -462,6 +483,7 @@ class RabbitMQPublisher:
     def _on_connection_closed(self, connection: Any, reason: BaseException) -> None:
         if connection is not self._connection:
             return
+        self._nodes.lost()  # a cluster's other nodes are tried first
         self._last_error = f"connection closed: {type(reason).__name__}: {reason}"
         self._connection = None
         self._channel = None

@@ -48,7 +48,7 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.message import Message
 from mqdedup.rabbitmq.consumer import RabbitMQConsumer
-from mqdedup.rabbitmq.topology import connection_parameters, mask_amqp_url
+from mqdedup.rabbitmq.topology import BrokerNodes, mask_amqp_url
 from mqdedup.stopping import StopToken
 
 log = logging.getLogger(__name__)
@@ -119,9 +119,7 @@ class ReplyPublisher:
         if self._channel is not None and self._channel.is_open:
             return self._channel
         self.close()
-        self._connection = pika.BlockingConnection(
-            connection_parameters(self.url, self.connection_name)
-        )
+        self._connection = BrokerNodes(self.url, self.connection_name).connect()
         channel = self._connection.channel()
         channel.confirm_delivery()
         self._channel = channel

@@ -27,7 +27,7 @@ from mqdedup.rabbitmq.codec import (
     requeue_properties,
 )
 from mqdedup.rabbitmq.topology import (
-    connection_parameters,
+    BrokerNodes,
     mask_amqp_url,
     rabbitmq_url_from_env,
 )
@@ -82,14 +82,14 @@ def requeue_dead_letters(
         raise ConfigurationError("requeue needs the dead-letter queue name")
     broker_url = url or rabbitmq_url_from_env()
     masked = mask_amqp_url(broker_url)
-    parameters = connection_parameters(
+    nodes = BrokerNodes(
         broker_url,
         connection_name
         or f"mqdedup-requeue:{dead_letter_queue}:{socket.gethostname()}:{os.getpid()}",
     )
     try:
-        connection = pika.BlockingConnection(parameters)
-    except pika.exceptions.AMQPError as error:
+        connection = nodes.connect()
+    except (pika.exceptions.AMQPError, OSError) as error:
         raise BrokerUnavailableError(
             f"cannot connect to RabbitMQ at {masked}: {type(error).__name__}"
         ) from error

@@ -34,7 +34,7 @@ from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.rabbitmq.codec import dead_letter_properties, to_message
 from mqdedup.rabbitmq.consumer import RabbitMQConsumer
 from mqdedup.rabbitmq.dead_letters import DeadLetterPublisher
-from mqdedup.rabbitmq.topology import connection_parameters, declare_dead_letter_topology
+from mqdedup.rabbitmq.topology import BrokerNodes, declare_dead_letter_topology
 from mqdedup.stopping import StopToken
 
 log = logging.getLogger(__name__)
@@ -103,9 +103,7 @@ class StreamRangeTransport:
             return
         name = f"mqdedup-stream-replay-{self.consumer.consumer_name}"
         try:
-            self._connection = pika.BlockingConnection(
-                connection_parameters(self.consumer.broker_url, name)
-            )
+            self._connection = BrokerNodes(self.consumer.broker_url, name).connect()
         except pika.exceptions.AMQPError as exc:
             raise BrokerUnavailableError(
                 f"cannot connect to RabbitMQ: {type(exc).__name__}"

@@ -11,12 +11,12 @@ from typing import Any
 
 import pika
 
-from mqdedup.rabbitmq.topology import connection_parameters
+from mqdedup.rabbitmq.topology import BrokerNodes
 
 
 def confirm_channel(url: str, connection_name: str) -> tuple[Any, Any]:
     """``(connection, channel)``: a blocking connection and a channel with publisher confirms."""
-    connection = pika.BlockingConnection(connection_parameters(url, connection_name))
+    connection = BrokerNodes(url, connection_name).connect()
     channel = connection.channel()
     channel.confirm_delivery()
     return connection, channel

@@ -6,6 +6,7 @@ Only RabbitMQ modules import this (it imports ``pika``).
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,27 @@ MAX_PREFETCH = 65535  # AMQP prefetch-count is a 16-bit field
 _MAX_NAME = 255  # AMQP short string
 
 
+#: Where a list of node URLs is split: a comma (and blanks) before the next ``amqp(s)://``,
+#: so a comma inside a password never splits a URL.
+_URL_LIST_SEPARATOR = re.compile(r"\s*,\s*(?=amqps?://)", re.IGNORECASE)
+
+
+def split_urls(url: str | Sequence[str]) -> list[str]:
+    """The node URLs of ``url``: one ``amqp://`` URL, several joined by commas, or a list.
+
+    A cluster is given as the URLs of its nodes (``amqp://u:p@node1/%2F,amqp://u:p@node2/%2F``);
+    connections try them in turn (:class:`BrokerNodes`).
+    """
+    urls = [url] if isinstance(url, str) else list(url)
+    parts = [part for item in urls for part in _URL_LIST_SEPARATOR.split(item.strip())]
+    return [part for part in parts if part]
+
+
+def join_urls(url: str | Sequence[str]) -> str:
+    """``url`` as one string (the node URLs joined by commas), as settings carry it."""
+    return ",".join(split_urls(url))
+
+
 def rabbitmq_url_from_env(default: str = DEFAULT_RABBITMQ_URL) -> str:
     """``MQDEDUP_RABBITMQ_URL``, or a local broker with the guest account."""
     return os.environ.get(RABBITMQ_URL_ENV) or default
@@ -35,7 +57,7 @@ def rabbitmq_url_from_env(default: str = DEFAULT_RABBITMQ_URL) -> str:
 
 def mask_amqp_url(url: str) -> str:
     """``url`` with its secrets replaced by ``***`` (:func:`mqdedup.masking.mask_url`)."""
-    return mask_url(url)
+    return ",".join(mask_url(part) for part in split_urls(url)) or mask_url(url)
 
 
 def connection_parameters(url: str, connection_name: str) -> pika.URLParameters:
@@ -46,6 +68,11 @@ def connection_parameters(url: str, connection_name: str) -> pika.URLParameters:
     Raises :class:`ConfigurationError` with the masked URL when it is malformed.
     """
     masked = mask_amqp_url(url)
+    if len(split_urls(url)) > 1:
+        raise ConfigurationError(
+            f"RabbitMQ URL {masked!r} names several nodes; this connection takes one "
+            "(node lists are for consumers and publishers: BrokerNodes)"
+        )
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme not in ("amqp", "amqps"):
         raise ConfigurationError(
@@ -66,14 +93,72 @@ def connection_parameters(url: str, connection_name: str) -> pika.URLParameters:
     return parameters
 
 
+class BrokerNodes:
+    """The connection parameters of a broker's nodes (one URL, or a cluster's node URLs).
+
+    :meth:`connect` tries the nodes in turn, starting with the one after the node whose
+    connection was lost last (:meth:`lost`), so a consumer whose node died reconnects to
+    a live node first instead of waiting on the dead one. Not thread-safe: one owner.
+    """
+
+    def __init__(self, url: str, connection_name: str) -> None:
+        urls = split_urls(url)
+        if not urls:
+            raise ConfigurationError(
+                f"RabbitMQ URL is empty (set it with the consumer's `url` or {RABBITMQ_URL_ENV})"
+            )
+        self.parameters = [connection_parameters(part, connection_name) for part in urls]
+        self.masked = [mask_amqp_url(part) for part in urls]
+        self._first = 0
+        #: Index of the node of the last connection :meth:`connect` opened.
+        self.current = 0
+
+    def __len__(self) -> int:
+        return len(self.parameters)
+
+    def order(self) -> list[int]:
+        """Node indexes in the order the next connect tries them."""
+        count = len(self.parameters)
+        return [(self._first + step) % count for step in range(count)]
+
+    def lost(self) -> None:
+        """The current node's connection was lost: the next connect starts with the next node."""
+        self._first = (self.current + 1) % len(self.parameters)
+
+    def connect(self) -> Any:
+        """A ``pika.BlockingConnection`` to the first node that accepts one.
+
+        A refused login or access is raised at once (every node shares the users);
+        when no node answers, the last node's error is raised.
+        """
+        error: BaseException | None = None
+        for index in self.order():
+            try:
+                connection = pika.BlockingConnection(self.parameters[index])
+            except (
+                pika.exceptions.ProbableAuthenticationError,
+                pika.exceptions.ProbableAccessDeniedError,
+                pika.exceptions.AuthenticationError,
+            ):
+                raise
+            except (pika.exceptions.AMQPConnectionError, OSError) as failure:
+                error = failure
+                continue
+            self.current = index
+            return connection
+        raise error or BrokerUnavailableError("no RabbitMQ node to connect to")
+
+
 def check_broker(url: str, timeout: float = 10.0) -> None:
-    """Open one connection to ``url`` and close it; raise a one-line error if that fails."""
+    """Open one connection to a node of ``url`` and close it; raise a one-line error if no
+    node accepts it."""
     masked = mask_amqp_url(url)
-    parameters = connection_parameters(url, f"mqdedup-check:{socket.gethostname()}:{os.getpid()}")
-    parameters.socket_timeout = timeout
-    parameters.stack_timeout = timeout
+    nodes = BrokerNodes(url, f"mqdedup-check:{socket.gethostname()}:{os.getpid()}")
+    for parameters in nodes.parameters:
+        parameters.socket_timeout = timeout
+        parameters.stack_timeout = timeout
     try:
-        connection = pika.BlockingConnection(parameters)
+        connection = nodes.connect()
     except (
         pika.exceptions.ProbableAuthenticationError,
         pika.exceptions.ProbableAccessDeniedError,

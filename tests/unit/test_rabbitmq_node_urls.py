@@ -1,0 +1,52 @@
+"""A RabbitMQ cluster given as its nodes' URLs: splitting, masking, the order of tries."""
+
+from __future__ import annotations
+
+import pytest
+
+from mqdedup.errors import ConfigurationError
+from mqdedup.rabbitmq.topology import (
+    BrokerNodes,
+    connection_parameters,
+    join_urls,
+    mask_amqp_url,
+    split_urls,
+)
+
+NODES = "amqp://u:p,w@n1:5672/%2F, amqp://u:s@n2:5672/%2F,amqps://u:s@n3:5671/%2F"
+
+
+def test_split_at_commas_before_a_url_only() -> None:
+    assert split_urls(NODES) == [
+        "amqp://u:p,w@n1:5672/%2F",  # a comma in a password does not split
+        "amqp://u:s@n2:5672/%2F",
+        "amqps://u:s@n3:5671/%2F",
+    ]
+    assert split_urls(["amqp://a/", "amqp://b/,amqp://c/"]) == [
+        "amqp://a/",
+        "amqp://b/",
+        "amqp://c/",
+    ]
+    assert join_urls(["amqp://a/", "amqp://b/"]) == "amqp://a/,amqp://b/"
+
+
+def test_every_password_is_masked() -> None:
+    masked = mask_amqp_url(NODES)
+    assert "s@" not in masked and "p,w" not in masked
+    assert masked.count("***") == 3
+
+
+def test_a_lost_node_is_tried_last() -> None:
+    nodes = BrokerNodes(NODES, "test")
+    assert len(nodes) == 3 and nodes.order() == [0, 1, 2]
+    nodes.current = 1
+    nodes.lost()
+    assert nodes.order() == [2, 0, 1]
+    assert nodes.parameters[2].host == "n3" and nodes.masked[2].startswith("amqps://u:***@")
+
+
+def test_a_single_connection_refuses_a_node_list() -> None:
+    with pytest.raises(ConfigurationError, match="names several nodes"):
+        connection_parameters(NODES, "test")
+    with pytest.raises(ConfigurationError, match="empty"):
+        BrokerNodes(" ", "test")
