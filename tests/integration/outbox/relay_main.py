@@ -4,7 +4,8 @@ Run as ``python -m tests.integration.outbox.relay_main <json>``.
 
 One JSON argument: ``database_url``, ``prefix``, ``kafka`` (bootstrap) and/or ``rabbitmq``
 (URL), and optional relay settings (``batch_size``, ``lease``, ``shards``,
-``rebalance_interval``, ``poll_interval``, ``broker_backoff_max``). ``hold_batch``: after
+``rebalance_interval``, ``poll_interval``, ``coordination``, ``broker_backoff_max``) and
+``control_database_url``. ``hold_batch``: after
 publishing its n-th batch and *before* marking it, the relay prints ``UNMARKED <rows>``
 and waits to be killed (the most dangerous moment: published, not marked).
 ``batch_pause``: seconds to sleep before marking each batch, so that a test killing the
@@ -27,7 +28,7 @@ from mqdedup.outbox import Relay, RelayConfig
 from mqdedup.outbox.publishers import Publisher
 from mqdedup.outbox.relay_publishing import CycleReport
 
-SETTINGS = ("batch_size", "lease", "shards", "rebalance_interval", "poll_interval")
+SETTINGS = ("batch_size", "lease", "shards", "rebalance_interval", "poll_interval", "coordination")
 
 
 def main() -> int:
@@ -61,7 +62,14 @@ def main() -> int:
                 time.sleep(batch_pause)
 
     engine = create_engine(config["database_url"])
-    relay = TestRelay(engine, publishers, prefix=config["prefix"], config=relay_config)
+    control = config.get("control_database_url")
+    relay = TestRelay(
+        engine,
+        publishers,
+        prefix=config["prefix"],
+        config=relay_config,
+        control_engine=create_engine(control) if control else None,
+    )
     print("STARTED", flush=True)
     metrics = relay.run(handle_signals=True)
     engine.dispose()
