@@ -16,8 +16,17 @@ tables are this app's migrations). Then:
 See docs/django.md.
 """
 
+from mqdedup.dedup.request_keys import SHARED_SCOPE
 from mqdedup.django.connection import TransactionBrokenError, engine, session, sessions
 from mqdedup.django.idempotency import idempotent
 from mqdedup.django.outbox import outbox
 
-__all__ = ["TransactionBrokenError", "engine", "idempotent", "outbox", "session", "sessions"]
+__all__ = [
+    "SHARED_SCOPE",
+    "TransactionBrokenError",
+    "engine",
+    "idempotent",
+    "outbox",
+    "session",
+    "sessions",
+]

@@ -7,10 +7,12 @@
   consumers as tasks of the app's event loop, stopped gracefully on shutdown.
 """
 
+from mqdedup.dedup.request_keys import SHARED_SCOPE
 from mqdedup.fastapi.idempotency import Idempotency, IdempotentRoute
 from mqdedup.fastapi.lifespan import ConsumerTasks, consumers_health, consumers_lifespan
 
 __all__ = [
+    "SHARED_SCOPE",
     "ConsumerTasks",
     "Idempotency",
     "IdempotentRoute",

@@ -24,10 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from mqdedup.db.async_engine import create_async_engine
 from mqdedup.fastapi import Idempotency, IdempotentRoute
-
-#: Response bodies: valid UTF-8 with U+0000 (PostgreSQL's JSON cannot hold that
-#: character), and bytes that are not UTF-8 at all.
-BODIES = {"nul": "café\x00ok\x00".encode(), "bytes": b"\x00\xff\xfe\x80 end"}
+from tests.integration.http.servers import BODIES
 
 
 def effects_table(prefix: str, metadata: MetaData | None = None) -> Table:

@@ -11,6 +11,10 @@ from pathlib import Path
 
 from tests.services import REPO, free_port, wait_for
 
+#: Response bodies the endpoints return: valid UTF-8 with U+0000 (PostgreSQL's JSON cannot
+#: hold that character), and bytes that are not UTF-8 at all.
+BODIES = {"nul": "café\x00ok\x00".encode(), "bytes": b"\x00\xff\xfe\x80 end"}
+
 
 @dataclass(frozen=True)
 class Server:
@@ -55,4 +59,18 @@ def serving(
             process.wait(timeout=10)
 
 
-__all__ = ["Server", "free_port", "serving"]
+def form_body(boundary: str, content: bytes, **fields: str) -> bytes:
+    """A multipart/form-data body: the field ``note``, ``fields``, and a file ``upload``."""
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'
+        for name, value in {"note": "hello", **fields}.items()
+    ]
+    head = (
+        "".join(parts) + f"--{boundary}\r\n"
+        'Content-Disposition: form-data; name="upload"; filename="a.bin"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    )
+    return head.encode() + content + f"\r\n--{boundary}--\r\n".encode()
+
+
+__all__ = ["BODIES", "Server", "form_body", "free_port", "serving"]

@@ -27,8 +27,8 @@ from mqdedup.db.schema import schema
 from mqdedup.dedup.request_keys import KEY_REUSED, SHARED_SCOPE, caller_scope
 from mqdedup.errors import ConfigurationError
 from mqdedup.fastapi import Idempotency
-from tests.integration.http.keys_app import BODIES, effects_table
-from tests.integration.http.servers import Server, free_port, serving
+from tests.integration.http.keys_app import effects_table
+from tests.integration.http.servers import BODIES, Server, form_body, free_port, serving
 from tests.services import REPO, TestDatabase, prefixed_database
 
 pytestmark = pytest.mark.integration
@@ -354,22 +354,6 @@ def test_json_fingerprint_and_multipart_boundaries(app: App) -> None:
 
     asyncio.run(scenario())
     assert len(app.effects("json")) == 1 and len(app.effects("raw")) == 1
-
-
-def form_body(boundary: str, content: bytes) -> bytes:
-    """A multipart/form-data body: a field and a file."""
-    return (
-        (
-            f"--{boundary}\r\n"
-            'Content-Disposition: form-data; name="note"\r\n\r\n'
-            "hello\r\n"
-            f"--{boundary}\r\n"
-            'Content-Disposition: form-data; name="upload"; filename="a.bin"\r\n'
-            "Content-Type: application/octet-stream\r\n\r\n"
-        ).encode()
-        + content
-        + f"\r\n--{boundary}--\r\n".encode()
-    )
 
 
 def test_an_expired_key_is_claimed_again_once(app: App) -> None:
