@@ -357,7 +357,8 @@ def crash_run(scenario: str, client: str, variant: str, database: str, bootstrap
         for table in reversed([*schema_tables(prefix), rows]):
             table.drop(connection, checkfirst=True)
     engine.dispose()
-    log_file.unlink(missing_ok=True)
+    if level == "WARNING":
+        log_file.unlink(missing_ok=True)
     return elapsed
 
 

@@ -93,7 +93,11 @@ class KafkaClient:
         self.commits = OffsetCommits(settings.consumer_name, self.tracker)
         self._next_commit_attempt = 0.0
         self._assignment = Assignment(self.tracker, self._assigned_keys)
-        self._join = JoinWatch(settings.consumer_name, resubscribe=self._resubscribe)
+        self._join = JoinWatch(
+            settings.consumer_name,
+            resubscribe=self._resubscribe,
+            session_timeout=float(settings.consumer_config.get("session_timeout_ms", 0)) / 1000,
+        )
         self._closed = False
         self._lag = PartitionLag()
 

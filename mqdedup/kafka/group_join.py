@@ -21,20 +21,35 @@ log = logging.getLogger(__name__)
 
 #: Shortest poll while the group is (re)joining, so the join completes inside one call.
 REBALANCE_POLL = 1.0
-#: A join still not complete after this many seconds is started again.
+#: A join still not complete after this many seconds is started again (at least; see
+#: :class:`JoinWatch`).
 REJOIN_AFTER = 5.0
+#: Seconds past the session timeout before a join counts as stuck.
+SESSION_MARGIN = 2.0
 
 
 class JoinWatch:
     """Watches one consumer's group membership (``consumer_name`` in the logs).
 
     ``resubscribe`` starts a stuck join again (``unsubscribe()``, then ``subscribe()``
-    with the same topics and listener).
+    with the same topics and listener). A rebalance legitimately waits up to the session
+    timeout for a member that died (``kill -9``) to be dropped, so a join counts as stuck
+    only after ``session_timeout`` + ``SESSION_MARGIN`` seconds (at least
+    ``REJOIN_AFTER``): starting it again earlier restarted healthy rebalances of every
+    member in turn, a storm that held a 3-member group for minutes after one crash
+    (issue 33's crash bench).
     """
 
-    def __init__(self, consumer_name: str, resubscribe: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        consumer_name: str,
+        resubscribe: Callable[[], None],
+        *,
+        session_timeout: float = 0.0,
+    ) -> None:
         self.consumer_name = consumer_name
         self._resubscribe = resubscribe
+        self._rejoin_after = max(REJOIN_AFTER, session_timeout + SESSION_MARGIN)
         self._rebalancing_since: float | None = None
 
     def poll_timeout(self, client: Any, timeout: float) -> float:
@@ -59,7 +74,7 @@ class JoinWatch:
         now = time.monotonic()
         if self._rebalancing_since is None:
             self._rebalancing_since = now
-        elif now - self._rebalancing_since >= REJOIN_AFTER:
+        elif now - self._rebalancing_since >= self._rejoin_after:
             log.warning(
                 "group join did not complete; leaving the group and subscribing again",
                 extra={"consumer": self.consumer_name, "state": str(state)},
