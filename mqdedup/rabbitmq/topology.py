@@ -23,6 +23,9 @@ RABBITMQ_URL_ENV = "MQDEDUP_RABBITMQ_URL"
 DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 DEFAULT_DEAD_LETTER_EXCHANGE = "mqdedup.dead-letter"
 QueueType = Literal["classic", "quorum"]
+#: A quorum queue's broker-side limit of deliveries (then dead-lettered or dropped by the
+#: broker): a last resort above the consumer's own retry policy, see docs/rabbitmq.md.
+DELIVERY_LIMIT_ARGUMENT = "x-delivery-limit"
 QUEUE_TYPES: tuple[str, ...] = ("classic", "quorum")
 EXCHANGE_TYPES: tuple[str, ...] = ("direct", "fanout", "topic", "headers")
 MAX_PREFETCH = 65535  # AMQP prefetch-count is a 16-bit field
@@ -223,6 +226,13 @@ class Topology:
 
     The queue and its dead-letter queue are durable; the dead-letter queue gets the same
     queue type. With ``declare=False`` nothing is created, only checked (passively).
+
+    ``queue_type="quorum"`` declares replicated quorum queues (``x-queue-type: quorum``),
+    the type to use in a cluster: their leader is placed on the node the declaring
+    connection is on and moves to another member when that node dies; messages
+    survive as long as a majority of members does. ``x-delivery-limit`` in
+    ``queue_arguments`` (quorum only, a positive integer) is the broker's last resort
+    above the retry policy; keep it well above ``max_attempts + 1``.
     """
 
     queue: str
@@ -272,6 +282,18 @@ class Topology:
             if "x-queue-type" in arguments:
                 raise ConfigurationError(
                     f"{owner}.{name} must not set x-queue-type; use queue_type"
+                )
+        limit = self.queue_arguments.get(DELIVERY_LIMIT_ARGUMENT)
+        if limit is not None:
+            if self.queue_type != "quorum":
+                raise ConfigurationError(
+                    f"{owner}.queue_arguments: {DELIVERY_LIMIT_ARGUMENT} is only honoured by "
+                    "quorum queues (set queue_type = 'quorum')"
+                )
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise ConfigurationError(
+                    f"{owner}.queue_arguments: {DELIVERY_LIMIT_ARGUMENT} must be a positive "
+                    f"integer, not {limit!r}"
                 )
         for binding in self.bindings:
             if not isinstance(binding, Binding):

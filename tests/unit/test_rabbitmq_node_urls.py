@@ -50,3 +50,13 @@ def test_a_single_connection_refuses_a_node_list() -> None:
         connection_parameters(NODES, "test")
     with pytest.raises(ConfigurationError, match="empty"):
         BrokerNodes(" ", "test")
+
+
+def test_a_delivery_limit_needs_a_quorum_queue_and_a_positive_count() -> None:
+    from mqdedup.rabbitmq.topology import Topology
+
+    Topology("q", queue_type="quorum", queue_arguments={"x-delivery-limit": 20}).validate("Q")
+    with pytest.raises(ConfigurationError, match="only honoured by quorum queues"):
+        Topology("q", queue_arguments={"x-delivery-limit": 20}).validate("Q")
+    with pytest.raises(ConfigurationError, match="positive integer"):
+        Topology("q", queue_type="quorum", queue_arguments={"x-delivery-limit": 0}).validate("Q")
