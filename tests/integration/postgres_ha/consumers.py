@@ -2,7 +2,7 @@
 
 ``mqdedup worker tests.integration.postgres_ha.consumers:<Class>`` runs them in fresh
 processes; the test's names travel as ``HA_*`` environment variables (prefix, topic,
-group, queue, pause after each commit). One business row per message in
+group, queue, pause after each commit, an outbox topic). One business row per message in
 ``<prefix>orders``, which has no unique constraint: only mqdedup's claims keep a
 message's effect single.
 """
@@ -25,6 +25,8 @@ _PREFIX = os.environ.get("HA_PREFIX", "ha_")
 #: Seconds per 100 messages after each commit, so that a kill lands mid-run on a fast
 #: machine (per message: careful mode commits redelivered messages one at a time).
 _PAUSE = float(os.environ.get("HA_PAUSE", "0"))
+#: When set, each message also writes one outbox row to this Kafka topic (for the relay).
+_OUTBOX_TOPIC = os.environ.get("HA_OUTBOX_TOPIC", "")
 
 
 def _pause(messages: Sequence[Message]) -> None:
@@ -44,6 +46,12 @@ class KafkaOrders(TestOrders):
     poll_timeout = 0.2
     kafka_config = kill_group()
     metrics_interval = 1.0
+
+    def handle(self, message: Message, ctx: Context) -> Any:
+        super().handle(message, ctx)
+        if _OUTBOX_TOPIC:
+            ctx.outbox.publish({"id": message.id}, topic=_OUTBOX_TOPIC, key=message.id)
+        return None
 
     def after_commit(self, messages: Sequence[Message]) -> None:
         _pause(messages)

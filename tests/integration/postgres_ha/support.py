@@ -54,17 +54,18 @@ def total_orders(engine: Engine, prefix: str) -> int:
 
 class MqdedupWorker:
     """``mqdedup worker <consumer> --processes 1`` (supervisor and child in their own
-    process group, so that ``kill_9`` kills both at once, like a crashed pod)."""
+    process group, so that ``kill_9`` kills both at once, like a crashed pod); with
+    ``consumer=None``, ``mqdedup relay``."""
 
-    def __init__(self, consumer: str, env: dict[str, str], log: Path) -> None:
+    def __init__(self, consumer: str | None, env: dict[str, str], log: Path) -> None:
         self.port = free_port()
         self.log = log
         self._output = log.open("ab")
+        command = ["worker", consumer] if consumer else ["relay"]
         self.process = subprocess.Popen(
             [
                 MQDEDUP,
-                "worker",
-                consumer,
+                *command,
                 "--processes",
                 "1",
                 "--health-port",

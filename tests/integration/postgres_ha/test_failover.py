@@ -1,5 +1,5 @@
 """A primary killed with ``kill -9`` mid-run and its streaming replica promoted, under a
-real ``mqdedup worker`` on the shared Kafka (issue 30, items 2 and 3).
+real ``mqdedup worker`` and ``mqdedup relay`` on the shared Kafka (issue 30, items 2 and 3).
 
 The database is a PRIVATE primary with its replica (``scripts/services.sh`` with its own
 state dir and ports, ``pg-replica`` and ``pg-promote``); the worker's URL names both hosts
@@ -8,9 +8,10 @@ than a race, the replica is cut off from the primary mid-run (its ``primary_conn
 emptied) before the kill: the standby lags, as one does under load or a slow network.
 
 * Synchronous replication: the worker's commit waits for the standby (seen as a backend
-  waiting on ``SyncRep``), the primary dies, the worker waits out the outage (health not
-  ready), reconnects to the promoted replica, and every message's effect is there once
-  with the committed offset at the end of the topic.
+  waiting on ``SyncRep``), the primary dies, the worker and the relay wait out the outage
+  (health not ready), reconnect to the promoted replica, and every message's effect is
+  there once with the committed offset at the end of the topic, and its outbox event
+  (one per message) on the broker.
 * Asynchronous replication: ``mqdedup worker`` and ``mqdedup db check`` warn at start;
   the primary acknowledges commits the standby never gets, the worker commits those
   messages' offsets, and after the failover they are lost for good. The test measures
@@ -19,10 +20,12 @@ emptied) before the kill: the standby lags, as one does under load or a slow net
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,7 @@ import pytest
 from sqlalchemy import Engine
 
 from mqdedup.db import create_engine, init_schema
+from mqdedup.outbox import OutboxStore
 from tests.integration.postgres_ha.support import (
     MQDEDUP,
     MqdedupWorker,
@@ -63,7 +67,8 @@ class Failover:
     unique: int
     counts: dict[str, int]
     lost: list[str]
-    not_ready_seen: bool
+    #: The relay's events on the broker: copies per incoming message id.
+    published: Counter[str]
     promotion_to_first_row: float
     worker_log: str
 
@@ -100,9 +105,9 @@ def run_failover(
     init_schema(primary, prefix)
     orders_table(prefix).metadata.create_all(primary)
     topic = kafka.create_topic(partitions=1, kind="failover")
+    events = kafka.create_topic(partitions=1, kind="failover-events")
     group = f"group-{topic}"
-    rng = random.Random(30)
-    ids = with_duplicates(rng, MESSAGES, 0.3, "f")
+    ids = with_duplicates(random.Random(30), MESSAGES, 0.3, "f")
     kafka.produce(topic, [Outgoing(message_id, b"{}") for message_id in ids])
     unique = len(set(ids))
     env = {
@@ -112,10 +117,15 @@ def run_failover(
         "HA_PREFIX": prefix,
         "HA_TOPIC": topic,
         "HA_GROUP": group,
+        "HA_OUTBOX_TOPIC": events,
         "HA_PAUSE": "0.02",
         KAFKA_SESSION_TIMEOUT_ENV: str(kill_session_timeout_ms(kafka.bootstrap)),
     }
     worker = MqdedupWorker(WORKER, env, tmp_path / f"worker-{synchronous}.log")
+    relay = MqdedupWorker(
+        None, {**env, "MQDEDUP_TABLE_PREFIX": prefix}, tmp_path / f"relay-{synchronous}.log"
+    )
+    daemons = (worker, relay)
     promoted = create_engine(pair.replica_url)
     try:
         wait_rows(primary, prefix, 200, 90, "the worker under way")
@@ -131,7 +141,8 @@ def run_failover(
             )
         primary.dispose()
         pair.kill_primary()
-        wait_for(lambda: worker.health().get("ready") is False, 30, "the worker not ready")
+        for daemon in daemons:  # both wait out the outage, and say so
+            wait_for(lambda d=daemon: d.health().get("ready") is False, 30, "not ready")
         promoted_at = pair.promote()
         before = total_orders(promoted, prefix)
         wait_for(
@@ -146,17 +157,23 @@ def run_failover(
             120,
             "the committed offset at the end of the topic",
         )
-        wait_for(lambda: worker.health().get("ready") is True, 30, "the worker ready again")
+        outbox = OutboxStore(prefix)
+        wait_for(lambda: outbox.status(promoted).pending == 0, 60, "the outbox published")
+        for daemon in daemons:
+            wait_for(lambda d=daemon: d.health().get("ready") is True, 30, "ready again")
         counts = order_counts(promoted, prefix)
     finally:
-        code = worker.stop()  # the tables go with the private instances
+        codes = [daemon.stop() for daemon in daemons]  # the tables go with the instances
         promoted.dispose()
-    assert code == 0, worker.tail()
+    assert codes == [0, 0], (worker.tail(), relay.tail())
+    published = Counter(
+        json.loads(record.value)["id"] for record in kafka.read_all(events, expected=len(counts))
+    )
     return Failover(
         unique=unique,
         counts=counts,
         lost=sorted(set(ids) - set(counts)),
-        not_ready_seen=True,
+        published=published,
         promotion_to_first_row=first_row,
         worker_log=worker.log.read_text(errors="replace"),
     )
@@ -170,6 +187,7 @@ def test_synchronous_replication_a_primary_killed_mid_run_loses_and_doubles_noth
     assert outcome.lost == []
     assert len(outcome.counts) == outcome.unique
     assert set(outcome.counts.values()) == {1}, "a message's effect twice"
+    assert set(outcome.published) == set(outcome.counts), "every event published by the relay"
     assert "replicates asynchronously" not in outcome.worker_log
     print(
         f"\n[failover sync] {outcome.unique} unique of {MESSAGES} messages, "
@@ -197,9 +215,12 @@ def test_asynchronous_replication_is_warned_about_and_loses_settled_messages(
     assert set(outcome.counts.values()) == {1}, "a message's effect twice"
     # Settled (offset committed) on the old primary's word, never on the standby: gone.
     assert outcome.lost, "nothing lost: the standby did not lag as the test arranged"
+    assert set(outcome.counts) <= set(outcome.published), "a kept effect's event unpublished"
+    orphans = set(outcome.published) - set(outcome.counts)  # events of effects gone
     print(
         f"\n[failover async] {outcome.unique} unique of {MESSAGES} messages, lost for good "
         f"{len(outcome.lost)} (offsets committed, claims and effects gone with the primary), "
+        f"{len(orphans)} of them with their outbox event already published, "
         f"doubled 0, promotion -> first new message processed "
         f"{outcome.promotion_to_first_row:.2f} s"
     )
