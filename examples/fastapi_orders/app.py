@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from fastapi import APIRouter, Depends, FastAPI, Header
+from fastapi import APIRouter, Depends, FastAPI, HTTPException
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -42,9 +43,17 @@ class OrderOut(BaseModel):
     quantity: int
 
 
-async def customer(x_customer: str = Header(min_length=1, max_length=128)) -> str:
-    """Who is calling: the caller's keys are scoped to it (your authentication in real life)."""
-    return x_customer
+#: The ``Authorization: Bearer <token>`` header (401 without it).
+BEARER = Depends(HTTPBearer())
+
+
+async def customer(credentials: HTTPAuthorizationCredentials = BEARER) -> str:
+    """Who is calling, from a signed bearer token (``config.customer_token``): the
+    idempotency keys are scoped to it, so no customer can replay another's orders."""
+    who = config.token_customer(credentials.credentials)
+    if who is None:
+        raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
+    return who
 
 
 def create_app(engine: AsyncEngine | None = None) -> FastAPI:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from functools import cache
 
@@ -13,6 +15,26 @@ from examples import settings
 def events_topic() -> str:
     """The topic the relay publishes ``order-placed`` events to."""
     return os.environ.get("API_ORDER_EVENTS_TOPIC", "example-api-order-events")
+
+
+def token_secret() -> bytes:
+    """The key the API tokens are signed with (``API_TOKEN_SECRET``; a real service keeps
+    it in its secret store)."""
+    return os.environ.get("API_TOKEN_SECRET", "example-only-token-secret").encode()
+
+
+def customer_token(customer: str) -> str:
+    """The bearer token of ``customer``: ``<customer>.<HMAC-SHA256 of it>`` (what the
+    service's login would hand out; the demo clients mint their own)."""
+    signature = hmac.new(token_secret(), customer.encode(), hashlib.sha256).hexdigest()
+    return f"{customer}.{signature}"
+
+
+def token_customer(token: str) -> str | None:
+    """The customer a bearer token was issued to, None for a forged or malformed one."""
+    customer, _, signature = token.rpartition(".")
+    expected = hmac.new(token_secret(), customer.encode(), hashlib.sha256).hexdigest()
+    return customer if customer and hmac.compare_digest(signature, expected) else None
 
 
 def shipping_group() -> str:

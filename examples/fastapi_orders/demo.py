@@ -59,7 +59,12 @@ async def place(
     """One client request, asked again after a 409 until it has an answer."""
     for _attempt in range(200):
         response = await http.post(
-            "/orders", json=body, headers={"Idempotency-Key": key, "X-Customer": customer}
+            "/orders",
+            json=body,
+            headers={
+                "Idempotency-Key": key,
+                "Authorization": f"Bearer {config.customer_token(customer)}",
+            },
         )
         tally.statuses[response.status_code] += 1
         if response.status_code == 409:

@@ -4,7 +4,8 @@
 database left at 0001 with schema 2's retention btree is brought to schema 3 by 0002);
 the example's own pytest-django tests pass on PostgreSQL; orders placed over HTTP
 write their ``order-placed`` events to the outbox in the view's transaction (each request
-sent twice with its ``Idempotency-Key``: one order each);
+sent twice with its ``Idempotency-Key`` and the client's bearer token: one order each;
+the keys are each user's own, anonymous keyed requests get 403);
 ``manage.py mqdedup_relay`` publishes them and ``manage.py mqdedup_worker`` (two
 processes) creates one shipment per order with the ORM; SIGTERM stops both with exit 0.
 """
@@ -37,15 +38,18 @@ pytestmark = [pytest.mark.integration]
 ORDERS = 20
 # Every request sent twice with its key, as a client retrying after a timeout does.
 PLACE_ORDERS = f"""
+from django.contrib.auth.models import User
 from django.test import Client
+from orders.auth import token_for
 client = Client()
+token = token_for(User.objects.create_user("shop-client"))
 for n in range({ORDERS}):
     for attempt in range(2):
         response = client.post(
             "/orders/",
             {{"customer": f"c{{n}}", "total": "9.90"}},
             content_type="application/json",
-            headers={{"Idempotency-Key": f"order-{{n}}"}},
+            headers={{"Idempotency-Key": f"order-{{n}}", "Authorization": f"Bearer {{token}}"}},
         )
         assert response.status_code == 201, response.content
 """
@@ -143,7 +147,7 @@ def test_django_example_runs_end_to_end(
         env=env,
     )
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
-    assert "5 passed" in tests.stdout
+    assert "6 passed" in tests.stdout
 
     placed = manage("shell", "-c", PLACE_ORDERS, env=env)
     assert placed.returncode == 0, placed.stdout + placed.stderr

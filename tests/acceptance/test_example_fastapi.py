@@ -130,3 +130,49 @@ def test_fastapi_orders_example_places_publishes_and_ships_each_order_once(
         )
     finally:
         engine.dispose()
+
+
+def test_fastapi_orders_example_scopes_keys_to_the_authenticated_customer(
+    example_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The example served by uvicorn: a customer sending another's key (and body) gets an
+    order of their own, never the other's stored response; forged tokens are refused."""
+    import httpx
+
+    from examples.fastapi_orders.config import customer_token
+    from tests.integration.http.servers import free_port, serving
+
+    env = example_env
+    run("-m", "examples.fastapi_orders.setup", env=env)
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "examples.fastapi_orders.app:create_app",
+        "--lifespan",
+        "off",  # the HTTP side only: no shipping consumer
+        "--port",
+        str(port),
+    ]
+    body = {"item": "book", "quantity": 1}
+    with (
+        serving(command, env, tmp_path / "uvicorn.log", "/docs", port) as server,
+        httpx.Client(base_url=server.url, timeout=30) as http,
+    ):
+
+        def place(token: str) -> httpx.Response:
+            headers = {"Idempotency-Key": "same-key", "Authorization": f"Bearer {token}"}
+            return http.post("/orders", json=body, headers=headers)
+
+        ann = place(customer_token("ann"))
+        assert ann.status_code == 201 and ann.json()["customer"] == "ann"
+        assert place(customer_token("ann")).json() == ann.json()  # her own replay
+        bob = place(customer_token("bob"))
+        assert bob.status_code == 201 and "idempotent-replayed" not in bob.headers
+        assert bob.json()["customer"] == "bob" and bob.json()["id"] != ann.json()["id"]
+        forged = place("ann." + "0" * 64)
+        assert forged.status_code == 401
+        anonymous = http.post("/orders", json=body, headers={"Idempotency-Key": "same-key"})
+        assert anonymous.status_code in (401, 403)

@@ -1,7 +1,10 @@
 """``POST /orders/``: the order and its ``order-placed`` event in one transaction.
 
-Clients send an ``Idempotency-Key``: a retried request gets the first one's response
-(``Idempotent-Replayed: true``) and places no second order.
+Clients authenticate with a bearer token (``orders.auth``) and send an
+``Idempotency-Key``: a retried request gets the first one's response
+(``Idempotent-Replayed: true``) and places no second order. The keys are the
+authenticated user's (``@idempotent``'s default scope): another user's request with the
+same key is a request of its own; an anonymous one gets 403.
 """
 
 import json
@@ -17,7 +20,7 @@ from mqdedup.django import idempotent, outbox
 from orders.models import Order
 
 
-@csrf_exempt
+@csrf_exempt  # authenticated by a bearer token, not a cookie: no CSRF to fear
 @require_POST
 @idempotent
 @transaction.atomic

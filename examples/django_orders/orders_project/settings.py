@@ -24,10 +24,11 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 INSTALLED_APPS = [
     "django.contrib.contenttypes",
+    "django.contrib.auth",  # the API's users: each one's Idempotency-Keys are its own
     "mqdedup.django",
     "orders",
 ]
-MIDDLEWARE: list[str] = []
+MIDDLEWARE = ["orders.auth.BearerTokenMiddleware"]
 
 
 def _database(url: str | None) -> dict[str, object]:

@@ -6,8 +6,10 @@ Run from this folder: ``pytest --ds=orders_project.settings tests``.
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import User
 from django.db import connection, transaction
 from django.test import Client
+from orders.auth import token_for
 from orders.consumers import RabbitShipments
 from orders.models import Order, Shipment
 
@@ -23,8 +25,11 @@ def count(table: str) -> int:
         return int(cursor.fetchone()[0])
 
 
-def order(client: Client, key: str | None, customer: str = "ada") -> Any:
+def order(client: Client, key: str | None, customer: str = "ada", user: str | None = "ada") -> Any:
     headers = {"Idempotency-Key": key} if key is not None else {}
+    if user is not None:
+        account = User.objects.get_or_create(username=user)[0]
+        headers["Authorization"] = f"Bearer {token_for(account)}"
     return client.post(
         "/orders/",
         {"customer": customer, "total": "12.50"},
@@ -50,6 +55,18 @@ def test_a_retried_request_gets_the_first_response_and_places_nothing(db: None) 
     assert order(client, "k-2", customer="eve").status_code == 422  # another body
     assert order(client, None).status_code == 400  # no key
     assert Order.objects.count() == 1
+
+
+def test_keys_are_each_users_own(db: None) -> None:
+    client = Client()
+    first = order(client, "k-3")
+    # Another user with the same key and body: an order of its own, not ada's response.
+    other = order(client, "k-3", user="eve")
+    assert other.status_code == 201 and "Idempotent-Replayed" not in other
+    assert other.content != first.content
+    anonymous = order(client, "k-3", user=None)  # no token: refused, not a shared space
+    assert anonymous.status_code == 403
+    assert Order.objects.count() == 2
 
 
 def test_an_order_rolled_back_leaves_no_event(db: None) -> None:

@@ -257,7 +257,7 @@ def test_idempotency_key_in_flight_gets_409_then_the_stored_response() -> None:
 
     inside, release = threading.Event(), threading.Event()
 
-    @idempotent
+    @idempotent(caller=lambda request: "scenario-client")  # no auth here: a named caller
     def place(request: Any) -> Any:
         order = Order.objects.create(customer="slow", total=1)
         inside.set()
