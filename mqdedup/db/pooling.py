@@ -54,7 +54,7 @@ POOLERS = ("auto", "none", "session", "transaction", "transaction-prepared")
 _SESSION_KEEPING = ("none", "session")
 
 _MULTI_HOST = re.compile(
-    r"^(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://(?:[^/?#]*@)?)(?P<hosts>[^@/?#]*,[^@/?#]*)(?P<tail>.*)$"
+    r"^(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://(?:[^/?#]*@)?)(?P<hosts>[^@/?#]*,[^@/?#]*)(?P<tail>(?:[/?#].*)?)$"
 )
 
 

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,10 @@ def replicated(tmp_path: Path) -> Iterator[Callable[[bool], PrimaryWithReplica]]
         pair.close()
 
 
+def readiness_is(daemon: MqdedupWorker, ready: bool) -> bool:
+    return daemon.health().get("ready") is ready
+
+
 def waiting_on_sync_replication(engine: Engine) -> bool:
     with engine.connect() as connection:
         found = connection.exec_driver_sql(
@@ -142,7 +147,7 @@ def run_failover(
         primary.dispose()
         pair.kill_primary()
         for daemon in daemons:  # both wait out the outage, and say so
-            wait_for(lambda d=daemon: d.health().get("ready") is False, 30, "not ready")
+            wait_for(partial(readiness_is, daemon, False), 30, "the daemon not ready")
         promoted_at = pair.promote()
         before = total_orders(promoted, prefix)
         wait_for(
@@ -160,7 +165,7 @@ def run_failover(
         outbox = OutboxStore(prefix)
         wait_for(lambda: outbox.status(promoted).pending == 0, 60, "the outbox published")
         for daemon in daemons:
-            wait_for(lambda d=daemon: d.health().get("ready") is True, 30, "ready again")
+            wait_for(partial(readiness_is, daemon, True), 30, "the daemon ready again")
         counts = order_counts(promoted, prefix)
     finally:
         codes = [daemon.stop() for daemon in daemons]  # the tables go with the instances
