@@ -151,13 +151,18 @@ class PrimaryWithReplica:
     """
 
     def __init__(self, state_dir: Path, *, synchronous: bool) -> None:
-        self.primary_port, self.replica_port = free_port(), free_port()
+        self.state_dir = state_dir
+        self.synchronous = synchronous
+        self._ports(free_port(), free_port())
+
+    def _ports(self, primary: int, replica: int) -> None:
+        self.primary_port, self.replica_port = primary, replica
         self.env = {
             **os.environ,
-            "MQDEDUP_STATE_DIR": str(state_dir),
+            "MQDEDUP_STATE_DIR": str(self.state_dir),
             "PG_PORT": str(self.primary_port),
             "PG_REPLICA_PORT": str(self.replica_port),
-            "PG_SYNC_REPLICATION": "on" if synchronous else "off",
+            "PG_SYNC_REPLICATION": "on" if self.synchronous else "off",
         }
         auth = "mqdedup:mqdedup@"
         self.primary_url = f"postgresql://{auth}127.0.0.1:{self.primary_port}/mqdedup"
@@ -181,7 +186,15 @@ class PrimaryWithReplica:
         return result.stdout + result.stderr
 
     def start(self) -> None:
-        self.services("start", "postgres", "pg-replica")
+        """Start both; once more on two other ports if that failed (a port taken between
+        choosing it and binding it), saying why."""
+        try:
+            self.services("start", "postgres", "pg-replica")
+        except RuntimeError as error:
+            print(f"[primary with replica] starting again on other ports after: {error}")
+            self.close()
+            self._ports(free_port(), free_port())
+            self.services("start", "postgres", "pg-replica")
 
     def cut_replication(self) -> None:
         """Disconnect the replica from the primary (its ``primary_conninfo`` emptied):
