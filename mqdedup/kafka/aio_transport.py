@@ -67,8 +67,10 @@ T = TypeVar("T")
 POLL_SLICE = 0.1
 #: How often the per-partition lag is refreshed.
 LAG_INTERVAL = 1.0
-#: Seconds to commit and to leave the group on close (per step).
-CLOSE_TIMEOUT = 10.0
+#: Seconds to commit and to leave the group on close (per step), so that a stop ends
+#: within the Transport contract's 2 s even while Kafka is down. A commit that takes
+#: longer is given up: its records come again to the next owner, deduplicated.
+CLOSE_TIMEOUT = 0.5
 #: Pause of the poll task after a retriable error.
 RETRY_PAUSE = 0.5
 #: Seconds between two start attempts while no bootstrap server answers.
@@ -119,6 +121,8 @@ class AioKafkaTransport:
         self._failure: BaseException | None = None
         self._closing = False
         self._closed = False
+        #: Steps of closing that outlived their timeout (kept referenced until done).
+        self._left_running: set[asyncio.Future[Any]] = set()
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -174,7 +178,8 @@ class AioKafkaTransport:
             token = delivery.token
             if self.tracker.settle(token.partition, token.offset, token.epoch):
                 settled += 1
-        if settled and self.commits.due:
+        if settled and self.commits.due and not self._stop.requested:
+            # (Stopping: close commits them, within CLOSE_TIMEOUT even if Kafka is down.)
             wait_for(self.commits.commit_pending())
 
     def give_back(self, deliveries: Sequence[Delivery[KafkaToken]]) -> None:
@@ -292,14 +297,34 @@ class AioKafkaTransport:
         task, self._poll_task = self._poll_task, None
         if task is not None:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await self._within(task, CLOSE_TIMEOUT)
         consumer = self._consumer
         if consumer is not None:
             if self._failure is None:
-                await self.commits.commit_on_stop(CLOSE_TIMEOUT)
+                await self._within(self.commits.commit_on_stop(CLOSE_TIMEOUT), CLOSE_TIMEOUT)
             self._buffer.clear()
-            await _quietly(consumer.stop())
-        await self.dead_letters.close()
+            await self._within(consumer.stop(), CLOSE_TIMEOUT)
+        await self._within(self.dead_letters.close(), CLOSE_TIMEOUT)
+
+    async def _within(self, awaitable: Awaitable[Any], timeout: float) -> None:
+        """Await ``awaitable`` for at most ``timeout`` seconds, then leave it running on
+        the loop (cancelling aiokafka's stop or commit while Kafka is down can take as
+        long as the request: ``asyncio.wait_for`` would wait for that)."""
+        task = asyncio.ensure_future(awaitable)
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            self._left_running.add(task)
+            task.add_done_callback(self._left_running.discard)
+            log.info(
+                "a step of closing the Kafka consumer did not finish in time; left running",
+                extra={"consumer": self.settings.consumer_name, "timeout": timeout},
+            )
+            return
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "kafka consumer did not stop cleanly (aiokafka)",
+                extra={"error": describe_error(task.exception())},  # type: ignore[arg-type]
+            )
 
     async def _fetch(self, max_messages: int, timeout: float) -> list[Delivery[KafkaToken]]:
         assert self._arrived is not None

@@ -52,6 +52,11 @@ KEEPALIVE_INTERVAL = 0.5
 LAG_INTERVAL = 1.0
 #: Seconds the poll thread gets to commit and leave the group on close (per step).
 CLOSE_TIMEOUT = 10.0
+#: Seconds each step of closing (commit, leaving the group, the dead-letter producer)
+#: may take once the worker stopped: a stop ends within the Transport contract's 2 s
+#: even while Kafka is down. A commit that takes longer is given up: its records come
+#: again to the next owner and are deduplicated.
+STOP_STEP = 0.5
 
 
 class _Buffer:
@@ -287,7 +292,7 @@ class KafkaTransport:
             self._buffer.clear()
             if not failed:
                 self.client.update_lag()
-            self.client.close(commit=True, timeout=CLOSE_TIMEOUT)
+            self.client.close(commit=True, timeout=STOP_STEP)
 
     def _poll_loop(self) -> None:
         client = self.client

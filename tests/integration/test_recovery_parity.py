@@ -36,11 +36,14 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.db import create_engine
 from mqdedup.errors import BrokerUnavailableError
 from tests.services import (
+    KafkaHelper,
+    Outgoing,
     PrivateRabbitMQ,
     RabbitAdmin,
     TestDatabase,
     free_port,
     prefixed_database,
+    private_kafka,
     table_prefix,
     wait_for,
 )
@@ -191,6 +194,7 @@ def test_a_stop_during_start_up_against_an_unreachable_broker_ends_within_2s(
     time.sleep(1.0)  # the worker is in its connect attempts (nothing to await: it fails)
     assert worker.thread.is_alive(), f"gave up at once: {worker.error!r}"
     took = worker.stop_and_time()
+    print(f"{kind}: stop during start-up took {took:.2f} s")
     assert worker.error is None, f"a stop is not an error: {worker.error!r}"
     assert took < STOP_BOUND, f"{kind}: the stop took {took:.1f} s"
 
@@ -222,6 +226,7 @@ def test_task_cancel_during_start_up_ends_run_async_with_cancelled_error_within_
         return took, outcome
 
     took, outcome = asyncio.run(scenario())
+    print(f"{kind}: task.cancel() during start-up took {took:.2f} s ({outcome!r})")
     assert isinstance(outcome, asyncio.CancelledError), f"ended with {outcome!r}"
     assert took < STOP_BOUND, f"{kind}: the cancel took {took:.1f} s"
 
@@ -242,7 +247,42 @@ def test_connect_timeout_is_waited_out_by_both_kafka_clients(kind: str) -> None:
         else:
             start()
     took = time.monotonic() - started
+    print(f"{kind}: gave up after {took:.1f} s (connect_timeout 4 s)")
     assert 3.0 <= took < 20.0, f"{kind} gave up after {took:.1f} s (connect_timeout 4 s)"
+
+
+# -- broker down (private brokers) -------------------------------------------------------------
+
+
+def test_a_stop_while_kafka_is_down_ends_within_2s_on_both_clients(
+    tmp_path: Path, orders_db: tuple[TestDatabase, Table]
+) -> None:
+    """kafka-python and aiokafka side by side on one PRIVATE broker, killed with SIGKILL."""
+    db, orders = orders_db
+    with private_kafka(tmp_path / "services") as broker:
+        helper = KafkaHelper(broker.bootstrap)
+        workers = {}
+        try:
+            for kind in ("kafka", "aiokafka"):
+                consumer = consumer_class(
+                    kind, orders, broker.bootstrap, table_prefix=db.prefix, commit_interval=0.0
+                )()
+                helper.create_topic(partitions=2, name=consumer.topics[0])
+                helper.produce(
+                    consumer.topics[0], [Outgoing(f"{kind}-{n:03d}", b"x") for n in range(20)]
+                )
+                workers[kind] = Running(consumer, db.engine)
+            wait_for(lambda: rows(db, orders) == 40, 90, "the first messages committed")
+        finally:
+            helper.close()
+        broker.kill()
+        time.sleep(3.0)  # down for a while: the clients are reconnecting
+        for kind, worker in workers.items():
+            took = worker.stop_and_time()
+            print(f"{kind}: stop while Kafka is down took {took:.2f} s")
+            assert worker.error is None, f"{kind}: a stop is not an error: {worker.error!r}"
+            assert took < STOP_BOUND, f"{kind}: the stop during the outage took {took:.1f} s"
+    assert rows(db, orders) == 40
 
 
 # -- RabbitMQ broker faults (private node) ----------------------------------------------------
@@ -277,6 +317,7 @@ def test_a_stop_while_the_broker_is_down_ends_within_2s_and_the_outage_is_one_wa
     time.sleep(3.0)  # the outage goes on: several reconnect attempts fail meanwhile
     for kind, worker in workers.items():
         took = worker.stop_and_time()
+        print(f"{kind}: stop while the broker is down took {took:.2f} s")
         assert worker.error is None, f"{kind}: a stop is not an error: {worker.error!r}"
         assert took < STOP_BOUND, f"{kind}: the stop during the outage took {took:.1f} s"
         warnings = [
@@ -306,6 +347,7 @@ def test_a_dead_letter_blocked_by_a_memory_alarm_holds_neither_acks_nor_the_next
     poisons = len(ids) - good
 
     private_rabbit.memory_alarm(True)
+    alarm = time.monotonic()
     worker = Running(consumer, db.engine)
     try:
         # The sync transport gives a blocked dead letter up after 1 s: all good messages
@@ -318,6 +360,10 @@ def test_a_dead_letter_blocked_by_a_memory_alarm_holds_neither_acks_nor_the_next
             ),
             40,
             "every good message committed and acked during the alarm",
+        )
+        print(
+            f"{kind}: {good} good messages committed and acked "
+            f"{time.monotonic() - alarm:.1f} s into the alarm ({poisons} blocked dead letters)"
         )
         assert worker.metrics.dead_lettered == 0, "nothing can be published during the alarm"
     finally:
