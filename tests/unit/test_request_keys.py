@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
+from mqdedup.dedup.request_fingerprints import form_fingerprint, parse_form
 from mqdedup.dedup.request_keys import (
     REPLAYED_HEADER,
+    SHARED_SCOPE,
+    CallerUnknownError,
     IdempotencyKeyError,
     KeyedRequest,
     KeyState,
@@ -22,9 +26,11 @@ from mqdedup.dedup.request_keys import (
     StoredResponse,
     caller_scope,
     read_key,
+    read_key_headers,
     request_fingerprint,
 )
-from mqdedup.dedup.store import DedupStore
+from mqdedup.dedup.store import DedupStore, utcnow
+from mqdedup.errors import ConfigurationError
 from tests.support import business, orders
 
 
@@ -197,3 +203,110 @@ def test_scopes_and_fingerprints() -> None:
     assert base != request_fingerprint("POST", "/orders/", b"{}")
     assert base != request_fingerprint("POST", "/orders", b"{}", query="dry=1")
     assert base != request_fingerprint("POST", "/orders", b"{ }")
+
+
+def test_scopes_never_collide() -> None:
+    long_id = "x" * 400
+    hashed = caller_scope(long_id)
+    assert hashed == "http:sha256:" + hashlib.sha256(long_id.encode()).hexdigest()
+    literal = hashed.removeprefix("http:")
+    assert caller_scope(literal) != hashed  # a literal id cannot name a hashed scope
+    assert caller_scope(SHARED_SCOPE) == "http:shared"
+    assert caller_scope("shared") != caller_scope(SHARED_SCOPE)
+    for unknown in (None, ""):
+        with pytest.raises(CallerUnknownError) as refused:
+            caller_scope(unknown)
+        assert refused.value.answer.status == 403
+
+
+@pytest.mark.parametrize("value", ["a,b", "a, b", '"a", "b"', '"a",b', '"a" b', '"open'])
+def test_key_lists_and_malformed_strings_are_400(value: str) -> None:
+    with pytest.raises(IdempotencyKeyError) as refused:
+        read_key(value, required=True)
+    assert refused.value.answer.status == 400
+    assert read_key('"a,b"', required=True) == "a,b"  # a comma inside the quotes is the key's
+    with pytest.raises(IdempotencyKeyError, match="2 Idempotency-Key headers"):
+        read_key_headers(["a", "b"], required=True)
+
+
+def test_never_stored_headers_are_refused_and_bodies_round_trip_exactly(engine: Engine) -> None:
+    for header in ("Set-Cookie", "Authorization", "WWW-Authenticate", "Date", "Upgrade"):
+        with pytest.raises(ConfigurationError, match=header.lower()):
+            RequestKeys(stored_headers=("content-type", header))
+    keys = RequestKeys()
+    for n, body in enumerate((b"ok\x00", b"\xff\x00", "é".encode(), b"")):
+        request = keyed(key=f"bytes-{n}")
+        place(engine, keys, request, StoredResponse(200, (), body))
+        assert place(engine, keys, request, CREATED).body == body
+    with pytest.raises(TypeError, match="bytes, bytearray or memoryview"):
+        place(engine, keys, keyed(key="text"), StoredResponse(200, (), "text"))  # type: ignore[arg-type]
+
+
+def test_an_expired_key_is_claimed_again(engine: Engine) -> None:
+    keys = RequestKeys(ttl=timedelta(hours=24))
+    place(engine, keys, keyed(), CREATED)
+    assert place(engine, keys, keyed(), CREATED).header(REPLAYED_HEADER) == "true"
+    table = schema().processed
+    with engine.begin() as connection:
+        connection.execute(update(table).values(processed_at=utcnow() - timedelta(hours=25)))
+    fresh = StoredResponse(201, (), b'{"order": 2}')
+    assert place(engine, keys, keyed(body=b"another request"), fresh) is fresh
+    assert place(engine, keys, keyed(body=b"another request"), CREATED).body == b'{"order": 2}'
+    assert order_count(engine) == 2 and key_rows(engine) == 1
+    with pytest.raises(ConfigurationError, match="ttl"):
+        RequestKeys(ttl=timedelta(0))
+
+
+def test_fingerprints_are_unambiguous_and_modes_normalise() -> None:
+    # Length prefixes: bytes cannot move from one field to the next.
+    assert request_fingerprint("POST", "/p/a\x00b", b"") != request_fingerprint(
+        "POST", "/p/a", b"\x00", query="b"
+    )
+    json_type = "application/json"
+    assert request_fingerprint("POST", "/o", b"{}", content_type=json_type) != (
+        request_fingerprint("POST", "/o", b"{}", content_type="text/plain")
+    )
+    one, two = b'{"a": 1, "b": [1, 2]}', b'{"b":[1,2],"a":1}'
+    assert request_fingerprint("POST", "/o", one, content_type=json_type) != request_fingerprint(
+        "POST", "/o", two, content_type=json_type
+    )
+    assert request_fingerprint(
+        "POST", "/o", one, content_type=json_type, mode="json"
+    ) == request_fingerprint("POST", "/o", two, content_type=json_type, mode="json")
+    assert request_fingerprint(
+        "POST", "/o", one, content_type=json_type, mode="json"
+    ) != request_fingerprint(
+        "POST", "/o", b'{"a": 2, "b": [1, 2]}', content_type=json_type, mode="json"
+    )
+
+
+def form(boundary: str, content: bytes) -> tuple[bytes, str]:
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="note"\r\n\r\nhi\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="f"; filename="a.txt"\r\n'
+            "Content-Type: text/plain\r\n\r\n"
+        ).encode()
+        + content
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    return body, f"multipart/form-data; boundary={boundary}"
+
+
+def test_multipart_fingerprint_ignores_the_boundary_not_the_parts() -> None:
+    def fingerprint(boundary: str, content: bytes) -> str:
+        body, content_type = form(boundary, content)
+        return request_fingerprint("POST", "/u", body, content_type=content_type)
+
+    first = fingerprint("b-1", b"file\r\n--b-")
+    assert first == fingerprint("other-2", b"file\r\n--b-")
+    assert first != fingerprint("b-1", b"file 2")
+    body, content_type = form("b-1", b"file")
+    parts = parse_form(body, "b-1")
+    assert parts is not None
+    assert [(p.name, p.filename) for p in parts] == [("note", None), ("f", "a.txt")]
+    assert parse_form(body[:-8], "b-1") is None  # no close delimiter: counted as bytes
+    # Parts handed over separately (Django's POST and FILES) count the same.
+    assert form_fingerprint("POST", "/u", reversed(parts), "", content_type) == (
+        request_fingerprint("POST", "/u", body, "", content_type)
+    )
