@@ -200,8 +200,8 @@ class Idempotency:
             try:
                 key = read_key_headers(request.headers.getlist(HEADER), required=self.required)
                 scope = caller_scope(who) if key is not None else ""
-            except (IdempotencyKeyError, CallerUnknownError) as problem:
-                raise _Answer(problem.answer) from None
+            except (IdempotencyKeyError, CallerUnknownError) as refusal:
+                raise _Answer(refusal.answer) from None
             async with self.sessions() as session:
                 if key is None:
                     async with session.begin():
