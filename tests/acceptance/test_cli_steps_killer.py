@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from examples.flash_sale.gateway import PaymentServer
 from mqdedup.cli import exitcodes
 from mqdedup.db.schema import schema
 from tests.acceptance.test_cli_process_killer import Supervised, healthz
 from tests.integration.rabbitmq.support import make_consumer, order_counts
-from examples.flash_sale.gateway import PaymentServer
 from tests.services import REPO, RabbitAdmin, prefixed_database, table_prefix, wait_for
 from tests.support import orders_table
 
