@@ -15,6 +15,7 @@ import asyncio
 import json
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -217,3 +218,35 @@ def test_steps_are_purged_with_their_claims(db: TestDatabase) -> None:
     with db.engine.connect() as connection:
         left = connection.execute(select(func.count()).select_from(schema(db.prefix).steps))
         assert left.scalar() == 0
+
+
+def test_an_async_batch_handler_names_the_message_of_each_step(db: TestDatabase) -> None:
+    broker, gateway = InMemoryBroker(seed=4), Gateway()
+    ids = publish(broker)
+
+    class AsyncBatchCharging(AsyncConsumer):
+        name = "async-batch-charging"
+        table_prefix = db.prefix
+        batch_size = 25
+        poll_timeout = 0.02
+
+        async def handle_batch(self, messages: Sequence[Message], ctx: AsyncContext) -> Any:
+            for message in messages:
+                await ctx.step(
+                    "charge", lambda key, m=message: gateway.charge(key, str(m.id)), message
+                )
+            return None
+
+    async def scenario() -> None:
+        engine = create_async_engine(db.url)
+        try:
+            await Worker(AsyncBatchCharging(), broker.transport(QUEUE), engine).run_async(
+                until_idle=True
+            )
+        finally:
+            await engine.dispose()
+
+    asyncio.run(scenario())
+
+    assert gateway.calls == dict.fromkeys(ids, 1)
+    assert step_rows(db) == dict.fromkeys(ids, ("done", 1))
