@@ -27,17 +27,31 @@ collect_ignore_glob = [] if os.environ.get("MQDEDUP_TEST_CLUSTERS") == "1" else 
 
 
 @pytest.fixture(scope="module")
-def kafka_cluster() -> Iterator[Cluster]:
-    """The three-broker Kafka (RF=3, min.insync.replicas=2), stopped at the module's end."""
+def kafka_cluster_module() -> Iterator[Cluster]:
     with Cluster.running("kafka-cluster") as cluster:
         yield cluster
 
 
+@pytest.fixture
+def kafka_cluster(kafka_cluster_module: Cluster) -> Cluster:
+    """The three-broker Kafka (RF=3, min.insync.replicas=2), every node up at the test's
+    start (a failed test may leave one killed); stopped at the module's end."""
+    kafka_cluster_module.start_all()
+    return kafka_cluster_module
+
+
 @pytest.fixture(scope="module")
-def rabbitmq_cluster() -> Iterator[Cluster]:
-    """The three-node RabbitMQ cluster, stopped at the module's end."""
+def rabbitmq_cluster_module() -> Iterator[Cluster]:
     with Cluster.running("rabbitmq-cluster") as cluster:
         yield cluster
+
+
+@pytest.fixture
+def rabbitmq_cluster(rabbitmq_cluster_module: Cluster) -> Cluster:
+    """The three-node RabbitMQ cluster, every node up at the test's start; stopped at the
+    module's end."""
+    rabbitmq_cluster_module.start_all()
+    return rabbitmq_cluster_module
 
 
 @pytest.fixture

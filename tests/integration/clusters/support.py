@@ -67,6 +67,10 @@ class Cluster:
         services("kill", f"{self.service}-{node}")
         return started
 
+    def start_all(self) -> None:
+        """Start the nodes that are down (idempotent; waits until all are back)."""
+        services("start", self.service, timeout=600)
+
     def start(self, node: int) -> None:
         """Start node ``node`` again (with its data) and wait until it is back."""
         services("start", f"{self.service}-{node}", timeout=600)

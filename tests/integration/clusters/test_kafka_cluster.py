@@ -14,21 +14,25 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, func, insert, or_, select
 
-from mqdedup.kafka import KafkaPublisher
+from mqdedup import Context, Message, RetryPolicy
+from mqdedup.kafka import KafkaConsumer, KafkaPublisher
 from mqdedup.outbox import Relay, RelayConfig
 from tests.integration.clusters.kafka_tools import (
     busiest_leader,
     coordinator,
     describe,
     leaders,
-    report,
     wait_in_sync,
+)
+from tests.integration.clusters.kafka_tools import (
+    report as report_figures,
 )
 from tests.integration.clusters.support import CliWorker, Cluster
 from tests.integration.kafka.helpers import row_counts, total_rows
@@ -141,7 +145,25 @@ def seconds_until(condition: Callable[[], bool], since: float, what: str) -> flo
 
 
 def committed_total(helper: KafkaHelper, group: str, topic: str) -> int:
-    return sum(offset or 0 for offset in helper.committed(group, topic).values())
+    """The group's committed offsets, summed; -1 while the test's own client cannot ask
+    (its request went to the broker just killed)."""
+    from kafka.errors import KafkaError
+
+    try:
+        return sum(offset or 0 for offset in helper.committed(group, topic).values())
+    except KafkaError:
+        return -1
+
+
+def led_by(helper: KafkaHelper, topic: str, partitions: list[int]) -> set[int]:
+    """The leaders of ``partitions`` (empty while the metadata cannot be fetched)."""
+    from kafka.errors import KafkaError
+
+    try:
+        found = leaders(helper.admin, topic)
+    except KafkaError:
+        return set()
+    return {found[p] for p in partitions}
 
 
 def with_duplicates(rng: random.Random, unique: int, copies: int) -> list[Outgoing]:
@@ -209,7 +231,7 @@ def test_workers_lose_the_busiest_leader_then_the_group_coordinator(
             "a message sent after the kill, to the dead leader's partitions, processed",
         )
         figures["new_leaders_s"] = seconds_until(
-            lambda: all(leaders(helper.admin, topic)[p] != victim for p in led),
+            lambda: bool(led_by(helper, topic, led)) and victim not in led_by(helper, topic, led),
             killed_at,
             "new leaders of the dead broker's partitions",
         )
@@ -240,7 +262,7 @@ def test_workers_lose_the_busiest_leader_then_the_group_coordinator(
         traffic.join(timeout=180)
         wait_for(lambda: total_rows(db.engine, db.prefix) >= unique, 240, "every unique message")
         wait_for(
-            lambda: helper.committed(group, topic) == helper.end_offsets(topic),
+            lambda: committed_total(helper, group, topic) == len(messages),
             120,
             "the group's offsets at the end of every partition (lag 0)",
             interval=0.5,
@@ -249,9 +271,10 @@ def test_workers_lose_the_busiest_leader_then_the_group_coordinator(
             worker.ensure_alive()
     finally:
         codes = [worker.terminate() for worker in workers]
-        report("kafka-workers-timeline", **figures)
+        report_figures("kafka-workers-timeline", **figures)
     assert codes == [0, 0, 0], [worker.log_tail() for worker in workers]
     assert sum(len(p) for p in traffic.positions.values()) == len(messages) == 5_000
+    assert sum(helper.end_offsets(topic).values()) == 5_000  # committed == end: lag 0
     counts = row_counts(db.engine, db.prefix)
     assert set(counts) == set(traffic.positions), f"missing {unique - len(counts)}"
     doubled = {k: v for k, v in counts.items() if v != 1}
@@ -259,7 +282,9 @@ def test_workers_lose_the_busiest_leader_then_the_group_coordinator(
     dead_letter_topic = f"{topic}.DLT"
     if dead_letter_topic in helper.admin.list_topics():
         assert sum(helper.end_offsets(dead_letter_topic).values()) == 0
-    report("kafka-workers", effects=len(counts), messages=5_000, doubled=0, dlt=0, **figures)
+    report_figures(
+        "kafka-workers", effects=len(counts), messages=5_000, doubled=0, dlt=0, **figures
+    )
 
 
 def test_relay_drains_5000_rows_while_the_partition_leader_is_killed(
@@ -303,4 +328,83 @@ def test_relay_drains_5000_rows_while_the_partition_leader_is_killed(
     )
     payloads = [json.loads(record.value) for record in records]
     assert order_problems([(p["key"], p["seq"]) for p in payloads]) == []
-    report("kafka-relay", rows=5_000, on_broker=on_broker, doubled=0, order_problems=0, **figures)
+    report_figures(
+        "kafka-relay", rows=5_000, on_broker=on_broker, doubled=0, order_problems=0, **figures
+    )
+
+
+def in_process_consumer(
+    bootstrap: str, topic: str, prefix: str, *, fail: str = "", delay: float = 0.0
+) -> KafkaConsumer:
+    """A consumer of ``topic`` writing ``<prefix>orders``; ids starting with ``fail`` fail
+    every attempt (then go to the dead-letter topic)."""
+
+    class Orders(KafkaConsumer):
+        topics = (topic,)
+        group_id = unique_name("cluster-inproc")
+        bootstrap_servers = bootstrap
+        table_prefix = prefix
+        batch_size = 20
+        retry_policy = RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.05)
+
+        def handle(self, message: Message, ctx: Context) -> None:
+            if fail and (message.id or "").startswith(fail):
+                raise ValueError("refused by the test")
+            ctx.session.execute(
+                insert(orders_table(prefix)).values(
+                    message_id=message.id, body=message.body.decode(), worker="in-process"
+                )
+            )
+
+        def after_commit(self, messages: Sequence[Message]) -> None:
+            time.sleep(delay)
+
+    return Orders()
+
+
+def test_replay_and_dead_letters_go_on_while_a_leader_is_killed(
+    kafka_cluster: Cluster, helper: KafkaHelper, db: TestDatabase
+) -> None:
+    topic = helper.create_topic(partitions=3)
+    ids = [f"{'bad' if i % 10 == 0 else 'ok'}-{i}" for i in range(1_500)]
+    helper.produce(topic, [Outgoing(message_id, b"x") for message_id in ids])
+    good = {i for i in ids if i.startswith("ok")}
+    bad = {i for i in ids if i.startswith("bad")}
+    figures: dict[str, object] = {}
+
+    # 1. A replay of the whole range (it assigns partitions, commits nothing), with a
+    #    dead-letter topic, while the broker leading most of its partitions is killed.
+    consumer = in_process_consumer(
+        kafka_cluster.kafka_bootstrap, topic, db.prefix, fail="bad", delay=0.05
+    )
+    outcome: list[Any] = []
+    runner = threading.Thread(target=lambda: outcome.append(consumer.replay(db.engine)))
+    runner.start()
+    try:
+        wait_for(lambda: total_rows(db.engine, db.prefix) >= 200, 120, "the replay at work")
+        dead_letter_topic = f"{topic}.DLT"
+        wait_for(
+            lambda: dead_letter_topic in helper.admin.list_topics(), 60, "the dead-letter topic"
+        )
+        victim, _ = busiest_leader(helper.admin, dead_letter_topic)
+        figures["rows_at_kill"] = total_rows(db.engine, db.prefix)
+        killed_at = kafka_cluster.kill(victim)
+        figures["leader_killed"] = victim
+        runner.join(240)
+        figures["replay_done_after_kill_s"] = round(time.monotonic() - killed_at, 1)
+    finally:
+        runner.join(240)
+        kafka_cluster.start(victim)
+    assert not runner.is_alive() and len(outcome) == 1, "the replay did not finish"
+    report = outcome[0]
+    assert (report.new, report.dead_lettered) == (len(good), len(bad)), report
+    counts = row_counts(db.engine, db.prefix)
+    assert set(counts) == good and set(counts.values()) == {1}
+    dead = Counter(
+        kafka_headers(record)["message-id"]
+        for record in helper.read_all(dead_letter_topic, len(bad), timeout=60)
+    )
+    assert set(dead) == bad, f"missing dead letters: {len(bad - set(dead))}"
+    figures["dead_letter_copies"] = sum(dead.values()) - len(bad)
+    report_figures("kafka-replay-dead-letters", new=report.new, dead=len(bad), **figures)
+    assert figures["dead_letter_copies"] == 0, figures
