@@ -219,7 +219,7 @@ class AioKafkaTransport:
                 started = await self._unless_stopped(consumer.start(), deadline)
             except (aio_errors.KafkaError, TimeoutError, OSError) as error:
                 await _quietly(consumer.stop(), START_RETRY)
-                if time.monotonic() + START_RETRY >= deadline or not _retriable_start(error):
+                if time.monotonic() >= deadline - START_SLICE or not _retriable_start(error):
                     raise BrokerUnavailableError(
                         f"cannot reach Kafka at {','.join(settings.base.bootstrap_servers)} "
                         f"within {settings.connect_timeout:g}s: {describe_error(error)}"
@@ -233,7 +233,8 @@ class AioKafkaTransport:
                         "connect_timeout": settings.connect_timeout,
                     },
                 )
-                if await self._unless_stopped(asyncio.sleep(START_RETRY), deadline + 1):
+                pause = min(START_RETRY, deadline - time.monotonic())
+                if await self._unless_stopped(asyncio.sleep(pause), deadline + 1):
                     continue
                 started = False
             if not started:  # a stop request
