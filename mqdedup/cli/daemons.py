@@ -6,13 +6,18 @@ outbox backlog (:class:`OutboxGauges`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import threading
 import time
+from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 from sqlalchemy import Engine
 
+from mqdedup.cli import exitcodes
 from mqdedup.cli.admin import require_current_schema
 from mqdedup.cli.config import consumer_prefix, resolve_settings
 from mqdedup.cli.loading import create_consumer
@@ -67,8 +72,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if replication is not None:
             log.warning(replication, extra={"database": mask_url(engine.url)})
         engine.dispose()
-    for consumer in consumers:
-        connect_broker(consumer)
+    try:
+        with _stop_signals_end_the_wait():
+            for consumer in consumers:
+                connect_broker(consumer)
+    except _StoppedWhileWaitingError:
+        log.info("stop signal while waiting for the broker; not starting the workers")
+        return exitcodes.OK  # a stop is not an error, in any state (Transport contract)
     specs = [
         ChildSpec(
             name=consumer.consumer_name,
@@ -93,6 +103,28 @@ def cmd_worker(args: argparse.Namespace) -> int:
         outbox_gauges=bool(database_consumers),
         prefix=shared.pop() if len(shared) == 1 else None,
     )
+
+
+class _StoppedWhileWaitingError(Exception):
+    """SIGTERM/SIGINT while the worker command waited for an unreachable broker."""
+
+
+@contextlib.contextmanager
+def _stop_signals_end_the_wait() -> Iterator[None]:
+    """Within the block, SIGTERM/SIGINT end the wait for the broker (then exit 0)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _stop(_signum: int, _frame: FrameType | None) -> None:
+        raise _StoppedWhileWaitingError
+
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_relay(args: argparse.Namespace) -> int:

@@ -199,6 +199,47 @@ def test_a_stop_during_start_up_against_an_unreachable_broker_ends_within_2s(
     assert took < STOP_BOUND, f"{kind}: the stop took {took:.1f} s"
 
 
+def test_sigterm_while_mqdedup_worker_waits_for_an_unreachable_broker_exits_0(
+    tmp_path: Path,
+) -> None:
+    """The CLI's own wait for the broker (before it starts its processes) ends on
+    SIGTERM with exit code 0 (it was killed by the signal: 143)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.services import REPO
+
+    cli = str(Path(sys.executable).parent / "mqdedup")
+    database = f"sqlite:///{tmp_path / 'cli.db'}"
+    env = {**os.environ, "MQDEDUP_TEST_RABBIT_QUEUE": "parity-cli", "PYTHONPATH": str(REPO)}
+    subprocess.run([cli, "db", "upgrade", "--database", database], env=env, check=True)
+    command = [cli, "worker", "tests.integration.rabbitmq.cli_consumer:CliOrders"]
+    command += ["--database", database, "--rabbitmq-url", unreachable("rabbitmq")]
+    worker = subprocess.Popen(
+        command,
+        env=env,
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stderr is not None
+        line = worker.stderr.readline()  # blocks until the CLI says what it waits for
+        assert "waiting up to" in line, line
+        asked = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        code = worker.wait(30)
+        took = time.monotonic() - asked
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    print(f"mqdedup worker: SIGTERM while waiting for RabbitMQ: exit {code} in {took:.2f} s")
+    assert code == 0
+    assert took < STOP_BOUND + 2.0, f"took {took:.1f} s (interpreter exit included)"
+
+
 @pytest.mark.parametrize("kind", ["aiokafka", "aio-pika"])
 def test_task_cancel_during_start_up_ends_run_async_with_cancelled_error_within_2s(
     kind: str, tmp_path: Path
