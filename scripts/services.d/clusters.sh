@@ -235,9 +235,9 @@ kafka_cluster_stop() {
     done
     for n in "${pids[@]}"; do wait "$n" || true; done
 }
-kafka_cluster_kill() { for n in "${KC_NODES[@]}"; do kc_kill_node "$n"; done; }
-kafka_cluster_status() { for n in "${KC_NODES[@]}"; do kc_status_node "$n"; done; }
-kafka_cluster_logfiles() { for n in "${KC_NODES[@]}"; do echo "$(kc_inst "$n")/kafka.out" "$(kc_inst "$n")/kafka.log" | tr ' ' '\n'; done; }
+kafka_cluster_kill() { local n; for n in "${KC_NODES[@]}"; do kc_kill_node "$n"; done; }
+kafka_cluster_status() { local n; for n in "${KC_NODES[@]}"; do kc_status_node "$n"; done; }
+kafka_cluster_logfiles() { local n; for n in "${KC_NODES[@]}"; do printf '%s\n' "$(kc_inst "$n")/kafka.out" "$(kc_inst "$n")/kafka.log"; done; }
 
 for _n in "${KC_NODES[@]}"; do
     eval "kafka_cluster_${_n}_start() { kc_start_nodes $_n; }
@@ -423,9 +423,9 @@ rabbitmq_cluster_stop() {
     rc_stop_node 2
     rc_stop_node 1
 }
-rabbitmq_cluster_kill() { for n in 1 2 3; do rc_kill_node "$n"; done; }
-rabbitmq_cluster_status() { for n in 1 2 3; do rc_status_node "$n"; done; }
-rabbitmq_cluster_logfiles() { for n in 1 2 3; do printf '%s\n' "$(rc_inst "$n")/server.out" "$(rc_inst "$n")/log/rabbit.log"; done; }
+rabbitmq_cluster_kill() { local n; for n in 1 2 3; do rc_kill_node "$n"; done; }
+rabbitmq_cluster_status() { local n; for n in 1 2 3; do rc_status_node "$n"; done; }
+rabbitmq_cluster_logfiles() { local n; for n in 1 2 3; do printf '%s\n' "$(rc_inst "$n")/server.out" "$(rc_inst "$n")/log/rabbit.log"; done; }
 
 for _n in 1 2 3; do
     eval "rabbitmq_cluster_${_n}_start() { rc_start_nodes $_n; }
