@@ -508,6 +508,10 @@ rmq_start() {
             export RABBITMQ_LOG_BASE="$RMQ_INST/log"
             export RABBITMQ_LOGS="$RMQ_LOG"
             export RABBITMQ_PID_FILE="$RMQ_INST/rabbitmq.pid"
+            # Erlang's system time follows the OS clock at once (the default slews it): a
+            # clock step (VM suspend, NTP) otherwise leaves stream timestamps minutes behind
+            # the clients' clocks, and replays by time miss what was just published.
+            export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+C multi_time_warp"
             export ERL_EPMD_ADDRESS=$HOST
             unset RABBITMQ_ALLOW_INPUT NOTIFY_SOCKET
             setsid /usr/lib/rabbitmq/bin/rabbitmq-server >>"$RMQ_OUT" 2>&1 </dev/null 9>&- &

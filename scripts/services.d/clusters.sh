@@ -318,7 +318,8 @@ rc_launch() { # NODE
         export RABBITMQ_LOGS="$inst/log/rabbit.log"
         export RABBITMQ_PID_FILE="$inst/rabbitmq.pid"
         # One scheduler, no busy-waiting: three idle nodes must not eat a 2-core machine.
-        export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+S 1:1 +sbwt none +sbwtdcpu none +sbwtdio none"
+        # +C multi_time_warp: Erlang's system time follows OS clock steps (see services.sh).
+        export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+S 1:1 +sbwt none +sbwtdcpu none +sbwtdio none +C multi_time_warp"
         export ERL_EPMD_ADDRESS=$HOST
         unset RABBITMQ_ALLOW_INPUT NOTIFY_SOCKET
         setsid /usr/lib/rabbitmq/bin/rabbitmq-server >>"$inst/server.out" 2>&1 </dev/null 9>&- &
