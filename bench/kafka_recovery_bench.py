@@ -357,6 +357,9 @@ def crash_run(scenario: str, client: str, variant: str, database: str, bootstrap
         for table in reversed([*schema_tables(prefix), rows]):
             table.drop(connection, checkfirst=True)
     engine.dispose()
+    admin = kafka.KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.delete_topics([topic])
+    admin.close()
     if level == "WARNING":
         log_file.unlink(missing_ok=True)
     return elapsed
