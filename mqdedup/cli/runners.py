@@ -22,9 +22,11 @@ def run_consumer(spec: ChildSpec, stop: StopToken, metrics: MetricsHolder) -> No
     from mqdedup.db.engine import check_connection, create_engine
 
     _export_environment(spec.options)
-    # Its slot among the target's processes: a Kafka consumer's static group member id
-    # (mqdedup.kafka.membership) stays the same when the supervisor restarts this child.
+    # Its slot among the target's processes and its supervisor's pid: a Kafka consumer's
+    # static group member id (mqdedup.kafka.membership) stays the same when the supervisor
+    # restarts this child, and differs between two supervisors on one host.
     os.environ["MQDEDUP_WORKER_SLOT"] = str(spec.index)
+    os.environ["MQDEDUP_WORKER_SUPERVISOR"] = str(os.getppid())
     consumer = create_consumer(spec.options["consumer"])
     consumer.validate()
     if not consumer.dedup.needs_database:  # claims in Redis: no database to connect to

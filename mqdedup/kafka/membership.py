@@ -5,14 +5,18 @@ process-killing message) keeps its partitions until the broker notices: for
 ``session_timeout_ms``. Two settings make that seconds, for both Kafka clients:
 
 * **Static membership** (KIP-345, ``group.instance.id``): a child of ``mqdedup worker``
-  gets an instance id that is stable per supervisor slot and host
-  (``<group>.<host>.<slot>``; the supervisor passes the slot in ``MQDEDUP_WORKER_SLOT``).
+  gets an instance id that is stable for as long as its supervisor runs:
+  ``<group>.<host>.<supervisor pid>.<slot>`` (the child reads its slot from
+  ``MQDEDUP_WORKER_SLOT`` and its supervisor's pid from ``MQDEDUP_WORKER_SUPERVISOR``).
   The restarted child rejoins under the same id, and the broker hands it the dead
   member's partitions at once, without a rebalance of the group and without waiting for
-  the session to expire. The host is ``MQDEDUP_INSTANCE_HOST`` or the host name (a pod's
-  name in Kubernetes). Two supervisors of the same group on one host must set different
-  ``MQDEDUP_INSTANCE_HOST`` values (a second member with the same id fences the first);
-  ``static_membership = False`` on the class turns it off.
+  the session to expire. The supervisor's pid keeps two supervisors of one group on one
+  host apart (a second member with the same id would fence the first). A deployment that
+  gives each supervisor a stable name of its own (a StatefulSet pod, a systemd unit
+  instance) sets ``MQDEDUP_INSTANCE_HOST`` to it: the id is then
+  ``<group>.<MQDEDUP_INSTANCE_HOST>.<slot>``, the same across supervisor restarts, so a
+  restarted supervisor also takes its partitions back at once; two supervisors must then
+  never share the value. ``static_membership = False`` on the class turns it off.
 * A **session timeout of 10 s** (kafka-python's own default is 45 s; aiokafka's is 10 s),
   heartbeats every 3 s: a dead member that does not come back (scale-down, a crashed
   host, a static member stopped for good: static members do not leave the group on a
@@ -30,7 +34,10 @@ from collections.abc import Mapping
 
 #: Set by the supervisor in each child: its slot (0, 1, ...) among the target's processes.
 SLOT_VARIABLE = "MQDEDUP_WORKER_SLOT"
-#: Overrides the host part of the static instance id.
+#: Set by the supervisor in each child: the supervisor's pid (keeps supervisors apart).
+SUPERVISOR_VARIABLE = "MQDEDUP_WORKER_SUPERVISOR"
+#: A stable name of this supervisor, unique among the group's supervisors: replaces the
+#: host name and the supervisor's pid in the static instance id.
 HOST_VARIABLE = "MQDEDUP_INSTANCE_HOST"
 #: Consumer settings mqdedup changes for both clients (``kafka_config`` overrides them).
 GROUP_DEFAULTS: dict[str, int] = {
@@ -43,13 +50,19 @@ _MAX_LENGTH = 249
 
 
 def static_instance_id(group_id: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """``<group>.<host>.<slot>`` when running as a supervisor's child, else None."""
+    """The static member id when running as a supervisor's child, else None:
+    ``<group>.<MQDEDUP_INSTANCE_HOST>.<slot>`` when that is set, else
+    ``<group>.<host name>.<supervisor pid>.<slot>``."""
     env = os.environ if environ is None else environ
     slot = env.get(SLOT_VARIABLE)
     if not slot:
         return None
-    host = env.get(HOST_VARIABLE) or socket.gethostname()
-    raw = f"{group_id}.{host}.{slot}"
+    named = env.get(HOST_VARIABLE)
+    if named:
+        raw = f"{group_id}.{named}.{slot}"
+    else:
+        parts = [group_id, socket.gethostname(), env.get(SUPERVISOR_VARIABLE), slot]
+        raw = ".".join(part for part in parts if part)
     cleaned = _INVALID.sub("-", raw).strip(".")
     if len(cleaned) > _MAX_LENGTH:  # keep the distinguishing end (host and slot)
         cleaned = cleaned[-_MAX_LENGTH:]
