@@ -19,6 +19,12 @@ and the acks and the next batch go on. The trade-off: a confirm slower than
 delivery is then dead-lettered again later and the dead-letter queue may hold two
 copies with the same ``message-id`` (nothing is lost; the business effect is not
 doubled). aio-pika has no public "blocked" state, so the timeout is the signal.
+
+``url`` may name a cluster's nodes (a list, or URLs joined by commas,
+:func:`~mqdedup.rabbitmq.topology.split_urls`): a connection goes to the first node that
+accepts it, and after a connection failed (its node died, perhaps with the confirm) the
+next one tries the other nodes first. A copy whose confirm did not arrive is never taken
+as published: it is sent once more on a fresh connection or the call raises.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import aio_pika
@@ -35,10 +42,11 @@ from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
 from mqdedup.rabbitmq.aio_topology import (
     CHANNEL_FAILURES,
     CONNECTION_FAILURES,
+    connect_first_live_node,
     declare_dead_letter_topology,
     describe_error,
 )
-from mqdedup.rabbitmq.topology import Topology
+from mqdedup.rabbitmq.topology import BrokerNodes, Topology
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +59,7 @@ class AioDeadLetterPublisher:
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         topology: Topology,
         *,
         connection_name: str,
@@ -60,7 +68,7 @@ class AioDeadLetterPublisher:
     ) -> None:
         self.topology = topology
         self.connection_name = connection_name
-        self._url = url
+        self._nodes = BrokerNodes(url, connection_name)
         self._timeout = timeout
         self._blocked_timeout = blocked_timeout
         self._connection: Any = None
@@ -122,6 +130,9 @@ class AioDeadLetterPublisher:
                     f"RabbitMQ refused the dead letter: {describe_error(error)}"
                 ) from error
             except CONNECTION_FAILURES as error:
+                # Not confirmed: never taken as published. Its node may be dead: the next
+                # connection tries a cluster's other nodes first.
+                self._nodes.lost()
                 await self.close()
                 if attempt == 2:
                     raise BrokerUnavailableError(
@@ -154,17 +165,9 @@ class AioDeadLetterPublisher:
 
     async def _open_channel(self) -> Any:
         if self._connection is None or self._connection.is_closed:
-            try:
-                self._connection = await asyncio.wait_for(
-                    aio_pika.connect(
-                        self._url, client_properties={"connection_name": self.connection_name}
-                    ),
-                    self._timeout,
-                )
-            except CONNECTION_FAILURES as error:
-                raise BrokerUnavailableError(
-                    f"cannot open the dead-letter connection: {describe_error(error)}"
-                ) from error
+            if self._connection is not None:
+                self._nodes.lost()  # closed while idle: its node may be dead
+            self._connection = await self._connect()
             self._channel = None
         if self._channel is None or self._channel.is_closed:
             try:
@@ -177,6 +180,22 @@ class AioDeadLetterPublisher:
                     f"cannot open a dead-letter channel: {describe_error(error)}"
                 ) from error
         return self._channel
+
+    async def _connect(self) -> Any:
+        """A connection to the first node that accepts one (see :class:`BrokerNodes`)."""
+
+        def connect(url: str) -> Any:
+            return asyncio.wait_for(
+                aio_pika.connect(url, client_properties={"connection_name": self.connection_name}),
+                self._timeout,
+            )
+
+        try:
+            return await connect_first_live_node(self._nodes, connect)
+        except CONNECTION_FAILURES as error:
+            raise BrokerUnavailableError(
+                f"cannot open the dead-letter connection: {describe_error(error)}"
+            ) from error
 
     async def _redeclare(self, why: str) -> None:
         """Declare the dead-letter queue, exchange and binding again (a publish failed)."""

@@ -6,13 +6,14 @@ On a robust channel aio-pika declares them again after every reconnect.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aio_pika
 import aio_pika.exceptions as aio_errors
 
 from mqdedup.errors import ConfigurationError
-from mqdedup.rabbitmq.topology import Topology
+from mqdedup.rabbitmq.topology import BrokerNodes, Topology
 
 #: What a lost or closed channel / connection raises (the broker then redelivers).
 CHANNEL_FAILURES: tuple[type[BaseException], ...] = (
@@ -78,6 +79,27 @@ async def declare_dead_letter_topology(channel: Any, topology: Topology) -> None
         )
         if not passive:
             await queue.bind(exchange, routing_key=topology.dead_letter_routing_key)
+
+
+async def connect_first_live_node(
+    nodes: BrokerNodes, connect: Callable[[str], Awaitable[Any]]
+) -> Any:
+    """``await connect(url)`` for the nodes in :meth:`BrokerNodes.order` until one answers;
+    its result (marked ``nodes.current``). A refused login is raised at once (every node
+    shares the users); when no node answers, the last node's error."""
+    error: BaseException | None = None
+    for index in nodes.order():
+        try:
+            connection = await connect(nodes.urls[index])
+        except aio_errors.ProbableAuthenticationError:
+            raise
+        except CONNECTION_FAILURES as failure:
+            error = failure
+            continue
+        nodes.current = index
+        return connection
+    assert error is not None  # BrokerNodes holds at least one node
+    raise error
 
 
 def describe_error(error: BaseException) -> str:

@@ -31,6 +31,14 @@ a method raises a clear error.
   ``Metrics.channel_reopens`` when aio-pika reopens it (as every reconnect is); a lost
   connection is one WARNING when it is lost and one INFO with the outage's duration
   when it is back (:class:`~mqdedup.outages.OutageLog`), not a line per attempt.
+* **A cluster's nodes**: ``url`` may name several nodes (a list, or URLs joined by
+  commas, :func:`~mqdedup.rabbitmq.topology.split_urls`). The start connects to the first
+  node that accepts a connection; when the connection is lost, every reconnect attempt
+  goes to the next node of the list (the lost node last), so a consumer whose node died
+  is back on a live node after one ``reconnect_interval``. The robust connection is
+  pointed at the next node through its public ``url`` attribute (aio-pika 10 reconnects
+  to ``connection.url``, and itself reassigns it in ``update_secret``); a connection
+  without it reconnects to the same node (with a WARNING).
 * Dead letters go out on a connection of their own with publisher confirms
   (:class:`~mqdedup.rabbitmq.aio_dead_letters.AioDeadLetterPublisher`).
 """
@@ -48,23 +56,24 @@ from typing import Any
 
 import aio_pika
 import aio_pika.exceptions as aio_errors
+from aio_pika.connection import make_url
 
 from mqdedup.bridge import in_bridge, wait_for
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
-from mqdedup.masking import mask_url
 from mqdedup.outages import OutageLog
 from mqdedup.rabbitmq.aio_codec import aio_dead_letter_message, aio_to_message
 from mqdedup.rabbitmq.aio_dead_letters import AioDeadLetterPublisher
 from mqdedup.rabbitmq.aio_topology import (
     CHANNEL_FAILURES,
     CONNECTION_FAILURES,
+    connect_first_live_node,
     declare_topology,
     describe_error,
 )
 from mqdedup.rabbitmq.codec import plan_acks
-from mqdedup.rabbitmq.topology import Topology
+from mqdedup.rabbitmq.topology import BrokerNodes, Topology
 from mqdedup.stopping import StopToken
 
 log = logging.getLogger(__name__)
@@ -106,7 +115,7 @@ class AioPikaTransport:
     def __init__(
         self,
         topology: Topology,
-        url: str,
+        url: str | Sequence[str],
         *,
         connection_name: str,
         prefetch: int,
@@ -124,8 +133,8 @@ class AioPikaTransport:
         self.metrics.consumer_attached = False
         self.metrics.lag.setdefault(self.queue, 0)
         self._next_lag = 0.0
-        self._url = url
-        self._masked_url = mask_url(url)
+        self._nodes = BrokerNodes(url, connection_name)  # a ConfigurationError if malformed
+        self._masked_url = ",".join(self._nodes.masked)
         self._stop = stop
         self._startup_timeout = startup_timeout
         self._reconnect_interval = reconnect_interval
@@ -144,13 +153,14 @@ class AioPikaTransport:
         self._handed_out = 0
         self._reconnects = 0
         self._closed = False
+        self._rotation: asyncio.Future[None] | None = None
         self._outage = OutageLog(
             "rabbitmq connection",
             logger=log,
             context={"queue": self.queue, "connection_name": connection_name},
         )
         self.dead_letters = AioDeadLetterPublisher(
-            url, topology, connection_name=f"{connection_name}:dead-letters"
+            self._nodes.urls, topology, connection_name=f"{connection_name}:dead-letters"
         )
 
     # -- life cycle ----------------------------------------------------------------------
@@ -236,14 +246,7 @@ class AioPikaTransport:
         pause = 0.2
         while True:
             try:
-                connection = await self._unless_stopped(
-                    aio_pika.connect_robust(
-                        self._url,
-                        client_properties={"connection_name": self.connection_name},
-                        reconnect_interval=self._reconnect_interval,
-                    ),
-                    COMMAND_TIMEOUT,
-                )
+                connection = await self._connect_first_live_node()
                 if connection is None:
                     log.info(
                         "stop requested while connecting to RabbitMQ; not consuming",
@@ -283,10 +286,32 @@ class AioPikaTransport:
         self.metrics.consumer_attached = True
         log.info(
             "rabbitmq consumer connected (aio-pika)",
-            extra={"queue": self.queue, "prefetch": self.prefetch, "url": self._masked_url},
+            extra={
+                "queue": self.queue,
+                "prefetch": self.prefetch,
+                "url": self._nodes.masked[self._nodes.current],
+            },
         )
 
+    async def _connect_first_live_node(self) -> Any:
+        """A robust connection to the first node that accepts one (:func:`connect_first_live_node`);
+        None when a stop was requested."""
+
+        def connect(url: str) -> Any:
+            return self._unless_stopped(
+                aio_pika.connect_robust(
+                    url,
+                    client_properties={"connection_name": self.connection_name},
+                    reconnect_interval=self._reconnect_interval,
+                ),
+                COMMAND_TIMEOUT,
+            )
+
+        return await connect_first_live_node(self._nodes, connect)
+
     async def _close(self) -> None:
+        if self._rotation is not None:
+            self._rotation.cancel()
         connection, self._connection = self._connection, None
         if connection is not None:
             await self._cancel_consuming()
@@ -456,12 +481,52 @@ class AioPikaTransport:
             describe_error(error) if error is not None else "closed",
             "rabbitmq connection lost; reconnecting (unacked deliveries come back redelivered)",
         )
+        self._reconnect_to_next_node(_connection)
+
+    def _reconnect_to_next_node(self, connection: Any) -> None:
+        """Point the robust connection's next attempt at the next node of a cluster."""
+        if len(self._nodes) < 2 or connection is None:
+            return
+        if not hasattr(connection, "url"):  # not aio-pika 10's Connection: stay on the node
+            log.warning(
+                "cannot move the robust connection to another node; reconnecting to the same",
+                extra={"queue": self.queue},
+            )
+            return
+        if self._rotation is None or self._rotation.done():
+            self._move_to_next_node(connection)
+            self._rotation = asyncio.ensure_future(self._rotate_while_down(connection))
+
+    def _move_to_next_node(self, connection: Any) -> None:
+        index = self._nodes.next_node()
+        connection.url = make_url(self._nodes.urls[index])
+        log.debug("next reconnect attempt to %s", self._nodes.masked[index])
+
+    async def _rotate_while_down(self, connection: Any) -> None:
+        """While the connection is down, move its next attempt to the next node every
+        ``reconnect_interval`` (aio-pika retries ``connection.url``; a failed attempt does
+        not call the close callbacks, so this task moves it on)."""
+        while True:
+            await asyncio.sleep(self._reconnect_interval)
+            if not self._outage.ongoing or self._closed:
+                return
+            self._move_to_next_node(connection)
 
     def _on_reconnect(self, _connection: Any) -> None:
         self._reconnects += 1
         self._handed_out = 0
         self.metrics.consumer_attached = self._consumer_tag is not None
         self._outage.up()
+        if len(self._nodes) > 1:
+            url = getattr(_connection, "url", None)
+            self._nodes.current = next(
+                (i for i, u in enumerate(self._nodes.urls) if make_url(u) == url),
+                self._nodes.current,
+            )
+            log.info(
+                "rabbitmq consumer reconnected",
+                extra={"queue": self.queue, "url": self._nodes.masked[self._nodes.current]},
+            )
 
     def _on_channel_closed(self, _channel: Any, error: BaseException | None) -> None:
         """The consuming channel closed: the broker's reason, once (a WARNING)."""

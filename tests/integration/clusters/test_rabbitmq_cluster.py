@@ -2,27 +2,33 @@
 
 A real ``mqdedup worker`` consumes a quorum queue whose leader is on node 1 through a
 connection to node 2 (``--rabbitmq-url`` lists node 2, 3, 1); node 1 is killed with
-SIGKILL and restarted, then node 2. The relay publishes to the quorum queue while the
-node it is connected to is killed. The cluster is started for this module and stopped
+SIGKILL and restarted, then node 2. The asyncio consumer (aio-pika) connected to node 2
+loses node 2 the same way. The relay publishes to the quorum queue while the node it is
+connected to is killed. The cluster is started for this module and stopped
 after it (``conftest.py``). Figures are printed as ``CLUSTER-FIGURES`` lines.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
+from sqlalchemy import insert
 
+from mqdedup import AsyncContext, Message, RetryPolicy
 from mqdedup.outbox import Relay, RelayConfig
-from mqdedup.rabbitmq import RabbitMQPublisher
+from mqdedup.rabbitmq import AsyncRabbitMQConsumer, RabbitMQPublisher
 from mqdedup.rabbitmq.topology import Topology, declare_topology
+from mqdedup.stopping import StopToken
 from tests.integration.clusters.kafka_tools import report
 from tests.integration.clusters.support import CliWorker, Cluster
 from tests.integration.kafka.helpers import row_counts, total_rows
@@ -33,6 +39,7 @@ from tests.integration.outbox.helpers import (
     write_keyed_rows,
 )
 from tests.services import RabbitAdmin, TestDatabase, unique_name, wait_for
+from tests.support import orders_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -160,6 +167,108 @@ def test_quorum_queue_consumer_loses_the_leader_node_then_its_own_node(
     assert queue_info(cluster, 1, queue)["messages"] == 0
     assert queue_info(cluster, 1, f"{queue}.dlq")["messages"] == 0
     report("rabbitmq-consumer", messages=3_000, effects=len(counts), doubled=0, **figures)
+
+
+class AioClusterOrders(AsyncRabbitMQConsumer):
+    """One order row per message through the AsyncSession; ``poison-*`` ids always fail."""
+
+    __test__ = False
+    queue = "set-by-the-test"
+    queue_type = "quorum"
+    queue_arguments: ClassVar[dict[str, Any]] = DELIVERY_LIMIT
+    batch_size = 20
+    reconnect_interval = 0.5
+    poll_timeout = 0.2
+    retry_policy = RetryPolicy(max_attempts=1, initial_backoff=0.01, max_backoff=0.02)
+
+    async def handle(self, message: Message, ctx: AsyncContext) -> Any:
+        if (message.id or "").startswith("poison-"):
+            raise ValueError(f"cannot handle {message.id}")
+        await asyncio.sleep(0.01)  # so the kill lands mid-run on any machine
+        await ctx.session.execute(
+            insert(orders_table(self.table_prefix)).values(
+                message_id=message.id, body=message.text()[:255]
+            )
+        )
+
+
+def test_async_consumer_loses_its_node_and_reconnects_to_the_next(
+    rabbitmq_cluster: Cluster, declare: Any, db: TestDatabase
+) -> None:
+    """aio-pika connected to node 2 (a quorum queue led by node 1); node 2 is SIGKILLed
+    mid-run and restarted: the consumer goes on through node 3, each effect once, the
+    poison messages dead-lettered through the next node, the queue empty."""
+    cluster = rabbitmq_cluster
+    queue = unique_name("cluster-aio")
+    admin = declare(queue)
+    assert queue_info(cluster, 1, queue)["leader"] == cluster.rabbitmq_nodes[0]
+    rng = random.Random(3131)
+    unique = [f"a-{i}" for i in range(1_200)]
+    poison = [f"poison-{i}" for i in range(6)]
+    ids = unique + [rng.choice(unique) for _ in range(300)]  # 1,500 messages, 20% copies
+    rng.shuffle(ids)
+    ids[600:600] = poison[:3]  # before and after the kill
+    ids[1_200:1_200] = poison[3:]
+    admin.publish(queue, ids)
+    urls = cluster.rabbitmq_urls
+    name = f"mqdedup-aio-cluster:{queue}"
+    consumer = type(
+        "AioClusterOrdersRun",
+        (AioClusterOrders,),
+        {
+            "queue": queue,
+            "url": [urls[1], urls[2], urls[0]],  # node 2 first, as a list
+            "table_prefix": db.prefix,
+            "connection_name": name,
+        },
+    )()
+    stop = StopToken()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["metrics"] = consumer.run(db.engine, stop=stop)
+        except BaseException as error:
+            outcome["error"] = error
+
+    runner = threading.Thread(target=run, name="aio-cluster-consumer", daemon=True)
+    figures: dict[str, object] = {}
+    rows = lambda: total_rows(db.engine, db.prefix)  # noqa: E731
+    runner.start()
+    try:
+        wait_for(lambda: rows() >= 200 or "error" in outcome, 120, "200 messages processed")
+        assert "error" not in outcome, outcome
+        assert connection_ports(cluster, 1, name) == [5682], "the consumer is not on node 2"
+
+        before = rows()
+        killed_at = cluster.kill(2)
+        wait_for(lambda: rows() > before + PREFETCH, 120, "deliveries after the kill")
+        figures["own_node_kill_to_new_deliveries_s"] = round(time.monotonic() - killed_at, 2)
+        figures["reconnected_to_port"] = connection_ports(cluster, 1, name)
+        assert before < len(unique), "the run ended before node 2 was killed"
+        started = time.monotonic()
+        cluster.start(2)
+        figures["node2_restart_s"] = round(time.monotonic() - started, 1)
+
+        wait_for(lambda: rows() >= len(unique), 180, "every unique message")
+        wait_for(lambda: queue_info(cluster, 1, queue)["messages"] == 0, 60, "the queue empty")
+    finally:
+        stop.request()
+        runner.join(60)
+        report("rabbitmq-async-consumer-timeline", **figures)
+    assert not runner.is_alive(), "the consumer did not stop"
+    assert "error" not in outcome, outcome
+    counts = row_counts(db.engine, db.prefix)
+    assert set(counts) == set(unique), f"missing {len(set(unique) - set(counts))}"
+    doubled = {k: v for k, v in counts.items() if v != 1}
+    assert not doubled, f"applied more than once: {list(doubled.items())[:5]}"
+    assert 5683 in figures["reconnected_to_port"], figures  # type: ignore[operator]
+    dead = admin.drain(f"{queue}.dlq", len(poison), timeout=60)
+    dead_ids = Counter(properties.message_id for properties, _ in dead)
+    assert set(dead_ids) == set(poison), dead_ids
+    figures["dead_letter_copies"] = sum(dead_ids.values()) - len(poison)
+    assert queue_info(cluster, 1, queue)["messages"] == 0
+    report("rabbitmq-async-consumer", messages=len(ids), effects=len(counts), doubled=0, **figures)
 
 
 def test_relay_publishes_3000_rows_while_its_node_is_killed(
