@@ -16,7 +16,10 @@ A **poll task** on the loop plays the part of the kafka-python transport's poll 
 * it commits settled offsets (at most every ``commit_interval``; ``settle`` commits at
   once when the interval has passed) and seeks partitions whose deliveries were given
   back (:mod:`mqdedup.kafka.rewinds`);
-* on a stop request it hands out nothing more and drops its buffer.
+* on a stop request it hands out nothing more and drops its buffer;
+* it notices a broker outage aiokafka rides out inside ``getmany`` (no fetch response
+  for a few seconds, :mod:`mqdedup.kafka.outage`): one WARNING when it starts, one INFO
+  with its duration when it ends.
 
 Offsets are committed only for settled deliveries and only contiguously
 (:class:`~mqdedup.kafka.offsets.OffsetTracker`, shared with the kafka-python transport).
@@ -55,8 +58,10 @@ from mqdedup.kafka.aio_commits import AioOffsetCommits
 from mqdedup.kafka.aio_dead_letters import AioKafkaDeadLetters
 from mqdedup.kafka.aio_settings import AioKafkaSettings
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
+from mqdedup.kafka.outage import OutageWatch, aiokafka_probe
 from mqdedup.kafka.records import KafkaToken, describe_error, partition_key, to_message
 from mqdedup.kafka.rewinds import request_rewinds, seek_rewinds
+from mqdedup.outages import OutageLog
 from mqdedup.stopping import StopToken
 
 log = logging.getLogger(__name__)
@@ -358,6 +363,11 @@ class AioKafkaTransport:
         consumer = self._consumer
         limit = self.settings.base.max_buffered
         next_lag = time.monotonic()
+        fetch_max_wait = float(self.settings.consumer.get("fetch_max_wait_ms", 500)) / 1000
+        outage = OutageWatch(
+            OutageLog("kafka", logger=log, context={"consumer": self.settings.consumer_name}),
+            aiokafka_probe(consumer, fetch_max_wait),
+        )
         while not self._closing:
             try:
                 if self.commits.due:
@@ -373,6 +383,10 @@ class AioKafkaTransport:
                     batches = await consumer.getmany(
                         timeout_ms=int(POLL_SLICE * 1000), max_records=limit - len(self._buffer)
                     )
+                    if any(batches.values()):
+                        outage.working()
+                    else:
+                        outage.idle()
                     await self._take_in(batches)
                 else:
                     # Full (a long batch, a database outage): a getmany with every

@@ -14,7 +14,10 @@ kafka-python consumer (:class:`~mqdedup.kafka.client.KafkaClient`). It
 * on a stop request hands out nothing more and drops its buffer (not handed out, those
   records come again to the next owner), while still committing what the batch in
   flight settles; on :meth:`~KafkaTransport.close` it commits the settled offsets and
-  leaves the group.
+  leaves the group;
+* notices a broker outage kafka-python rides out inside its poll (no open connection
+  for 2 s, :mod:`mqdedup.kafka.outage`): one WARNING when it starts, one INFO with its
+  duration when it ends.
 
 The :class:`~mqdedup.consumers.worker.Worker` thread calls ``fetch`` (takes from the
 buffer), ``settle`` and ``give_back`` (recorded in the thread-safe offset tracker; the
@@ -36,7 +39,9 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError
 from mqdedup.kafka.client import KafkaClient
+from mqdedup.kafka.outage import OutageWatch, kafka_python_probe
 from mqdedup.kafka.records import KafkaToken
+from mqdedup.outages import OutageLog
 from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
@@ -298,6 +303,10 @@ class KafkaTransport:
         client = self.client
         limit = self.settings.max_buffered
         next_lag = time.monotonic()
+        outage = OutageWatch(
+            OutageLog("kafka", logger=log, context={"consumer": self.settings.consumer_name}),
+            kafka_python_probe(client.client),
+        )
         while not self._closing.is_set():
             client.commit_pending()
             client.apply_rewinds()
@@ -312,6 +321,9 @@ class KafkaTransport:
                 deliveries = client.poll(limit - len(self._buffer), POLL_SLICE)
                 if deliveries:
                     self._buffer.put(deliveries)
+                    outage.working()
+                else:
+                    outage.idle()
             elif not self._buffer.wait_for_room(limit, KEEPALIVE_INTERVAL):
                 # Still full (a long batch, a database outage): poll with every partition
                 # paused, so the group keeps us and rebalances are followed.

@@ -7,6 +7,9 @@ the bound written in ``mqdedup/consumers/transport.py``:
 * a stop request (stop token, ``task.cancel()``) during start-up against an unreachable
   broker ends within 2 s, cleanly (``run_async``: ``CancelledError``) — all four;
 * ``connect_timeout`` is waited out by both Kafka clients before they give up;
+* a stop while Kafka is down ends within 2 s (both Kafka clients; private broker);
+* a Kafka outage is one WARNING when it starts and one INFO with its duration when it
+  ends, and processing resumes (both Kafka clients; private broker);
 * a stop while the RabbitMQ broker is down ends within 2 s, and the outage is one
   WARNING, not a line per reconnect attempt (pika, aio-pika; private node);
 * a dead letter blocked by a memory alarm holds neither the acks nor the next batch:
@@ -295,6 +298,43 @@ def test_connect_timeout_is_waited_out_by_both_kafka_clients(kind: str) -> None:
 # -- broker down (private brokers) -------------------------------------------------------------
 
 
+def start_both_kafka_clients(
+    helper: KafkaHelper, bootstrap: str, db: TestDatabase, orders: Table
+) -> tuple[dict[str, Any], dict[str, Running]]:
+    """A kafka-python and an aiokafka consumer, 20 messages each on a 2-partition topic,
+    running until the 40 rows are committed; ``(consumers, workers)`` by kind."""
+    consumers: dict[str, Any] = {}
+    workers: dict[str, Running] = {}
+    for kind in ("kafka", "aiokafka"):
+        consumer = consumer_class(
+            kind, orders, bootstrap, table_prefix=db.prefix, commit_interval=0.0
+        )()
+        helper.create_topic(partitions=2, name=consumer.topics[0])
+        helper.produce(consumer.topics[0], [Outgoing(f"{kind}-{n:03d}", b"x") for n in range(20)])
+        consumers[kind] = consumer
+        workers[kind] = Running(consumer, db.engine)
+    wait_for(lambda: rows(db, orders) == 40, 90, "the first messages committed")
+    return consumers, workers
+
+
+def kafka_lines(
+    caplog: pytest.LogCaptureFixture, consumer: Any, level: int
+) -> list[logging.LogRecord]:
+    """mqdedup's records at ``level`` and above (exactly ``level`` for INFO) of ``consumer``."""
+    return [
+        r
+        for r in caplog.records
+        if r.name.startswith("mqdedup")
+        and getattr(r, "consumer", None) == consumer.consumer_name
+        and (r.levelno >= level if level >= logging.WARNING else r.levelno == level)
+    ]
+
+
+def outage_ends(caplog: pytest.LogCaptureFixture, consumer: Any) -> list[logging.LogRecord]:
+    """The INFO lines that end an outage of ``consumer`` (they carry its duration)."""
+    return [r for r in kafka_lines(caplog, consumer, logging.INFO) if hasattr(r, "outage_seconds")]
+
+
 def test_a_stop_while_kafka_is_down_ends_within_2s_on_both_clients(
     tmp_path: Path, orders_db: tuple[TestDatabase, Table]
 ) -> None:
@@ -302,18 +342,8 @@ def test_a_stop_while_kafka_is_down_ends_within_2s_on_both_clients(
     db, orders = orders_db
     with private_kafka(tmp_path / "services") as broker:
         helper = KafkaHelper(broker.bootstrap)
-        workers = {}
         try:
-            for kind in ("kafka", "aiokafka"):
-                consumer = consumer_class(
-                    kind, orders, broker.bootstrap, table_prefix=db.prefix, commit_interval=0.0
-                )()
-                helper.create_topic(partitions=2, name=consumer.topics[0])
-                helper.produce(
-                    consumer.topics[0], [Outgoing(f"{kind}-{n:03d}", b"x") for n in range(20)]
-                )
-                workers[kind] = Running(consumer, db.engine)
-            wait_for(lambda: rows(db, orders) == 40, 90, "the first messages committed")
+            _, workers = start_both_kafka_clients(helper, broker.bootstrap, db, orders)
         finally:
             helper.close()
         broker.kill()
@@ -324,6 +354,82 @@ def test_a_stop_while_kafka_is_down_ends_within_2s_on_both_clients(
             assert worker.error is None, f"{kind}: a stop is not an error: {worker.error!r}"
             assert took < STOP_BOUND, f"{kind}: the stop during the outage took {took:.1f} s"
     assert rows(db, orders) == 40
+
+
+def test_a_kafka_outage_is_one_warning_when_it_starts_and_one_info_with_its_duration_when_it_ends(
+    tmp_path: Path,
+    orders_db: tuple[TestDatabase, Table],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """kafka-python and aiokafka side by side on one PRIVATE broker, killed with SIGKILL
+    and started again: both clients ride the outage out inside their poll; mqdedup logs
+    one WARNING when it starts and one INFO with its duration when it ends (not a line
+    per reconnect attempt), and processing resumes."""
+    db, orders = orders_db
+    caplog.set_level(logging.DEBUG, logger="mqdedup")
+    with private_kafka(tmp_path / "services") as broker:
+        helper = KafkaHelper(broker.bootstrap)
+        try:
+            consumers, workers = start_both_kafka_clients(helper, broker.bootstrap, db, orders)
+            for kind, consumer in consumers.items():  # no offset commit in flight at the kill
+                topic = consumer.topics[0]
+                wait_for(
+                    lambda topic=topic, group=consumer.group_id: (
+                        helper.committed(group, topic) == helper.end_offsets(topic)
+                    ),
+                    30,
+                    f"{kind}: the offsets committed",
+                )
+        finally:
+            helper.close(delete_topics=False)  # the private broker goes anyway
+
+        broker.kill()
+        killed = time.monotonic()
+        for kind, consumer in consumers.items():
+            wait_for(
+                lambda consumer=consumer: bool(kafka_lines(caplog, consumer, logging.WARNING)),
+                30,
+                f"{kind}: the outage noticed",
+            )
+            print(f"{kind}: outage WARNING {time.monotonic() - killed:.1f} s after the kill")
+        time.sleep(3.0)  # the outage goes on: the clients keep reconnecting meanwhile
+        broker.start()
+        restarted = time.monotonic()
+        down = restarted - killed
+        helper = KafkaHelper(broker.bootstrap)
+        try:
+            for kind, consumer in consumers.items():
+                helper.produce(
+                    consumer.topics[0],
+                    [Outgoing(f"{kind}-after-{n:03d}", b"x") for n in range(20)],
+                )
+        finally:
+            helper.close(delete_topics=False)  # the private broker goes anyway
+        wait_for(lambda: rows(db, orders) == 80, 90, "the messages after the outage committed")
+        print(f"processing resumed {time.monotonic() - restarted:.1f} s after the restart")
+        for kind, consumer in consumers.items():
+            wait_for(
+                lambda consumer=consumer: bool(outage_ends(caplog, consumer)),
+                30,
+                f"{kind}: the end of the outage logged",
+            )
+        for kind, consumer in consumers.items():
+            warnings = [r.getMessage() for r in kafka_lines(caplog, consumer, logging.WARNING)]
+            assert warnings == ["kafka unreachable; the client reconnects"], (
+                f"{kind}: one WARNING when the outage starts, got {warnings}"
+            )
+            ends = outage_ends(caplog, consumer)
+            assert len(ends) == 1, (
+                f"{kind}: one INFO at the end, got {[r.getMessage() for r in ends]}"
+            )
+            seconds = getattr(ends[0], "outage_seconds")  # set through extra=
+            print(f"{kind}: {ends[0].getMessage()} (broker down {down:.1f} s)")
+            assert 0 < seconds <= time.monotonic() - killed, f"{kind}: outage of {seconds} s"
+
+        for kind, worker in workers.items():
+            worker.stop_and_time()
+            assert worker.error is None, f"{kind}: {worker.error!r}"
+    assert rows(db, orders) == 80
 
 
 # -- RabbitMQ broker faults (private node) ----------------------------------------------------
