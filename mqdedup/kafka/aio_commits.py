@@ -24,6 +24,7 @@ from mqdedup.kafka.aio_settings import AioKafkaSettings
 from mqdedup.kafka.clean_stop import CLEAN_STOP_METADATA
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
 from mqdedup.kafka.records import describe_error, partition_key
+from mqdedup.outages import OutageLog
 
 log = logging.getLogger("mqdedup.kafka.aio_transport")
 
@@ -46,6 +47,10 @@ class AioOffsetCommits:
         self.consumer: Any = None
         self._lock = asyncio.Lock()
         self._next_commit = 0.0
+        #: Commits failing through an outage: one WARNING, then one INFO when one succeeds.
+        self.failures = OutageLog(
+            "kafka offset commits", logger=log, context={"consumer": settings.consumer_name}
+        )
 
     @property
     def due(self) -> bool:
@@ -101,11 +106,9 @@ class AioOffsetCommits:
                 )
                 return False
             except (aio_errors.KafkaError, TimeoutError, OSError) as error:
-                log.warning(
-                    "offset commit failed; will retry",
-                    extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
-                )
+                self.failures.down(describe_error(error), "offset commit failed; will retry")
                 return False
+        self.failures.up()
         self.tracker.committed(dict(offsets))
         return True
 

@@ -11,6 +11,7 @@ import kafka.errors as kafka_errors
 from mqdedup.kafka.clean_stop import commit_request
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
 from mqdedup.kafka.records import describe_error
+from mqdedup.outages import OutageLog
 
 log = logging.getLogger(__name__)
 
@@ -19,12 +20,16 @@ class OffsetCommits:
     """Commits offsets for one consumer (``consumer_name`` in the logs) into ``tracker``.
 
     A failed commit is logged and never fatal: an offset not committed yet only means its
-    messages may come again, deduplicated.
+    messages may come again, deduplicated. Commits failing through an outage are one
+    WARNING when they start failing and one INFO when one succeeds again (DEBUG between).
     """
 
     def __init__(self, consumer_name: str, tracker: OffsetTracker) -> None:
         self.consumer_name = consumer_name
         self.tracker = tracker
+        self.failures = OutageLog(
+            "kafka offset commits", logger=log, context={"consumer": consumer_name}
+        )
 
     def commit(
         self,
@@ -52,11 +57,9 @@ class OffsetCommits:
             )
             return False
         except kafka_errors.KafkaError as error:
-            log.warning(
-                "offset commit failed; will retry",
-                extra={"consumer": self.consumer_name, "error": describe_error(error)},
-            )
+            self.failures.down(describe_error(error), "offset commit failed; will retry")
             return False
+        self.failures.up()
         self.tracker.committed(dict(offsets))
         return True
 
