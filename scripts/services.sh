@@ -474,6 +474,39 @@ rmq_pick_dist_port() {
     die "rabbitmq: no free Erlang distribution port found"
 }
 
+rmq_launch() { # NODE INSTANCE_DIR AMQP_PORT DIST_PORT LOGFILE OUTFILE [EXTRA_ERL_ARGS]
+    # Starts one RabbitMQ node in the background (its launcher pid in INSTANCE_DIR), every
+    # file of it under INSTANCE_DIR; shared by the single node and the cluster's nodes.
+    local node=$1 inst=$2
+    (
+        cd "$inst"
+        export HOME=$RABBITMQ_HOME_DIR # the cookie shared by every node and rabbitmqctl
+        export RABBITMQ_NODENAME=$node
+        export RABBITMQ_NODE_IP_ADDRESS=$HOST
+        export RABBITMQ_NODE_PORT=$3
+        export RABBITMQ_DIST_PORT=$4
+        export RABBITMQ_CONFIG_FILE="$inst/rabbitmq.conf"
+        export RABBITMQ_ADVANCED_CONFIG_FILE="$inst/advanced.config"
+        export RABBITMQ_CONF_ENV_FILE="$inst/rabbitmq-env.conf"
+        export RABBITMQ_ENABLED_PLUGINS_FILE="$inst/enabled_plugins"
+        export RABBITMQ_MNESIA_BASE="$inst/mnesia"
+        export RABBITMQ_MNESIA_DIR="$inst/mnesia/$node"
+        export RABBITMQ_FEATURE_FLAGS_FILE="$inst/mnesia/$node-feature_flags"
+        export RABBITMQ_PLUGINS_EXPAND_DIR="$inst/mnesia/$node-plugins-expand"
+        export RABBITMQ_LOG_BASE="$inst/log"
+        export RABBITMQ_LOGS=$5
+        export RABBITMQ_PID_FILE="$inst/rabbitmq.pid"
+        # Erlang's system time follows the OS clock at once (the default slews it): a
+        # clock step (VM suspend, NTP) otherwise leaves stream timestamps minutes behind
+        # the clients' clocks, and replays by time miss what was just published.
+        export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="${7:+$7 }+C multi_time_warp"
+        export ERL_EPMD_ADDRESS=$HOST
+        unset RABBITMQ_ALLOW_INPUT NOTIFY_SOCKET
+        setsid /usr/lib/rabbitmq/bin/rabbitmq-server >>"$6" 2>&1 </dev/null 9>&- &
+        echo $! >"$inst/launcher.pid"
+    )
+}
+
 rmq_start() {
     local t0
     t0=$(now)
@@ -490,33 +523,7 @@ rmq_start() {
         rmq_write_conf
         rm -f "$RMQ_INST/rabbitmq.pid"
         log "rabbitmq: starting node $RABBITMQ_NODE on $HOST:$RABBITMQ_PORT (dist port $RABBIT_DIST_PORT, data $RMQ_INST/mnesia)"
-        (
-            cd "$RMQ_INST"
-            export HOME=$RABBITMQ_HOME_DIR
-            export RABBITMQ_NODENAME=$RABBITMQ_NODE
-            export RABBITMQ_NODE_IP_ADDRESS=$HOST
-            export RABBITMQ_NODE_PORT=$RABBITMQ_PORT
-            export RABBITMQ_DIST_PORT=$RABBIT_DIST_PORT
-            export RABBITMQ_CONFIG_FILE="$RMQ_INST/rabbitmq.conf"
-            export RABBITMQ_ADVANCED_CONFIG_FILE="$RMQ_INST/advanced.config"
-            export RABBITMQ_CONF_ENV_FILE="$RMQ_INST/rabbitmq-env.conf"
-            export RABBITMQ_ENABLED_PLUGINS_FILE="$RMQ_INST/enabled_plugins"
-            export RABBITMQ_MNESIA_BASE="$RMQ_INST/mnesia"
-            export RABBITMQ_MNESIA_DIR="$RMQ_INST/mnesia/$RABBITMQ_NODE"
-            export RABBITMQ_FEATURE_FLAGS_FILE="$RMQ_INST/mnesia/$RABBITMQ_NODE-feature_flags"
-            export RABBITMQ_PLUGINS_EXPAND_DIR="$RMQ_INST/mnesia/$RABBITMQ_NODE-plugins-expand"
-            export RABBITMQ_LOG_BASE="$RMQ_INST/log"
-            export RABBITMQ_LOGS="$RMQ_LOG"
-            export RABBITMQ_PID_FILE="$RMQ_INST/rabbitmq.pid"
-            # Erlang's system time follows the OS clock at once (the default slews it): a
-            # clock step (VM suspend, NTP) otherwise leaves stream timestamps minutes behind
-            # the clients' clocks, and replays by time miss what was just published.
-            export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+C multi_time_warp"
-            export ERL_EPMD_ADDRESS=$HOST
-            unset RABBITMQ_ALLOW_INPUT NOTIFY_SOCKET
-            setsid /usr/lib/rabbitmq/bin/rabbitmq-server >>"$RMQ_OUT" 2>&1 </dev/null 9>&- &
-            echo $! >"$RMQ_INST/launcher.pid"
-        )
+        rmq_launch "$RABBITMQ_NODE" "$RMQ_INST" "$RABBITMQ_PORT" "$RABBIT_DIST_PORT" "$RMQ_LOG" "$RMQ_OUT"
     fi
     local deadline=$(($(date +%s) + START_TIMEOUT))
     until port_open "$RABBITMQ_PORT"; do

@@ -297,34 +297,9 @@ rc_launch() { # NODE
     node=$(rc_node "$n")
     rm -f "$inst/rabbitmq.pid"
     log "rabbitmq-cluster-$n: starting node $node on $HOST:$(rc_port "$n") (dist port $(rc_dist "$n"), data $inst/mnesia)"
-    (
-        cd "$inst"
-        export HOME=$RABBITMQ_HOME_DIR # the cookie shared by every node and rabbitmqctl
-        export RABBITMQ_NODENAME=$node
-        export RABBITMQ_NODE_IP_ADDRESS=$HOST
-        export RABBITMQ_NODE_PORT
-        RABBITMQ_NODE_PORT=$(rc_port "$n")
-        export RABBITMQ_DIST_PORT
-        RABBITMQ_DIST_PORT=$(rc_dist "$n")
-        export RABBITMQ_CONFIG_FILE="$inst/rabbitmq.conf"
-        export RABBITMQ_ADVANCED_CONFIG_FILE="$inst/advanced.config"
-        export RABBITMQ_CONF_ENV_FILE="$inst/rabbitmq-env.conf"
-        export RABBITMQ_ENABLED_PLUGINS_FILE="$inst/enabled_plugins"
-        export RABBITMQ_MNESIA_BASE="$inst/mnesia"
-        export RABBITMQ_MNESIA_DIR="$inst/mnesia/$node"
-        export RABBITMQ_FEATURE_FLAGS_FILE="$inst/mnesia/$node-feature_flags"
-        export RABBITMQ_PLUGINS_EXPAND_DIR="$inst/mnesia/$node-plugins-expand"
-        export RABBITMQ_LOG_BASE="$inst/log"
-        export RABBITMQ_LOGS="$inst/log/rabbit.log"
-        export RABBITMQ_PID_FILE="$inst/rabbitmq.pid"
-        # One scheduler, no busy-waiting: three idle nodes must not eat a 2-core machine.
-        # +C multi_time_warp: Erlang's system time follows OS clock steps (see services.sh).
-        export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="+S 1:1 +sbwt none +sbwtdcpu none +sbwtdio none +C multi_time_warp"
-        export ERL_EPMD_ADDRESS=$HOST
-        unset RABBITMQ_ALLOW_INPUT NOTIFY_SOCKET
-        setsid /usr/lib/rabbitmq/bin/rabbitmq-server >>"$inst/server.out" 2>&1 </dev/null 9>&- &
-        echo $! >"$inst/launcher.pid"
-    )
+    # One scheduler, no busy-waiting: three idle nodes must not eat a 2-core machine.
+    rmq_launch "$node" "$inst" "$(rc_port "$n")" "$(rc_dist "$n")" "$inst/log/rabbit.log" \
+        "$inst/server.out" "+S 1:1 +sbwt none +sbwtdcpu none +sbwtdio none"
 }
 
 rc_wait_ready() { # NODE DEADLINE
