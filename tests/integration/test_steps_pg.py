@@ -190,20 +190,24 @@ def test_an_async_consumer_awaits_its_steps_once_per_message(db: TestDatabase) -
                 raise RuntimeError("fails once after its step")
             return charged
 
-    async def scenario() -> None:
-        engine = create_async_engine(db.url)
-        try:
-            await Worker(AsyncCharging(), broker.transport(QUEUE), engine).run_async(
-                until_idle=True
-            )
-        finally:
-            await engine.dispose()
-
-    asyncio.run(scenario())
+    run_async_until_idle(db, AsyncCharging(), broker)
 
     assert gateway.calls == dict.fromkeys(ids, 1)
     assert order_counts(db.engine, orders) == dict.fromkeys(ids, 1)
     assert step_rows(db) == dict.fromkeys(ids, ("done", 1))
+
+
+def run_async_until_idle(db: TestDatabase, consumer: AsyncConsumer, broker: InMemoryBroker) -> None:
+    """Run ``consumer`` on an AsyncEngine of the test database until the queue is idle."""
+
+    async def scenario() -> None:
+        engine = create_async_engine(db.url)
+        try:
+            await Worker(consumer, broker.transport(QUEUE), engine).run_async(until_idle=True)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(scenario())
 
 
 def test_steps_are_purged_with_their_claims(db: TestDatabase) -> None:
@@ -237,16 +241,7 @@ def test_an_async_batch_handler_names_the_message_of_each_step(db: TestDatabase)
                 )
             return None
 
-    async def scenario() -> None:
-        engine = create_async_engine(db.url)
-        try:
-            await Worker(AsyncBatchCharging(), broker.transport(QUEUE), engine).run_async(
-                until_idle=True
-            )
-        finally:
-            await engine.dispose()
-
-    asyncio.run(scenario())
+    run_async_until_idle(db, AsyncBatchCharging(), broker)
 
     assert gateway.calls == dict.fromkeys(ids, 1)
     assert step_rows(db) == dict.fromkeys(ids, ("done", 1))
