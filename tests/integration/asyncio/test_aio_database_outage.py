@@ -101,7 +101,7 @@ async def run_with_outage(
         seen["outage"] = metrics.outage
         seen.update(during())
         await proxy.open()  # the database is back
-        await wait_for_on_loop(lambda: metrics.processed >= total, 60, "every message")
+        await wait_for_on_loop(lambda: metrics.processed >= total, 120, "every message")
     finally:
         stop.request()
         await asyncio.wait_for(task, 60)
