@@ -3,6 +3,12 @@
 from mqdedup.dedup import ids
 from mqdedup.dedup.choices import RedisDedup, SqlDedup
 from mqdedup.dedup.claims import AttemptLog, Claims, ClaimStore, Dedup
+from mqdedup.dedup.insert_or_get import (
+    InsertOrGet,
+    InsertOrGetError,
+    async_insert_or_get,
+    insert_or_get,
+)
 from mqdedup.dedup.store import DedupStore
 
 __all__ = [
@@ -11,7 +17,11 @@ __all__ = [
     "Claims",
     "Dedup",
     "DedupStore",
+    "InsertOrGet",
+    "InsertOrGetError",
     "RedisDedup",
     "SqlDedup",
+    "async_insert_or_get",
     "ids",
+    "insert_or_get",
 ]
