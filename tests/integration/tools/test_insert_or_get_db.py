@@ -1,0 +1,235 @@
+"""``ctx.insert_or_get`` against real PostgreSQL and MariaDB.
+
+Inside a real consumer's transaction (in-memory transport): a key found in the batch or
+committed earlier is answered with the stored row, no statement fails, and every
+batch-mate's writes commit (the scenario the hand-written "insert, catch
+IntegrityError" loses on PostgreSQL). Concurrently: workers on separate connections
+inserting the same key while its first inserter is still in flight create one row and
+all get it, whether that inserter commits or rolls back.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pytest
+from sqlalchemy import (
+    Column,
+    Engine,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    UniqueConstraint,
+    func,
+    insert,
+    select,
+)
+from sqlalchemy.orm import Session
+
+from mqdedup import (
+    Consumer,
+    InMemoryBroker,
+    InsertOrGet,
+    InsertOrGetError,
+    Message,
+    RetryPolicy,
+    insert_or_get,
+    run_until_idle,
+)
+from mqdedup.consumers.context import Context
+from mqdedup.db.schema import MYSQL_TABLE_OPTIONS, KeyString, schema
+from mqdedup.dedup.transitions import run_transaction
+from tests.integration.tools.conftest import Database, lock_waiters
+from tests.services import wait_for
+
+pytestmark = pytest.mark.integration
+
+WORKERS = 8
+
+
+def tables(prefix: str) -> tuple[MetaData, Table, Table]:
+    metadata = MetaData()
+    customers = Table(
+        f"{prefix}customers",
+        metadata,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("email", KeyString(255), nullable=False, unique=True),
+        Column("name", String(64), nullable=False),
+        Column("tier", String(16), nullable=False, server_default="basic"),
+        **MYSQL_TABLE_OPTIONS,
+    )
+    stock = Table(
+        f"{prefix}stock",
+        metadata,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("tenant", KeyString(64), nullable=False),
+        Column("sku", KeyString(64), nullable=False),
+        Column("quantity", Integer, nullable=False),
+        UniqueConstraint("tenant", "sku"),
+        **MYSQL_TABLE_OPTIONS,
+    )
+    return metadata, customers, stock
+
+
+@pytest.fixture
+def own(database: Database) -> Iterator[tuple[Database, Table, Table]]:
+    metadata, customers, stock = tables(f"{database.prefix}io_")
+    metadata.create_all(database.engine)
+    try:
+        yield database, customers, stock
+    finally:
+        metadata.drop_all(database.engine)
+
+
+class Signups(Consumer):
+    """Writes an order row, gets or creates the customer, writes a second order row."""
+
+    name = "signups"
+    batch_size = 50
+    poll_timeout = 0.01
+    retry_policy = RetryPolicy(max_attempts=1, initial_backoff=0.001, max_backoff=0.01)
+    customers: ClassVar[Table]
+    orders: ClassVar[Table]
+
+    def handle(self, message: Message, ctx: Context) -> Any:
+        email = message.json()["email"]
+        ctx.session.execute(insert(self.orders).values(message_id=message.id, order_id="before"))
+        found = ctx.insert_or_get(
+            self.customers, {"email": email, "name": str(message.id)}, key=["email"]
+        )
+        ctx.session.execute(insert(self.orders).values(message_id=message.id, order_id="after"))
+        row = found.row
+        return {"inserted": found.inserted, "id": row.id, "name": row.name, "tier": row.tier}
+
+
+def test_in_a_consumer_batch_the_stored_row_is_returned_and_every_write_commits(
+    own: tuple[Database, Table, Table],
+) -> None:
+    database, customers, _ = own
+    orders = database.business.orders
+    with database.engine.begin() as connection:
+        connection.execute(insert(customers).values(email="z@x", name="committed", tier="gold"))
+    consumer = type(
+        "S", (Signups,), {"customers": customers, "orders": orders, "table_prefix": database.prefix}
+    )()
+    broker = InMemoryBroker()
+    emails = {"m0": "a@x", "m1": "a@x", "m2": "b@x", "m3": "a@x", "m4": "z@x"}
+    for message_id, email in emails.items():
+        broker.publish("q", json.dumps({"email": email}), message_id=message_id)
+
+    metrics = run_until_idle(consumer, broker.transport("q"), database.engine)
+
+    assert metrics.processed == 5 and metrics.failures == 0 and not broker.dead_letters
+    # Every message's two order rows committed, the key's batch-mates' included.
+    assert database.business.order_counts(database.engine) == dict.fromkeys(emails, 2)
+    with database.engine.connect() as connection:
+        stored = {r.email: r for r in connection.execute(select(customers)).all()}
+        processed = schema(database.prefix).processed
+        results = dict(connection.execute(select(processed.c.message_id, processed.c.result)).all())
+    assert {email: row.name for email, row in stored.items()} == {
+        "a@x": "m0",
+        "b@x": "m2",
+        "z@x": "committed",
+    }
+    assert [results[m]["inserted"] for m in emails] == [True, False, True, False, False]
+    for message_id, email in emails.items():  # the stored row, its defaults and key
+        row = stored[email]
+        assert results[message_id] == {
+            "inserted": results[message_id]["inserted"],
+            "id": row.id,
+            "name": row.name,
+            "tier": row.tier,
+        }
+    assert results["m0"]["tier"] == "basic" and results["m4"]["tier"] == "gold"
+
+
+def test_composite_keys_and_a_key_that_is_not_unique(own: tuple[Database, Table, Table]) -> None:
+    database, _, stock = own
+
+    def work(session: Session) -> list[InsertOrGet]:
+        rows = [("t1", "s1", 1), ("t1", "s2", 2), ("t2", "s1", 3), ("t1", "s1", 4)]
+        return [
+            insert_or_get(
+                session, stock, {"tenant": t, "sku": s, "quantity": q}, key=("tenant", "sku")
+            )
+            for t, s, q in rows
+        ]
+
+    found = run_transaction(database.engine, work)
+    assert [f.inserted for f in found] == [True, True, True, False]
+    assert found[3].row == found[0].row and found[3].row.quantity == 1
+    with Session(database.engine) as session, session.begin():
+        with pytest.raises(InsertOrGetError, match=rf"{stock.name}: key \(tenant\) is not"):
+            insert_or_get(
+                session, stock, {"tenant": "t1", "sku": "s9", "quantity": 0}, key="tenant"
+            )
+        # Nothing ran: the transaction is still usable.
+        again = insert_or_get(
+            session, stock, {"tenant": "t1", "sku": "s2", "quantity": 9}, key=["sku", "tenant"]
+        )
+        assert again.existed and again.row.quantity == 2
+    with database.engine.connect() as connection:
+        assert connection.execute(select(func.count()).select_from(stock)).scalar_one() == 3
+
+
+@pytest.mark.parametrize("first_ends", ["commit", "rollback"])
+def test_concurrent_workers_inserting_one_key_create_one_row(
+    own: tuple[Database, Table, Table], first_ends: str
+) -> None:
+    """The first inserter holds the key uncommitted until the others wait on it."""
+    database, customers, _ = own
+    email = f"{uuid.uuid4().hex[:8]}@x"
+    results: list[InsertOrGet] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def worker(number: int) -> None:
+        def work(session: Session) -> InsertOrGet:
+            return insert_or_get(
+                session, customers, {"email": email, "name": f"w{number}"}, key=["email"]
+            )
+
+        try:
+            found = run_transaction(database.engine, work, attempts=20)
+            with lock:
+                results.append(found)
+        except BaseException as error:
+            with lock:
+                errors.append(error)
+
+    with Session(database.engine) as first:
+        first.begin()
+        held = insert_or_get(first, customers, {"email": email, "name": "first"}, key="email")
+        assert held.inserted
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(WORKERS)]
+        for thread in threads:
+            thread.start()
+        wait_for(
+            lambda: lock_waiters(database.engine, customers.name) >= WORKERS,
+            30,
+            "every worker waiting on the first inserter's key",
+        )
+        if first_ends == "commit":
+            first.commit()
+        else:
+            first.rollback()
+        for thread in threads:
+            thread.join(60)
+
+    assert not errors
+    assert len(results) == WORKERS
+    with database.engine.connect() as connection:
+        rows = connection.execute(select(customers).where(customers.c.email == email)).all()
+    assert len(rows) == 1
+    [row] = rows
+    assert {found.row for found in results} == {row}  # every caller got the stored row
+    inserted = [found for found in results if found.inserted]
+    if first_ends == "commit":
+        assert row.name == "first" and not inserted
+    else:
+        assert len(inserted) == 1 and inserted[0].row.name == row.name
