@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 import pytest
 from sqlalchemy import (
     Column,
-    Engine,
     Integer,
     MetaData,
     String,
