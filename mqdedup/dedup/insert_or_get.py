@@ -36,15 +36,27 @@ second unique key, NOT NULL, a foreign key) raises as a plain insert would.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Column, Connection, Row, Table, UniqueConstraint, inspect, select
+from sqlalchemy import (
+    Connection,
+    Dialect,
+    Row,
+    Select,
+    Table,
+    UniqueConstraint,
+    bindparam,
+    inspect,
+    select,
+)
 from sqlalchemy.dialects import mysql as mysql_dialect
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError, NoInspectionAvailable
 from sqlalchemy.orm import Mapper, Session
+from sqlalchemy.sql.elements import ClauseElement
 
 from mqdedup.db.dialects import (
     is_unique_violation,
@@ -106,60 +118,93 @@ def insert_or_get(
     gets that row. See the module docstring for the statements per database.
     """
     table = table_of(target)
-    columns = _key_columns(table, key, row)
+    names = _checked_row(table, key, row)
     if isinstance(session, Session):
         session.flush()  # pending ORM objects must be in the table before the key check
-    family = traits(session.get_bind() if isinstance(session, Session) else session).family
-    where = [column == row[column.key] for column in columns]
-    read = select(*table.c).where(*where)
+    connection = session.connection() if isinstance(session, Session) else session
+    statements = _statements(table, names, connection.dialect)  # the dialect is connected
+    key_values = {f"key_{name}": row[name] for name in names}
+    # SQL expressions among the values (func.now()) are inlined; plain values are bound
+    # parameters of the statement built once per table, key and database.
+    inline = any(isinstance(value, ClauseElement) for value in row.values())
+    write = statements.insert.values(dict(row)) if inline else statements.insert
+    params = None if inline else dict(row)
     for _ in range(_ATTEMPTS):
-        if family == "mysql":
-            found = _mysql_attempt(session, table, row, read)
+        if statements.mysql:
+            found = _mysql_attempt(session, table, statements, write, params, row, key_values)
         else:
-            dialect: Any = postgresql if family == "postgresql" else sqlite
-            statement = (
-                dialect.insert(table)
-                .values(dict(row))
-                .on_conflict_do_nothing(index_elements=columns)
-                .returning(*table.c)
-            )
-            inserted = session.execute(statement).first()
+            inserted = session.execute(write, params).first()
             if inserted is not None:
                 return InsertOrGet(inserted, True)
-            existing = session.execute(read).first()
+            existing = session.execute(statements.read, key_values).first()
             found = None if existing is None else InsertOrGet(existing, False)
         if found is not None:
             return found
     raise InsertOrGetError(
-        f"insert_or_get into {table.name}: the row of key ({', '.join(c.key for c in columns)}) "
-        f"was deleted concurrently {_ATTEMPTS} times between the insert and the read"
+        f"insert_or_get into {table.name}: the row of key ({', '.join(names)}) was deleted "
+        f"concurrently {_ATTEMPTS} times between the insert and the read"
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Statements:
+    """The insert and the read of one table, key and database (built once)."""
+
+    insert: Any
+    read: Select[Any]
+    #: MySQL/MariaDB: a plain insert, answered by a locking read on error 1062.
+    mysql: bool
+    #: The insert returns the row (``RETURNING *``); else it is read back.
+    returning: bool
+
+
+@functools.lru_cache(maxsize=1024)
+def _statements(table: Table, names: tuple[str, ...], dialect: Dialect) -> _Statements:
+    columns = [table.c[name] for name in names]
+    read = select(*table.c).where(*(c == bindparam(f"key_{c.key}") for c in columns))
+    family = traits(dialect).family
+    if family == "mysql":
+        returning = mysql_supports_returning(dialect)
+        statement: Any = mysql_dialect.insert(table)
+        if returning:
+            statement = statement.returning(*table.c)
+        return _Statements(statement, latest_committed(read), mysql=True, returning=returning)
+    module: Any = postgresql if family == "postgresql" else sqlite
+    statement = (
+        module.insert(table).on_conflict_do_nothing(index_elements=columns).returning(*table.c)
+    )
+    return _Statements(statement, read, mysql=False, returning=True)
+
+
 def _mysql_attempt(
-    session: Session | Connection, table: Table, row: Mapping[str, Any], read: Any
+    session: Session | Connection,
+    table: Table,
+    statements: _Statements,
+    write: Any,
+    params: dict[str, Any] | None,
+    row: Mapping[str, Any],
+    key_values: dict[str, Any],
 ) -> InsertOrGet | None:
     """One plain INSERT; on a duplicate key, the locking read (None: no such row)."""
-    bind = session.get_bind() if isinstance(session, Session) else session
-    returning = mysql_supports_returning(bind.dialect)
-    statement: Any = mysql_dialect.insert(table).values(dict(row))
-    if returning:
-        statement = statement.returning(*table.c)
     try:
-        result = session.execute(statement)
+        result = session.execute(write, params)
     except IntegrityError as error:
         if not is_unique_violation(error):
             raise
         # Error 1062 rolled back this statement alone; the transaction goes on.
-        existing = session.execute(latest_committed(read)).first()
+        existing = session.execute(statements.read, key_values).first()
         if existing is None:
-            # The conflict was on another unique key (or the row is gone): a second
-            # attempt either inserts or raises the same error below.
+            # The conflict was on another unique key (raise it), or the row is gone
+            # (try again).
             if _conflicts_elsewhere(session, table, row):
                 raise
             return None
         return InsertOrGet(existing, False)
-    inserted = result.first() if returning else session.execute(read).first()
+    inserted = (
+        result.first()
+        if statements.returning
+        else session.execute(statements.read, key_values).first()
+    )
     if inserted is None:  # pragma: no cover - our own insert is visible to us
         raise InsertOrGetError(f"insert_or_get into {table.name}: the inserted row is not readable")
     return InsertOrGet(inserted, True)
@@ -234,12 +279,10 @@ def unique_keys(table: Table) -> list[tuple[str, ...]]:
     return keys
 
 
-def _key_columns(
-    table: Table, key: str | Sequence[str], row: Mapping[str, Any]
-) -> list[Column[Any]]:
-    """The key's columns, after checking the key and the row (InsertOrGetError)."""
-    names = [key] if isinstance(key, str) else list(key)
-    if not names or not all(isinstance(name, str) for name in names):
+def _checked_row(table: Table, key: str | Sequence[str], row: Mapping[str, Any]) -> tuple[str, ...]:
+    """The key's column names, after checking the key and the row (InsertOrGetError)."""
+    names = (key,) if isinstance(key, str) else tuple(key) if _is_names(key) else None
+    if not names:
         raise InsertOrGetError(
             f"insert_or_get into {table.name}: key must name one or more columns, not {key!r}"
         )
@@ -260,11 +303,26 @@ def _key_columns(
             f"insert_or_get into {table.name}: the row has no value for key column(s) "
             f"{', '.join(map(repr, missing))} (NULL never conflicts, so nothing could be got)"
         )
-    if frozenset(names) not in {frozenset(k) for k in unique_keys(table)}:
+    expressions = [name for name in names if isinstance(row[name], ClauseElement)]
+    if expressions:
+        raise InsertOrGetError(
+            f"insert_or_get into {table.name}: key column(s) {', '.join(map(repr, expressions))} "
+            "need a plain value, not a SQL expression (the stored row is read by it)"
+        )
+    if not _is_unique_key(table, frozenset(names)):
         declared = "; ".join("(" + ", ".join(k) + ")" for k in unique_keys(table)) or "none"
         raise InsertOrGetError(
             f"insert_or_get into {table.name}: key ({', '.join(names)}) is not a unique key "
             f"of the table (declared unique keys: {declared}); add a unique constraint or "
             "index on these columns, or pass one of the declared keys"
         )
-    return [table.c[name] for name in names]
+    return names
+
+
+def _is_names(key: Any) -> bool:
+    return isinstance(key, Sequence) and all(isinstance(name, str) for name in key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_unique_key(table: Table, names: frozenset[str]) -> bool:
+    return names in {frozenset(k) for k in unique_keys(table)}

@@ -123,6 +123,22 @@ def test_a_plain_connection_composite_keys_and_the_primary_key(engine: Engine) -
     assert count(engine, stock) == 3
 
 
+def test_sql_expressions_among_the_values(engine: Engine) -> None:
+    with engine.begin() as connection:
+        first = insert_or_get(
+            connection, customers, {"email": "a@x", "name": func.upper("ann")}, key="email"
+        )
+        again = insert_or_get(
+            connection, customers, {"email": "a@x", "name": func.lower("X")}, key="email"
+        )
+        with pytest.raises(InsertOrGetError, match="'email' need a plain value"):
+            insert_or_get(
+                connection, customers, {"email": func.lower("A@X"), "name": "x"}, key="email"
+            )
+    assert first.inserted and first.row.name == "ANN"
+    assert again.existed and again.row == first.row
+
+
 def test_an_orm_class_and_its_pending_objects(engine: Engine) -> None:
     with Session(engine) as session, session.begin():
         session.add(Product(code="p1", title="pending"))  # not flushed yet
