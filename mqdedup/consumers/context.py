@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 
 from mqdedup.consumers.staging import Stageable, capture, staged_writes
 from mqdedup.consumers.steps import StepRunner
-from mqdedup.dedup.insert_or_get import InsertOrGet, async_insert_or_get, insert_or_get
 from mqdedup.dedup.steps import idempotency_key
+from mqdedup.dedup.unique_keys import InsertOrGet, async_insert_or_get, insert_or_get
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outbox.async_writer import AsyncOutboxWriter
 from mqdedup.outbox.writer import OutboxWriter
@@ -241,11 +241,11 @@ class Context(HandlerContext):
         """Insert ``row`` into ``target`` (a ``Table`` or mapped class), or get the row
         stored under the same ``key`` (the columns of a unique key), in this transaction.
 
-        Returns :class:`~mqdedup.dedup.insert_or_get.InsertOrGet`: ``row`` (the stored
+        Returns :class:`~mqdedup.dedup.unique_keys.InsertOrGet`: ``row`` (the stored
         row) and ``inserted`` (True: this call inserted it). No statement fails on the
         key, so the transaction and the batch-mates' writes are never undone, and no
         savepoint is needed; concurrent workers inserting the same key create one row.
-        See :mod:`mqdedup.dedup.insert_or_get`.
+        See :mod:`mqdedup.dedup.unique_keys`.
         """
         return insert_or_get(self.session, target, row, key=key)
 

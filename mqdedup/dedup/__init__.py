@@ -3,13 +3,13 @@
 from mqdedup.dedup import ids
 from mqdedup.dedup.choices import RedisDedup, SqlDedup
 from mqdedup.dedup.claims import AttemptLog, Claims, ClaimStore, Dedup
-from mqdedup.dedup.insert_or_get import (
+from mqdedup.dedup.store import DedupStore
+from mqdedup.dedup.unique_keys import (
     InsertOrGet,
     InsertOrGetError,
     async_insert_or_get,
     insert_or_get,
 )
-from mqdedup.dedup.store import DedupStore
 
 __all__ = [
     "AttemptLog",

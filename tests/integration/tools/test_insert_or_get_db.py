@@ -42,6 +42,7 @@ from mqdedup import (
 )
 from mqdedup.consumers.context import Context
 from mqdedup.db.schema import MYSQL_TABLE_OPTIONS, KeyString, schema
+from mqdedup.dedup import unique_keys
 from mqdedup.dedup.transitions import run_transaction
 from tests.integration.tools.conftest import Database, lock_waiters
 from tests.services import wait_for
@@ -232,3 +233,46 @@ def test_concurrent_workers_inserting_one_key_create_one_row(
         assert row.name == "first" and not inserted
     else:
         assert len(inserted) == 1 and inserted[0].row.name == row.name
+
+
+def test_a_row_committed_after_the_snapshot_is_found_under_repeatable_read(
+    own: tuple[Database, Table, Table],
+) -> None:
+    """PostgreSQL reports it as a serialization failure (the transaction is rerun);
+    MariaDB answers the duplicate key with a locking read of the latest committed row."""
+    database, customers, _ = own
+    engine = database.engine.execution_options(isolation_level="REPEATABLE READ")
+    attempts: list[int] = []
+
+    def work(session: Session) -> InsertOrGet:
+        attempts.append(1)
+        session.execute(select(func.count()).select_from(customers)).scalar_one()  # snapshot
+        if len(attempts) == 1:
+            with database.engine.begin() as other:
+                other.execute(insert(customers).values(email="rr@x", name="other"))
+        return insert_or_get(session, customers, {"email": "rr@x", "name": "mine"}, key="email")
+
+    found = run_transaction(engine, work)
+
+    assert found.existed and found.row.name == "other"
+    assert len(attempts) == (2 if database.engine.dialect.name == "postgresql" else 1)
+
+
+def test_mysql_without_returning_reads_its_own_insert_back(
+    own: tuple[Database, Table, Table], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MySQL has no ``INSERT … RETURNING``: the inserted row is read back (MariaDB here,
+    made to take MySQL's path)."""
+    database, customers, _ = own
+    if database.engine.dialect.name == "postgresql":
+        pytest.skip("the MySQL path")
+    monkeypatch.setattr(unique_keys, "mysql_supports_returning", lambda _dialect: False)
+    unique_keys._statements.cache_clear()
+    try:
+        with Session(database.engine) as session, session.begin():
+            first = insert_or_get(session, customers, {"email": "m@x", "name": "a"}, key="email")
+            again = insert_or_get(session, customers, {"email": "m@x", "name": "b"}, key="email")
+    finally:
+        unique_keys._statements.cache_clear()
+    assert first.inserted and first.row.tier == "basic" and first.row.id > 0
+    assert again.existed and again.row == first.row

@@ -214,7 +214,7 @@ def _conflicts_elsewhere(
     session: Session | Connection, table: Table, row: Mapping[str, Any]
 ) -> bool:
     """True when another unique key of ``table`` already holds ``row``'s values."""
-    for columns in unique_keys(table):
+    for columns in declared_unique_keys(table):
         if all(name in row and row[name] is not None for name in columns):
             condition = [table.c[name] == row[name] for name in columns]
             if session.execute(latest_committed(select(*table.c).where(*condition))).first():
@@ -251,7 +251,7 @@ def table_of(target: Any) -> Table:
     return table
 
 
-def unique_keys(table: Table) -> list[tuple[str, ...]]:
+def declared_unique_keys(table: Table) -> list[tuple[str, ...]]:
     """The column keys of each unique key declared on ``table``: the primary key,
     unique constraints, ``unique=True`` columns and unique indexes without a WHERE."""
     keys: list[tuple[str, ...]] = []
@@ -310,7 +310,9 @@ def _checked_row(table: Table, key: str | Sequence[str], row: Mapping[str, Any])
             "need a plain value, not a SQL expression (the stored row is read by it)"
         )
     if not _is_unique_key(table, frozenset(names)):
-        declared = "; ".join("(" + ", ".join(k) + ")" for k in unique_keys(table)) or "none"
+        declared = (
+            "; ".join("(" + ", ".join(k) + ")" for k in declared_unique_keys(table)) or "none"
+        )
         raise InsertOrGetError(
             f"insert_or_get into {table.name}: key ({', '.join(names)}) is not a unique key "
             f"of the table (declared unique keys: {declared}); add a unique constraint or "
@@ -325,4 +327,4 @@ def _is_names(key: Any) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def _is_unique_key(table: Table, names: frozenset[str]) -> bool:
-    return names in {frozenset(k) for k in unique_keys(table)}
+    return names in {frozenset(k) for k in declared_unique_keys(table)}
