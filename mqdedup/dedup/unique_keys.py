@@ -77,7 +77,8 @@ _ATTEMPTS = 3
 class InsertOrGetError(ConfigurationError):
     """``insert_or_get`` was called wrongly: a target that is no table, a key that is
     not a unique key of the table, a row without the key's values or with unknown
-    columns. Raised before any SQL runs."""
+    columns (raised before any SQL runs); or the key's row was deleted concurrently
+    between the insert and the read, again and again."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from sqlalchemy import (
     insert,
     select,
 )
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from mqdedup import (
@@ -276,3 +277,23 @@ def test_mysql_without_returning_reads_its_own_insert_back(
         unique_keys._statements.cache_clear()
     assert first.inserted and first.row.tier == "basic" and first.row.id > 0
     assert again.existed and again.row == first.row
+
+
+def test_a_row_breaking_another_unique_key_raises_as_a_plain_insert(
+    own: tuple[Database, Table, Table],
+) -> None:
+    """Only the key's conflict is answered; MariaDB's transaction goes on after it."""
+    database, customers, _ = own
+    with Session(database.engine) as session, session.begin():
+        first = insert_or_get(session, customers, {"email": "a@x", "name": "a"}, key="email")
+        taken_id = {"id": first.row.id, "email": "new@x", "name": "b"}
+        with pytest.raises(IntegrityError):
+            insert_or_get(session, customers, taken_id, key="email")
+        if database.engine.dialect.name == "postgresql":
+            session.rollback()  # the failed statement aborted PostgreSQL's transaction
+            return
+        later = insert_or_get(session, customers, {"email": "c@x", "name": "c"}, key="email")
+    assert later.inserted
+    with database.engine.connect() as connection:
+        emails = set(connection.execute(select(customers.c.email)).scalars())
+    assert emails == {"a@x", "c@x"}
