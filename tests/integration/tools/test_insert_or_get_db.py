@@ -10,6 +10,7 @@ all get it, whether that inserter commits or rolls back.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import uuid
@@ -19,6 +20,7 @@ from typing import Any, ClassVar
 import pytest
 from sqlalchemy import (
     Column,
+    Engine,
     Integer,
     MetaData,
     String,
@@ -32,6 +34,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from mqdedup import (
+    AsyncConsumer,
+    AsyncContext,
     Consumer,
     InMemoryBroker,
     InsertOrGet,
@@ -42,6 +46,9 @@ from mqdedup import (
     run_until_idle,
 )
 from mqdedup.consumers.context import Context
+from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.worker import Worker
+from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.schema import MYSQL_TABLE_OPTIONS, KeyString, schema
 from mqdedup.dedup import unique_keys
 from mqdedup.dedup.transitions import run_transaction
@@ -108,22 +115,60 @@ class Signups(Consumer):
         return {"inserted": found.inserted, "id": row.id, "name": row.name, "tier": row.tier}
 
 
+class AsyncSignups(AsyncConsumer):
+    """:class:`Signups` as an async consumer: ``await ctx.insert_or_get(...)``."""
+
+    name = "signups"
+    batch_size = 50
+    poll_timeout = 0.01
+    retry_policy = RetryPolicy(max_attempts=1, initial_backoff=0.001, max_backoff=0.01)
+    customers: ClassVar[Table]
+    orders: ClassVar[Table]
+
+    async def handle(self, message: Message, ctx: AsyncContext) -> Any:
+        email = message.json()["email"]
+        orders = self.orders
+        await ctx.session.execute(insert(orders).values(message_id=message.id, order_id="before"))
+        found = await ctx.insert_or_get(
+            self.customers, {"email": email, "name": str(message.id)}, key=["email"]
+        )
+        await ctx.session.execute(insert(orders).values(message_id=message.id, order_id="after"))
+        row = found.row
+        return {"inserted": found.inserted, "id": row.id, "name": row.name, "tier": row.tier}
+
+
+def run_consumer(consumer: Consumer, broker: InMemoryBroker, engine: Engine) -> Metrics:
+    if not isinstance(consumer, AsyncConsumer):
+        return run_until_idle(consumer, broker.transport("q"), engine)
+
+    async def run() -> Metrics:
+        async_engine = create_async_engine(engine)
+        try:
+            worker = Worker(consumer, broker.transport("q"), async_engine)
+            return await worker.run_async(until_idle=True)
+        finally:
+            await async_engine.dispose()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", [Signups, AsyncSignups], ids=["sync", "async"])
 def test_in_a_consumer_batch_the_stored_row_is_returned_and_every_write_commits(
-    own: tuple[Database, Table, Table],
+    own: tuple[Database, Table, Table], kind: type[Consumer]
 ) -> None:
     database, customers, _ = own
     orders = database.business.orders
     with database.engine.begin() as connection:
         connection.execute(insert(customers).values(email="z@x", name="committed", tier="gold"))
     consumer = type(
-        "S", (Signups,), {"customers": customers, "orders": orders, "table_prefix": database.prefix}
+        "S", (kind,), {"customers": customers, "orders": orders, "table_prefix": database.prefix}
     )()
     broker = InMemoryBroker()
     emails = {"m0": "a@x", "m1": "a@x", "m2": "b@x", "m3": "a@x", "m4": "z@x"}
     for message_id, email in emails.items():
         broker.publish("q", json.dumps({"email": email}), message_id=message_id)
 
-    metrics = run_until_idle(consumer, broker.transport("q"), database.engine)
+    metrics = run_consumer(consumer, broker, database.engine)
 
     assert metrics.processed == 5 and metrics.failures == 0 and not broker.dead_letters
     # Every message's two order rows committed, the key's batch-mates' included.
