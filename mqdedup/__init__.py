@@ -26,7 +26,17 @@ from mqdedup.consumers.context import (
 )
 from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.engine import create_engine, init_schema
-from mqdedup.dedup import ClaimStore, DedupStore, RedisDedup, SqlDedup, ids
+from mqdedup.dedup import (
+    ClaimStore,
+    DedupStore,
+    InsertOrGet,
+    InsertOrGetError,
+    RedisDedup,
+    SqlDedup,
+    async_insert_or_get,
+    ids,
+    insert_or_get,
+)
 from mqdedup.dedup.ids import InvalidMessageIdError
 from mqdedup.errors import (
     ConfigurationError,
@@ -56,6 +66,8 @@ __all__ = [
     "Delivery",
     "HandlerEndedTransactionError",
     "InMemoryBroker",
+    "InsertOrGet",
+    "InsertOrGetError",
     "InvalidMessageIdError",
     "InvalidResultError",
     "Message",
@@ -72,10 +84,12 @@ __all__ = [
     "UndecodableMessageError",
     "Worker",
     "__version__",
+    "async_insert_or_get",
     "create_async_engine",
     "create_engine",
     "ids",
     "init_schema",
+    "insert_or_get",
     "run_until_idle",
     "tune_gc",
 ]

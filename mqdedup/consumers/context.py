@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from mqdedup.consumers.staging import Stageable, capture, staged_writes
 from mqdedup.consumers.steps import StepRunner
 from mqdedup.dedup.steps import idempotency_key
+from mqdedup.dedup.unique_keys import InsertOrGet, async_insert_or_get, insert_or_get
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outbox.async_writer import AsyncOutboxWriter
 from mqdedup.outbox.writer import OutboxWriter
@@ -234,6 +235,20 @@ class Context(HandlerContext):
         """
         return self._steps(message, "ctx.step").run(name, fn)
 
+    def insert_or_get(
+        self, target: Any, row: Mapping[str, Any], *, key: str | Sequence[str]
+    ) -> InsertOrGet:
+        """Insert ``row`` into ``target`` (a ``Table`` or mapped class), or get the row
+        stored under the same ``key`` (the columns of a unique key), in this transaction.
+
+        Returns :class:`~mqdedup.dedup.unique_keys.InsertOrGet`: ``row`` (the stored
+        row) and ``inserted`` (True: this call inserted it). No statement fails on the
+        key, so the transaction and the batch-mates' writes are never undone, and no
+        savepoint is needed; concurrent workers inserting the same key create one row.
+        See :mod:`mqdedup.dedup.unique_keys`.
+        """
+        return insert_or_get(self.session, target, row, key=key)
+
 
 def _batch_message(messages: Sequence[Message], message: Message | None, what: str) -> Message:
     if message is None:
@@ -319,6 +334,13 @@ class AsyncContext(HandlerContext):
         ``fn(key)`` may be a coroutine function."""
         runner = self._steps(message, "ctx.step")
         return await runner.run_async(self.session, name, fn)
+
+    async def insert_or_get(
+        self, target: Any, row: Mapping[str, Any], *, key: str | Sequence[str]
+    ) -> InsertOrGet:
+        """``await ctx.insert_or_get(target, row, key=[...])``: :meth:`Context.insert_or_get`
+        for async consumers."""
+        return await async_insert_or_get(self.session, target, row, key=key)
 
 
 class AsyncBatchContext(AsyncContext):

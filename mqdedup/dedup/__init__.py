@@ -4,6 +4,12 @@ from mqdedup.dedup import ids
 from mqdedup.dedup.choices import RedisDedup, SqlDedup
 from mqdedup.dedup.claims import AttemptLog, Claims, ClaimStore, Dedup
 from mqdedup.dedup.store import DedupStore
+from mqdedup.dedup.unique_keys import (
+    InsertOrGet,
+    InsertOrGetError,
+    async_insert_or_get,
+    insert_or_get,
+)
 
 __all__ = [
     "AttemptLog",
@@ -11,7 +17,11 @@ __all__ = [
     "Claims",
     "Dedup",
     "DedupStore",
+    "InsertOrGet",
+    "InsertOrGetError",
     "RedisDedup",
     "SqlDedup",
+    "async_insert_or_get",
     "ids",
+    "insert_or_get",
 ]
