@@ -19,7 +19,7 @@ from sqlalchemy import Engine, select
 from mqdedup import Consumer, Context, InMemoryBroker, Message, RetryPolicy, run_until_idle
 from mqdedup.consumers.context import BatchContext
 from mqdedup.db.schema import schema
-from mqdedup.dedup.steps import InvalidStepError, StepResultError, idempotency_key
+from mqdedup.dedup.steps import InvalidStepError, StepResultError, idempotency_key, loaded
 
 QUEUE = "calls"
 
@@ -50,7 +50,7 @@ def steps(engine: Engine) -> dict[str, tuple[str, Any]]:
     table = schema().steps
     with engine.connect() as connection:
         rows = connection.execute(select(table.c.message_id, table.c.state, table.c.result))
-        return {row.message_id: (row.state, row.result) for row in rows}
+        return {row.message_id: (row.state, loaded(row.result)) for row in rows}
 
 
 def test_on_sqlite_the_record_shares_the_message_transaction(sqlite_engine: Engine) -> None:
@@ -124,5 +124,5 @@ def test_a_result_that_is_not_json_fails_the_message_with_a_clear_reason(
     publish(broker, 1)
     run_until_idle(Bad(), broker.transport(QUEUE), sqlite_engine)
     [letter] = broker.dead_letters[QUEUE]
-    assert StepResultError.__name__ in letter.record.reason
+    assert (letter.record.error_class or "").endswith(StepResultError.__name__)
     assert "cannot be recorded as JSON" in letter.record.reason
