@@ -93,11 +93,12 @@ class StepRunner:
         self.store = StepStore(prefix)
         bind = session.get_bind()
         engine: Engine = bind if isinstance(bind, Engine) else bind.engine
-        choose = _RECORDERS.get(engine)
-        own = choose(session.connection()) if choose is not None else engine
         #: The engine of the steps' own transactions (None: the message's transaction;
         #: SQLite: one writer per file, held by the message's transaction).
-        self.engine: Engine | None = None if engine.dialect.name == "sqlite" else own
+        self.engine: Engine | None = None
+        if engine.dialect.name != "sqlite":
+            choose = _RECORDERS.get(engine)
+            self.engine = engine if choose is None else choose(session.connection())
 
     def key(self, name: str) -> str:
         """The step's idempotency key."""
