@@ -211,13 +211,16 @@ def test_a_raising_message_id_strategy_dead_letters_its_message_alone(db: TestDa
 # -- exact reruns ------------------------------------------------------------------------
 
 #: What a third party may answer: key order matters, 1e16 is a float, ints beyond 64
-#: bits, negative zero, NUL, a lone surrogate, non-ASCII text, nesting.
-ANSWER: dict[str, Any] = {
-    "z": 1,
-    "a": [1e16, 0.1, 1.5e-300, -0.0, 10**20, True, None],
-    "text": "caf\u00e9 \u2603 nul:\x00 lone:\ud800",
-    "nested": {"b": {"y": [], "x": {}}, "a": [[[["deep"]]]]},
-    "m": 12345678901234567890.0,
+#: bits, negative zero, nesting; and text with non-ASCII characters, NUL and a lone
+#: surrogate.
+ANSWERS: dict[str, dict[str, Any]] = {
+    "numbers": {
+        "z": 1,
+        "a": [1e16, 0.1, 1.5e-300, -0.0, 10**20, True, None],
+        "nested": {"b": {"y": [], "x": {}}, "a": [[[["deep"]]]]},
+        "m": 12345678901234567890.0,
+    },
+    "text": {"z": "caf\u00e9 \u2603", "nul": "a\x00b", "lone": "\ud800", "a": ["\udfff\x00"]},
 }
 
 
@@ -226,8 +229,9 @@ def exactly(value: Any) -> str:
     return repr(value)
 
 
+@pytest.mark.parametrize("answer", sorted(ANSWERS))
 def test_a_rerun_returns_exactly_the_value_the_first_run_returned(
-    database: TestDatabase,
+    database: TestDatabase, answer: str
 ) -> None:
     calls: Counter[str] = Counter()
     seen: dict[str, list[str]] = {}
@@ -243,7 +247,7 @@ def test_a_rerun_returns_exactly_the_value_the_first_run_returned(
         def handle(self, message: Message, ctx: Context) -> Any:
             def quote(_key: str) -> dict[str, Any]:
                 calls[str(message.id)] += 1
-                return ANSWER
+                return ANSWERS[answer]
 
             value = ctx.step("quote", quote)
             runs = seen.setdefault(str(message.id), [])
@@ -259,11 +263,8 @@ def test_a_rerun_returns_exactly_the_value_the_first_run_returned(
         broker.publish(QUEUE, b"{}", message_id=message_id)
     run_until_idle(Quoting(), broker.transport(QUEUE), database.engine)
 
-    expected = exactly(json.loads(json.dumps(ANSWER)))  # tuples would become lists
-    assert expected == exactly(ANSWER)
+    expected = exactly(ANSWERS[answer])
     assert seen == {i: [expected, expected] for i in ids}  # first run == rerun, exactly
-    first = seen[ids[0]][0]
-    assert "'z': 1, 'a': [1e+16," in first and "-0.0" in first and "\\x00" in first
     assert order_counts(database.engine, orders) == dict.fromkeys(ids, 1)
     assert broker.dead_letters.get(QUEUE, []) == []
     if database.engine.dialect.name != "sqlite":  # SQLite: the record is the message's
