@@ -72,9 +72,7 @@ def call_hook(hook: Callable[..., object], *args: Any) -> None:
         wait_for(result)
 
 
-def call_hook_protected(
-    hook: Callable[..., object], *args: Any, consumer: str, after: str
-) -> bool:
+def call_hook_protected(hook: Callable[..., object], *args: Any, consumer: str, after: str) -> bool:
     """Call a consumer's hook (``after_commit``, ``on_duplicate``) whose messages' fate
     is already decided: what it raises is logged with ``consumer``, the hook's name and
     ``after`` (what happened before it), and goes no further. Returns False if it raised.

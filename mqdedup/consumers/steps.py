@@ -9,13 +9,22 @@ connection of its own, not the message's transaction):
    marked ``started`` (its attempts counted) and that is committed.
 2. **call**: ``fn(key)`` runs with the step's idempotency key
    (:func:`mqdedup.dedup.steps.idempotency_key`), outside any transaction.
-3. **record**: the result, as JSON, is committed as ``done`` before the step returns
-   it (the returned value is the JSON round trip, the same a rerun reads back).
+3. **record**: the result's JSON text is committed as ``done`` before the step returns
+   it; the returned value is that text read back, exactly what a rerun reads back
+   (:func:`mqdedup.dedup.steps.serialize`).
+
+The name, ``fn`` and the message are checked before anything is read or called. A
+result that cannot be recorded (not JSON data, nested deeper than 100 levels, refused
+by the database) is recorded as ``unstorable`` and raises
+:class:`~mqdedup.dedup.steps.StepResultError`, a message error: the message is
+dead-lettered at once after one call, and a rerun raises again without calling.
 
 Because the record is not part of the message's transaction, it survives what that
 transaction does not: a crash before the commit, a batch-mate's failure that reruns
 the batch, a later handler error and its retry. The rerun of the handler gets the
-recorded result without calling again.
+recorded result without calling again. An engine whose ``begin()`` is not a
+transaction of its own (Django's: a savepoint of the thread's atomic block) names the
+engine steps record on with :func:`record_steps_with`.
 
 **The window.** Between the moment the third party acts on the call and the moment the
 record commits (the call's response on the wire, the record's transaction), a crash
@@ -26,10 +35,10 @@ number). A call that raises records nothing: the message fails as usual and its 
 calls again with the same key.
 
 SQLite allows one writer per file and the message's transaction holds it while the
-handler runs, so there the record is written in the message's transaction instead:
-it is lost with a rollback of that transaction (the message's, or its whole batch's
-when the batch reruns), and the rerun calls again with the same key (covered by the
-third party's deduplication only).
+handler runs, so there the record is written in the message's transaction instead (in
+a savepoint of it): it is lost with a rollback of that transaction (the message's, or
+its whole batch's when the batch reruns), and the rerun calls again with the same key
+(covered by the third party's deduplication only).
 
 A consumer whose claims live in Redis (``dedup = RedisDedup(...)``) has no database:
 ``ctx.step`` raises :class:`~mqdedup.consumers.context.NoTransactionError` there.

@@ -13,7 +13,10 @@ tools cover such a call:
   Alipay 64) and character sets.
 * a *step* (``ctx.step(name, fn)``, run by :mod:`mqdedup.consumers.steps`): the call's
   result recorded in ``<prefix>steps`` in a short transaction of its own, so a rerun of
-  the handler gets the recorded result instead of calling again.
+  the handler gets the recorded result instead of calling again. The result is kept as
+  the JSON text the first run produced (``{"$json": "<text>"}`` in the ``result``
+  column), so the rerun returns exactly the first run's value on every database
+  (PostgreSQL's ``jsonb`` would reorder keys and rewrite numbers such as ``1e16``).
 
 :class:`StepStore` holds the statements; each method runs on the connection it is
 given (the step runner opens its own short transactions on the consumer's engine).

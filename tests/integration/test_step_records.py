@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, insert, select, update
+from sqlalchemy import insert, select, update
 
 from mqdedup import (
     AsyncConsumer,
@@ -162,9 +162,7 @@ def test_an_async_on_duplicate_raising_for_a_copy_in_the_same_batch_crashes_noth
     async def scenario() -> None:
         engine = create_async_engine(db.url)
         try:
-            await Worker(AsyncRaising(), broker.transport(QUEUE), engine).run_async(
-                until_idle=True
-            )
+            await Worker(AsyncRaising(), broker.transport(QUEUE), engine).run_async(until_idle=True)
         finally:
             await engine.dispose()
 
