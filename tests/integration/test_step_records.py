@@ -363,3 +363,45 @@ def test_a_purge_keeps_the_newer_steps_of_a_message(database: TestDatabase) -> N
         ("new", "old"),
         ("old-and-new", "new"),
     ]
+
+
+def test_an_async_step_with_an_unstorable_result_is_called_once(db: TestDatabase) -> None:
+    calls: Counter[str] = Counter()
+
+    class AsyncUnstorable(AsyncConsumer):
+        name = "async-unstorable"
+        table_prefix = db.prefix
+        poll_timeout = 0.02
+        retry_policy = RETRY
+
+        async def handle(self, message: Message, ctx: AsyncContext) -> Any:
+            async def call(_key: str) -> Any:
+                calls[str(message.id)] += 1
+                return {"at": {1, 2}} if message.id == "bad" else {"z": 1, "a": 1e16}
+
+            value = await ctx.step("call", call)
+            assert exactly(value) == exactly({"z": 1, "a": 1e16})
+            return None
+
+    broker = InMemoryBroker()
+    for message_id in ("good", "bad"):
+        broker.publish(QUEUE, b"{}", message_id=message_id)
+
+    async def scenario() -> None:
+        engine = create_async_engine(db.url)
+        try:
+            await Worker(AsyncUnstorable(), broker.transport(QUEUE), engine).run_async(
+                until_idle=True
+            )
+        finally:
+            await engine.dispose()
+
+    asyncio.run(scenario())
+
+    assert calls == {"good": 1, "bad": 1}
+    [letter] = broker.dead_letters[QUEUE]
+    assert "cannot be recorded as JSON" in letter.record.reason
+    assert {i: row[:2] for i, row in step_rows(db).items()} == {
+        "good": ("done", 1),
+        "bad": ("unstorable", 1),
+    }
