@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ from sqlalchemy.util.concurrency import await_, greenlet_spawn, in_greenlet
 from mqdedup.errors import ConfigurationError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class NotInBridgeError(RuntimeError):
@@ -68,6 +70,27 @@ def call_hook(hook: Callable[..., object], *args: Any) -> None:
     result = hook(*args)
     if inspect.isawaitable(result):
         wait_for(result)
+
+
+def call_hook_protected(hook: Callable[..., object], *args: Any, consumer: str, after: str) -> bool:
+    """Call a consumer's hook (``after_commit``, ``on_duplicate``) whose messages' fate
+    is already decided: what it raises is logged with ``consumer``, the hook's name and
+    ``after`` (what happened before it), and goes no further. Returns False if it raised.
+
+    The one way every hook is called, wherever from: a hook that raises never crashes
+    the worker nor changes the fate of any message (it would otherwise be raised again
+    on every redelivery of the batch).
+    """
+    try:
+        call_hook(hook, *args)
+    except Exception:
+        log.exception(
+            "a consumer hook failed after %s; the messages keep their fate",
+            after,
+            extra={"consumer": consumer, "hook": getattr(hook, "__name__", "hook")},
+        )
+        return False
+    return True
 
 
 async def run_bridged(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

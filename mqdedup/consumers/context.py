@@ -21,6 +21,7 @@ from mqdedup.consumers.steps import StepRunner
 from mqdedup.dedup.steps import idempotency_key
 from mqdedup.dedup.unique_keys import InsertOrGet, async_insert_or_get, insert_or_get
 from mqdedup.errors import ConfigurationError, MessageError
+from mqdedup.message import Message
 from mqdedup.outbox.async_writer import AsyncOutboxWriter
 from mqdedup.outbox.writer import OutboxWriter
 
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
 
     from mqdedup.consumers.spec import ConsumerSpec
-    from mqdedup.message import Message
 
 
 class HandlerEndedTransactionError(RuntimeError):
@@ -159,8 +159,8 @@ class HandlerContext:
     def _id_of(self, message: Message) -> str:
         return message.id if message.id is not None else self.consumer.message_id(message)
 
-    def _message_for(self, message: Message | None, _what: str) -> Message:
-        return self.message if message is None else message
+    def _message_for(self, message: Message | None, what: str) -> Message:
+        return self.message if message is None else _checked_message(message, what)
 
     def _steps(self, message: Message | None, what: str) -> StepRunner:
         """The step runner of ``message`` (one per message and handler call)."""
@@ -257,6 +257,16 @@ def _batch_message(messages: Sequence[Message], message: Message | None, what: s
                 f"{what} in handle_batch needs the message: {what}(name, ..., message=m)"
             )
         return messages[0]
+    return _checked_message(message, what)
+
+
+def _checked_message(message: object, what: str) -> Message:
+    """``message`` if it is a Message, else a TypeError naming the argument."""
+    if not isinstance(message, Message):
+        raise TypeError(
+            f"{what}(name, ..., message=m): message must be a mqdedup Message, "
+            f"got {type(message).__name__}: {message!r:.80}"
+        )
     return message
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mqdedup.bridge import call_hook
+from mqdedup.bridge import call_hook_protected
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.dedup.ids import (
     InvalidMessageIdError,
@@ -106,7 +106,11 @@ def resolve_repeats(
     report: BatchReport,
     metrics: Metrics,
 ) -> None:
-    """A repeat inside the batch shares the fate of its first copy."""
+    """A repeat inside the batch shares the fate of its first copy.
+
+    ``on_duplicate`` is called for a repeat of a processed message after the batch
+    committed, protected as every hook is: what it raises is logged, never a crash.
+    """
     if not repeats:
         return
     fate: dict[str, Any] = {}
@@ -122,7 +126,13 @@ def resolve_repeats(
             report.duplicates.append(repeat)
             metrics.duplicates += 1
             if consumer.wants_duplicate_results:
-                call_hook(consumer.on_duplicate, repeat.message, report.results.get(message_id))
+                call_hook_protected(
+                    consumer.on_duplicate,
+                    repeat.message,
+                    report.results.get(message_id),
+                    consumer=consumer.consumer_name,
+                    after="the commit",
+                )
         elif isinstance(outcome, DeadLetter):
             report.dead_lettered.append((repeat, outcome))
         else:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from mqdedup.bridge import NotInBridgeError, call_hook, in_bridge
+from mqdedup.bridge import NotInBridgeError, call_hook_protected, in_bridge
 from mqdedup.consumers.dead_lettering import DeadLettering
 from mqdedup.consumers.handling import Handlers
 from mqdedup.consumers.identity import identify, resolve_repeats
@@ -250,13 +250,7 @@ class Processor:
                 )
 
     def _hook(self, hook: Callable[..., object], *args: Any) -> None:
-        try:
-            call_hook(hook, *args)
-        except Exception:
-            log.exception(
-                "a consumer hook failed after the commit; the messages stay processed",
-                extra={"consumer": self.name, "hook": getattr(hook, "__name__", "hook")},
-            )
+        call_hook_protected(hook, *args, consumer=self.name, after="the commit")
 
     def _retry(self, delivery: Delivery[Any], error: Exception, report: BatchReport) -> None:
         """Rerun one failed message on its own until done or out of attempts."""

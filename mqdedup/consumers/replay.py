@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from mqdedup.consumers.identity import message_id_of
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.report import BatchReport
 from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
@@ -212,8 +213,8 @@ class ReplayTally:
         """Count what processing ``deliveries`` would do, writing nothing."""
         ids: list[str] = []
         for delivery in deliveries:
-            try:
-                ids.append(self.consumer.message_id(delivery.message))
+            try:  # a strategy that raises is its message's fate (as in a run), not a crash
+                ids.append(message_id_of(self.consumer, delivery))
             except MessageError:
                 self.report.without_id += 1
         claimed = self._claimed(sorted(set(ids) - self._seen))

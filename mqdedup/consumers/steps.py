@@ -9,13 +9,22 @@ connection of its own, not the message's transaction):
    marked ``started`` (its attempts counted) and that is committed.
 2. **call**: ``fn(key)`` runs with the step's idempotency key
    (:func:`mqdedup.dedup.steps.idempotency_key`), outside any transaction.
-3. **record**: the result, as JSON, is committed as ``done`` before the step returns
-   it (the returned value is the JSON round trip, the same a rerun reads back).
+3. **record**: the result's JSON text is committed as ``done`` before the step returns
+   it; the returned value is that text read back, exactly what a rerun reads back
+   (:func:`mqdedup.dedup.steps.serialize`).
+
+The name, ``fn`` and the message are checked before anything is read or called. A
+result that cannot be recorded (not JSON data, nested deeper than 100 levels, refused
+by the database) is recorded as ``unstorable`` and raises
+:class:`~mqdedup.dedup.steps.StepResultError`, a message error: the message is
+dead-lettered at once after one call, and a rerun raises again without calling.
 
 Because the record is not part of the message's transaction, it survives what that
 transaction does not: a crash before the commit, a batch-mate's failure that reruns
 the batch, a later handler error and its retry. The rerun of the handler gets the
-recorded result without calling again.
+recorded result without calling again. An engine whose ``begin()`` is not a
+transaction of its own (Django's: a savepoint of the thread's atomic block) names the
+engine steps record on with :func:`record_steps_with`.
 
 **The window.** Between the moment the third party acts on the call and the moment the
 record commits (the call's response on the wire, the record's transaction), a crash
@@ -26,10 +35,10 @@ number). A call that raises records nothing: the message fails as usual and its 
 calls again with the same key.
 
 SQLite allows one writer per file and the message's transaction holds it while the
-handler runs, so there the record is written in the message's transaction instead:
-it is lost with a rollback of that transaction (the message's, or its whole batch's
-when the batch reruns), and the rerun calls again with the same key (covered by the
-third party's deduplication only).
+handler runs, so there the record is written in the message's transaction instead (in
+a savepoint of it): it is lost with a rollback of that transaction (the message's, or
+its whole batch's when the batch reruns), and the rerun calls again with the same key
+(covered by the third party's deduplication only).
 
 A consumer whose claims live in Redis (``dedup = RedisDedup(...)``) has no database:
 ``ctx.step`` raises :class:`~mqdedup.consumers.context.NoTransactionError` there.
@@ -38,20 +47,49 @@ A consumer whose claims live in Redis (``dedup = RedisDedup(...)``) has no datab
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from mqdedup.dedup.steps import Recorded, StepStore, as_json, check_step_name, idempotency_key
+from mqdedup.db.dialects import is_transient
+from mqdedup.dedup.steps import (
+    Recorded,
+    StepResultError,
+    StepStore,
+    check_step_function,
+    check_step_name,
+    idempotency_key,
+    serialize,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: Where a step records, for engines whose connections are not their own (Django's
+#: engine hands out the thread's one Django connection): see :func:`record_steps_with`.
+_RECORDERS: weakref.WeakKeyDictionary[Engine, Callable[[Connection], Engine | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def record_steps_with(engine: Engine, choose: Callable[[Connection], Engine | None]) -> None:
+    """Steps of messages handled on ``engine`` record on ``choose(connection)`` instead.
+
+    ``connection`` is the message's; ``choose`` returns an engine whose transactions are
+    independent of it, or None to record in the message's transaction (as on SQLite).
+    For an engine whose ``begin()`` would only open a savepoint of the message's
+    transaction (:mod:`mqdedup.django`), where a record would roll back with it.
+    """
+    _RECORDERS[engine] = choose
 
 
 class StepRunner:
@@ -63,9 +101,13 @@ class StepRunner:
         self.message_id = message_id
         self.store = StepStore(prefix)
         bind = session.get_bind()
-        self.engine: Engine = bind if isinstance(bind, Engine) else bind.engine
-        #: SQLite: one writer per file, held by the message's transaction.
-        self.in_transaction = self.engine.dialect.name == "sqlite"
+        engine: Engine = bind if isinstance(bind, Engine) else bind.engine
+        #: The engine of the steps' own transactions (None: the message's transaction;
+        #: SQLite: one writer per file, held by the message's transaction).
+        self.engine: Engine | None = None
+        if engine.dialect.name != "sqlite":
+            choose = _RECORDERS.get(engine)
+            self.engine = engine if choose is None else choose(session.connection())
 
     def key(self, name: str) -> str:
         """The step's idempotency key."""
@@ -74,27 +116,23 @@ class StepRunner:
     def _start(self, connection: Connection, name: str) -> Recorded | None:
         return self.store.start(connection, self.consumer, self.message_id, name)
 
-    def _record(self, connection: Connection, name: str, result: Any) -> None:
-        self.store.record(connection, self.consumer, self.message_id, name, result)
-
     def run(self, name: str, fn: Callable[[str], Any]) -> Any:
         """Start, call ``fn(key)``, record; or the recorded result (see the module)."""
         check_step_name(name)
+        check_step_function(fn)
         key = self.key(name)
         recorded = self._in_own_transaction(lambda connection: self._start(connection, name))
         if recorded is not None:
             log.info("step already done", extra=self._extra(name))
             return recorded.result
-        result = as_json(name, fn(key))
-        self._in_own_transaction(lambda connection: self._record(connection, name, result))
-        log.debug("step recorded", extra=self._extra(name))
-        return result
+        return self._finish(name, fn(key))
 
     async def run_async(
         self, proxy: AsyncSession, name: str, fn: Callable[[str], Awaitable[Any] | Any]
     ) -> Any:
         """:meth:`run` for an async consumer: ``fn(key)`` may return an awaitable."""
         check_step_name(name)
+        check_step_function(fn)
         key = self.key(name)
         recorded = await self._in_own_transaction_async(
             proxy, lambda connection: self._start(connection, name)
@@ -105,24 +143,70 @@ class StepRunner:
         value = fn(key)
         if inspect.isawaitable(value):
             value = await value
-        result = as_json(name, value)
-        await self._in_own_transaction_async(
-            proxy, lambda connection: self._record(connection, name, result)
-        )
+        try:
+            text = serialize(name, value)
+            try:
+                await self._in_own_transaction_async(proxy, self._record(name, text))
+            except DBAPIError as error:
+                if is_transient(error):
+                    raise  # an outage: the rerun calls again with the same key
+                raise _refused(name, error) from error
+        except StepResultError as error:
+            await self._in_own_transaction_async(proxy, self._unstorable(name, error))
+            raise
         log.debug("step recorded", extra=self._extra(name))
-        return result
+        return json.loads(text)
+
+    def _finish(self, name: str, value: Any) -> Any:
+        """Record the call's ``value``; return it as the record holds it (the value a
+        rerun reads back). A value that cannot be recorded (or that the database
+        refuses) is recorded as such and raises StepResultError: no rerun calls again."""
+        try:
+            text = serialize(name, value)
+            try:
+                self._in_own_transaction(self._record(name, text))
+            except DBAPIError as error:
+                if is_transient(error):
+                    raise  # an outage: the rerun calls again with the same key
+                raise _refused(name, error) from error
+        except StepResultError as error:
+            self._in_own_transaction(self._unstorable(name, error))
+            raise
+        log.debug("step recorded", extra=self._extra(name))
+        return json.loads(text)
+
+    def _record(self, name: str, text: str) -> Callable[[Connection], None]:
+        def record(connection: Connection) -> None:
+            self.store.record(connection, self.consumer, self.message_id, name, text)
+
+        return record
+
+    def _unstorable(self, name: str, error: StepResultError) -> Callable[[Connection], None]:
+        log.warning(
+            "step result not recorded; the step is not called again",
+            extra={**self._extra(name), "reason": error.reason},
+        )
+
+        def record(connection: Connection) -> None:
+            self.store.record_unstorable(
+                connection, self.consumer, self.message_id, name, error.reason
+            )
+
+        return record
 
     def _in_own_transaction(self, work: Callable[[Connection], T]) -> T:
-        if self.in_transaction:
-            return work(self.session.connection())
+        if self.engine is None:
+            return _in_savepoint(self.session, work)
         with self.engine.begin() as connection:
             return work(connection)
 
     async def _in_own_transaction_async(
         self, proxy: AsyncSession, work: Callable[[Connection], T]
     ) -> T:
-        if self.in_transaction:
-            return await proxy.run_sync(lambda session: work(session.connection()))
+        if self.engine is None:
+            return await proxy.run_sync(_in_savepoint, work)
+        if not self.engine.dialect.is_async:  # a recorder's engine (record_steps_with)
+            return self._in_own_transaction(work)
         from sqlalchemy.ext.asyncio import AsyncEngine  # the asyncio extra (greenlet)
 
         async with AsyncEngine(self.engine).begin() as connection:
@@ -130,3 +214,18 @@ class StepRunner:
 
     def _extra(self, name: str) -> dict[str, str]:
         return {"consumer": self.consumer, "message_id": self.message_id, "step": name}
+
+
+def _in_savepoint(session: Session, work: Callable[[Connection], T]) -> T:
+    """``work`` in a savepoint of the message's transaction (a refused statement leaves
+    the transaction usable)."""
+    with session.begin_nested():
+        return work(session.connection())
+
+
+def _refused(name: str, error: DBAPIError) -> StepResultError:
+    """The database refused a step's record (not an outage): the value is the cause."""
+    return StepResultError(
+        f"step {name!r} returned a value the database refused to record "
+        f"({type(error.orig).__name__}: {str(error.orig).strip()[:300]})"
+    )

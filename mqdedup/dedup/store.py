@@ -256,18 +256,20 @@ class DedupStore:
             conditions.append(table.c.consumer_name == consumer)
         if engine.dialect.name == "postgresql":
             return _purge_by_ctid(engine, table, conditions, chunk_size)
+        # By the whole primary key, and only rows still old: a message's steps are one
+        # row per name, and a newer step of an old message is kept.
+        primary = list(table.primary_key.columns)
         total = 0
         while True:
             with engine.begin() as connection:
                 keys = connection.execute(
-                    select(table.c.consumer_name, table.c.message_id)
-                    .where(*conditions)
-                    .order_by(time_column)
-                    .limit(chunk_size)
+                    select(*primary).where(*conditions).order_by(time_column).limit(chunk_size)
                 ).all()
                 if keys:
-                    key = tuple_(table.c.consumer_name, table.c.message_id)
-                    connection.execute(delete(table).where(key.in_([tuple(k) for k in keys])))
+                    key = tuple_(*primary)
+                    connection.execute(
+                        delete(table).where(key.in_([tuple(k) for k in keys]), *conditions)
+                    )
             total += len(keys)
             if len(keys) < chunk_size:
                 return total

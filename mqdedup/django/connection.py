@@ -19,11 +19,19 @@ an engine whose DB-API connection *is* Django's connection of one database alias
 
 Only what mqdedup writes goes through SQLAlchemy; the handler's business writes go
 through the ORM or ``ctx.session``, both on the same connection.
+
+A step's record (``ctx.step``) must survive a rollback of the message's transaction, so
+it is written on a connection of its own (:func:`steps_engine`: a new Django connection
+of the alias, committed on its own), not in a savepoint of the message's atomic block.
+Inside an atomic block that was open before mqdedup's (a test case of pytest-django)
+it is written in the message's transaction instead, as on SQLite: a connection of its
+own would commit it outside the test's transaction, where it would outlive the test.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -31,11 +39,12 @@ from typing import Any
 
 from django.db import Error as DjangoDatabaseError  # type: ignore[import-untyped]
 from django.db import connections, transaction
-from sqlalchemy import Engine, event
+from sqlalchemy import Connection, Engine, event
 from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 from sqlalchemy.pool import QueuePool
 
+from mqdedup.consumers.steps import record_steps_with
 from mqdedup.db.dialects import is_data_error
 from mqdedup.django.conf import database_alias
 from mqdedup.errors import ConfigurationError
@@ -94,6 +103,9 @@ class DjangoDBAPIConnection:
     def __init__(self, alias: str) -> None:
         self.alias = alias
         self._atomic: Any = None
+        #: The transaction began inside an atomic block opened before it (a test case's):
+        #: it is a savepoint of that block.
+        self.inside_atomic = False
 
     def checked_out(self) -> None:
         """A unit of work starts (a batch), as a request would: drop a connection that
@@ -107,6 +119,7 @@ class DjangoDBAPIConnection:
         """Open the transaction: ``transaction.atomic(using=alias)`` (idempotent)."""
         if self._atomic is not None:
             return
+        self.inside_atomic = connections[self.alias].in_atomic_block
         atomic = transaction.atomic(using=self.alias)
         with driver_errors():
             atomic.__enter__()
@@ -161,6 +174,33 @@ class DjangoDBAPIConnection:
         return getattr(wrapper.connection, name)
 
 
+class OwnDBAPIConnection:
+    """A DB-API connection of its own to the database of ``alias``: a new Django
+    connection (``connections.create_connection``: the alias's settings, Django's
+    connection set-up), not the thread's. Its transactions are SQLAlchemy's, independent
+    of every atomic block of the thread; closing it closes the connection."""
+
+    def __init__(self, alias: str) -> None:
+        wrapper = connections.create_connection(alias)
+        with driver_errors():
+            wrapper.ensure_connection()
+            wrapper.set_autocommit(False)  # SQLAlchemy's transactions (Django's default: on)
+        self.vendor: str = wrapper.vendor
+        self.raw = wrapper.connection
+
+    def cursor(self, *args: Any, **kwargs: Any) -> Any:
+        """A driver cursor (psycopg: with psycopg's loaders, as for Django's connection)."""
+        if self.vendor != "postgresql" or args or kwargs:
+            return self.raw.cursor(*args, **kwargs)
+        return _sqlalchemy_cursor(self.raw)
+
+    def add_notice_handler(self, _handler: Any) -> None:
+        """Ignored, as on :class:`DjangoDBAPIConnection`."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
 def _sqlalchemy_cursor(raw: Any) -> Any:
     """A psycopg cursor with psycopg's own loaders for ``jsonb`` and ``timestamptz``.
 
@@ -212,6 +252,7 @@ class DjangoSession(Session):
 
 
 _engines: dict[str, Engine] = {}
+_steps_engines: dict[str, Engine] = {}
 _sessions: dict[str, sessionmaker[Session]] = {}
 _lock = threading.Lock()
 
@@ -224,6 +265,17 @@ def engine(using: str | None = None) -> Engine:
         found = _engines.get(alias)
         if found is None:
             found = _engines[alias] = _create_engine(alias)
+    return found
+
+
+def steps_engine(using: str | None = None) -> Engine:
+    """The engine steps record on (``ctx.step``): connections of its own to the database
+    of ``using``, each transaction committed on its own; one per alias and process."""
+    alias = database_alias(using)
+    with _lock:
+        found = _steps_engines.get(alias)
+        if found is None:
+            found = _steps_engines[alias] = _create_steps_engine(alias)
     return found
 
 
@@ -272,7 +324,31 @@ def _create_engine(alias: str) -> Engine:
         max_overflow=-1,  # each checkout is a small object: never wait for one
     )
     _install_events(created, alias)
+    record_steps_with(created, functools.partial(_steps_recorder, alias))
     return created
+
+
+def _create_steps_engine(alias: str) -> Engine:
+    vendor = connections[alias].vendor
+    options: dict[str, Any] = {"use_native_hstore": False} if vendor == "postgresql" else {}
+    return sa_create_engine(
+        _DIALECT_URLS[vendor],
+        **options,
+        creator=lambda: OwnDBAPIConnection(alias),
+        poolclass=QueuePool,
+        pool_size=2,
+        max_overflow=-1,
+        pool_pre_ping=True,  # idle between steps: Django's CONN_MAX_AGE does not apply
+    )
+
+
+def _steps_recorder(alias: str, connection: Connection) -> Engine | None:
+    """Where a step of a message handled on ``connection`` records: on a connection of
+    its own, or (inside a test case's atomic block) in the message's transaction."""
+    dbapi_connection = connection.connection.dbapi_connection
+    if isinstance(dbapi_connection, DjangoDBAPIConnection) and dbapi_connection.inside_atomic:
+        return None
+    return steps_engine(alias)
 
 
 def _require_psycopg3(alias: str) -> None:

@@ -15,11 +15,18 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, select
+from sqlalchemy.exc import DataError
 
 from mqdedup import Consumer, Context, InMemoryBroker, Message, RetryPolicy, run_until_idle
 from mqdedup.consumers.context import BatchContext
 from mqdedup.db.schema import schema
-from mqdedup.dedup.steps import InvalidStepError, StepResultError, idempotency_key
+from mqdedup.dedup.steps import (
+    InvalidStepError,
+    StepResultError,
+    StepStore,
+    idempotency_key,
+    loaded,
+)
 
 QUEUE = "calls"
 
@@ -50,7 +57,7 @@ def steps(engine: Engine) -> dict[str, tuple[str, Any]]:
     table = schema().steps
     with engine.connect() as connection:
         rows = connection.execute(select(table.c.message_id, table.c.state, table.c.result))
-        return {row.message_id: (row.state, row.result) for row in rows}
+        return {row.message_id: (row.state, loaded(row.result)) for row in rows}
 
 
 def test_on_sqlite_the_record_shares_the_message_transaction(sqlite_engine: Engine) -> None:
@@ -124,5 +131,34 @@ def test_a_result_that_is_not_json_fails_the_message_with_a_clear_reason(
     publish(broker, 1)
     run_until_idle(Bad(), broker.transport(QUEUE), sqlite_engine)
     [letter] = broker.dead_letters[QUEUE]
-    assert StepResultError.__name__ in letter.record.reason
+    assert (letter.record.error_class or "").endswith(StepResultError.__name__)
     assert "cannot be recorded as JSON" in letter.record.reason
+
+
+def test_a_record_the_database_refuses_fails_the_message_after_one_call(
+    sqlite_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal that is not an outage (a value too long, a packet too large) belongs to
+    the result: the message is dead-lettered at once, its retries do not call again."""
+    calls: list[str] = []
+
+    def refuse(*_args: Any) -> None:
+        raise DataError("UPDATE steps", {}, ValueError("value too long for the column"))
+
+    monkeypatch.setattr(StepStore, "record", refuse)
+
+    class Refused(Consumer):
+        name = "refused-record"
+        retry_policy = RetryPolicy(max_attempts=3, initial_backoff=0.0, max_backoff=0.0)
+
+        def handle(self, message: Message, ctx: Context) -> Any:
+            return ctx.step("call", lambda key: calls.append(key) or "x")
+
+    broker = InMemoryBroker()
+    publish(broker, 1)
+    run_until_idle(Refused(), broker.transport(QUEUE), sqlite_engine)
+    assert len(calls) == 1
+    [letter] = broker.dead_letters[QUEUE]
+    assert "the database refused to record" in letter.record.reason
+    assert "value too long for the column" in letter.record.reason
+    assert letter.record.attempts == 1
