@@ -241,6 +241,8 @@ class Relay:
         self._takeover = LeaseTakeover(engine, self.store, self.relay_id)
         self._connections = RelayConnections(engine, dedicated=self._control is not None)
         self._metrics_lock = threading.Lock()
+        #: ``transaction`` coordination: session relays own the table now.
+        self._yielding = False
 
     # -- the daemon ----------------------------------------------------------------------------
 
@@ -414,7 +416,7 @@ class Relay:
         if not brokers:
             return []
         if self._turns is not None:  # transaction coordination: one relay at a time
-            return self._on(
+            records = self._on(
                 "claim",
                 self.store.claim_in_turn,
                 self.relay_id,
@@ -424,6 +426,8 @@ class Relay:
                 lock_class=self._turns,
                 in_flight=in_flight,
             )
+            self._note_session_relays(records is None)
+            return records or []
         shard_filter: ShardFilter | None = None
         control = self._control
         if control is not None:
@@ -445,6 +449,24 @@ class Relay:
             shard_filter=shard_filter,
             in_flight=in_flight,
         )
+
+    def _note_session_relays(self, present: bool) -> None:
+        """Say once when relays with session coordination own the table (and when they
+        are gone): this relay, taking turns, publishes nothing meanwhile."""
+        if present == self._yielding:
+            return
+        self._yielding = present
+        if present:
+            log.warning(
+                "relays with coordination 'session' run on this outbox table; this relay "
+                "(coordination 'transaction') publishes nothing while they do",
+                extra={"relay": self.relay_id, "table": self.store.table.name},
+            )
+        else:
+            log.info(
+                "no relay with coordination 'session' left on this outbox table; taking turns",
+                extra={"relay": self.relay_id, "table": self.store.table.name},
+            )
 
     def _end_lease(self) -> None:
         """Remove this relay's lease once its batches are settled (shards may move)."""
@@ -607,6 +629,7 @@ class Relay:
         assert control is not None
         try:
             if not control.connected:
+                self._takeover.reset()
                 control.open()
             control.rebalance()
         except Exception:
