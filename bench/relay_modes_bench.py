@@ -49,8 +49,12 @@ def main() -> int:
                 try:
                     result = run_pair(
                         modes,
-                        direct=OutboxDb(url=direct_url, engine=db.engine, prefix=prefix, events=events),
-                        pooled=OutboxDb(url=pooled_url, engine=pooled, prefix=prefix, events=events),
+                        direct=OutboxDb(
+                            url=direct_url, engine=db.engine, prefix=prefix, events=events
+                        ),
+                        pooled=OutboxDb(
+                            url=pooled_url, engine=pooled, prefix=prefix, events=events
+                        ),
                         rabbit=rabbit,
                         rabbitmq_url=rabbitmq_url,
                         keys=args.keys,

@@ -689,8 +689,7 @@ class RelayConnections:
             return statement(connection, *arguments, **options)
         except Exception:
             self._connections.pop(name, None)
-            with contextlib.suppress(Exception):
-                connection.close()
+            _give_back(connection)
             raise
 
     def helper(self, name: str) -> ThreadPoolExecutor:
@@ -707,9 +706,18 @@ class RelayConnections:
             executor.shutdown(wait=True)
         self._executors.clear()
         for connection in self._connections.values():
-            with contextlib.suppress(Exception):
-                connection.close()
+            _give_back(connection)
         self._connections.clear()
+
+
+def _give_back(connection: Connection) -> None:
+    """Close a relay connection, first undoing its session settings (PostgreSQL ``RESET
+    ALL``): behind a session pooler its server goes to the next client."""
+    with contextlib.suppress(Exception):  # a broken connection: its session is gone
+        if traits(connection).family == "postgresql" and not connection.invalidated:
+            connection.exec_driver_sql("RESET ALL")
+    with contextlib.suppress(Exception):
+        connection.close()
 
 
 def _unfinished(

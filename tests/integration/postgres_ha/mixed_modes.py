@@ -54,7 +54,9 @@ class PairResult:
         )
 
 
-def make_relay(mode: str, *, direct_url: str, pooled_url: str, prefix: str, rabbitmq_url: str) -> Relay:
+def make_relay(
+    mode: str, *, direct_url: str, pooled_url: str, prefix: str, rabbitmq_url: str
+) -> Relay:
     """A relay of ``mode`` (see the module docstring) on the table of ``prefix``."""
     config = RelayConfig(
         batch_size=50,
@@ -102,7 +104,7 @@ class RunningRelay:
             engine.dispose()
 
     def _control_engine(self) -> Engine | None:
-        control = self.relay._control  # noqa: SLF001 - the test owns this relay
+        control = self.relay._control
         engine = getattr(control, "engine", None)
         return engine if isinstance(engine, Engine) and engine is not self.relay.engine else None
 
@@ -161,9 +163,17 @@ def run_pair(
     writer.start()
     try:
         if rolling:
-            wait_for(lambda: _counted(direct) >= total // 3 or not writer.is_alive(), 120, "a third written")
+            wait_for(
+                lambda: _counted(direct) >= total // 3 or not writer.is_alive(),
+                120,
+                "a third written",
+            )
             second = relay(modes[1])
-            wait_for(lambda: _counted(direct) >= 2 * total // 3 or not writer.is_alive(), 120, "two thirds written")
+            wait_for(
+                lambda: _counted(direct) >= 2 * total // 3 or not writer.is_alive(),
+                120,
+                "two thirds written",
+            )
             first.stop()
         writer.join(timeout=300)
         assert not errors, errors

@@ -51,8 +51,14 @@ def test_two_relays_of_different_modes_publish_each_row_once_in_key_order(
 ) -> None:
     direct, pooled = outbox
     result = run_pair(
-        modes, direct=direct, pooled=pooled, rabbit=rabbit, rabbitmq_url=rabbitmq_url,
-        keys=KEYS, per_key=PER_KEY, log=print,
+        modes,
+        direct=direct,
+        pooled=pooled,
+        rabbit=rabbit,
+        rabbitmq_url=rabbitmq_url,
+        keys=KEYS,
+        per_key=PER_KEY,
+        log=print,
     )
     assert result.published == result.rows
     assert result.doubled == 0, result.line()
@@ -68,8 +74,15 @@ def test_a_rolling_switch_between_modes_under_load_publishes_each_row_once_in_ke
 ) -> None:
     direct, pooled = outbox
     result = run_pair(
-        modes, direct=direct, pooled=pooled, rabbit=rabbit, rabbitmq_url=rabbitmq_url,
-        keys=KEYS, per_key=PER_KEY, rolling=True, log=print,
+        modes,
+        direct=direct,
+        pooled=pooled,
+        rabbit=rabbit,
+        rabbitmq_url=rabbitmq_url,
+        keys=KEYS,
+        per_key=PER_KEY,
+        rolling=True,
+        log=print,
     )
     assert result.published == result.rows
     assert result.doubled == 0, result.line()
