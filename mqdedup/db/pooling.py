@@ -191,7 +191,8 @@ def server_is_kept(engine: Engine, dbapi_connection: Any, driver_connection: Any
     transaction pooling it gets our server (PgBouncer reuses the server released last),
     or ours, asked again, answers from another server. With session pooling neither can
     happen, so a session pooler is never taken for a transaction pooler. Tried
-    ``_PROBES`` times: about ten round trips, once per connection that needs a session.
+    ``_PROBES`` times (a transaction pooler is usually caught by the first): up to about
+    fifteen round trips, once per connection that needs a session.
     """
     other = engine.raw_connection()
     try:
