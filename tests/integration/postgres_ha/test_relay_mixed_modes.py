@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
+from sqlalchemy.orm import Session
 
 from mqdedup.db import create_engine
+from mqdedup.outbox import OutboxWriter
+from mqdedup.outbox.coordination import LeaseTakeover, create_coordinator, lock_class
+from mqdedup.outbox.store import OutboxStore
 from tests.integration.outbox.helpers import OutboxDb, events_table
 from tests.integration.postgres_ha.mixed_modes import MODES, run_pair
 from tests.services import RabbitAdmin, prefixed_database, table_prefix
@@ -87,3 +92,49 @@ def test_a_rolling_switch_between_modes_under_load_publishes_each_row_once_in_ke
     assert result.published == result.rows
     assert result.doubled == 0, result.line()
     assert result.order_problems == 0, result.line()
+
+
+def test_the_turn_taking_claim_yields_to_a_session_relay_and_leases_every_shard(
+    outbox: Any,
+) -> None:
+    """The protocol itself, statement by statement, on the real database."""
+    direct, pooled = outbox
+    with Session(pooled.engine) as session, session.begin():
+        writer = OutboxWriter(session, prefix=direct.prefix)
+        for n in range(10):
+            writer.publish({"n": n}, topic="t", key=f"k{n}")
+    store = OutboxStore(direct.prefix)
+    turns = lock_class(store.table.name, "turns")
+
+    def claim(relay_id: str) -> list[Any] | None:
+        return store.claim_in_turn(
+            pooled.engine,
+            relay_id,
+            100,
+            timedelta(seconds=30),
+            brokers=["kafka"],
+            lock_class=turns,
+        )
+
+    session_relay = create_coordinator(
+        direct.engine,
+        table_name=store.table.name,
+        channel=store.channel,
+        shards=4,
+        fingerprint="kafka",
+    )
+    assert session_relay is not None
+    session_relay.open()
+    try:
+        assert claim("taking-turns") is None, "claimed beside a session relay"
+    finally:
+        session_relay.close()
+    claimed = claim("taking-turns")
+    assert claimed is not None and len(claimed) == 10
+    # A session relay arriving now waits for that lease on every one of its shards.
+    takeover = LeaseTakeover(direct.engine, store, "session")
+    assert takeover.claimable({0, 1, 2, 3}) == set()
+    store.end_lease(pooled.engine, "taking-turns")
+    assert takeover.claimable({0, 1, 2, 3}) == {0, 1, 2, 3}
+    # Nothing held after close: the next turn-taking claim is free again.
+    assert claim("taking-turns") == claimed
