@@ -85,7 +85,9 @@ class RelayConfig:
       database reached only through a transaction pooler (PgBouncer
       ``pool_mode = transaction``): each claim takes a transaction-level advisory lock
       and claims nothing while another relay's lease is live, so relays take turns
-      (one publishes at a time) and poll every ``poll_interval``.
+      (one publishes at a time) and poll every ``poll_interval``. Relays of both kinds
+      may share a table (a rolling switch): turn-taking ones claim nothing while a
+      ``session`` relay runs (see :class:`~mqdedup.outbox.coordination.PostgreSQLCoordinator`).
     """
 
     batch_size: int = 2000
