@@ -72,6 +72,7 @@ def database(direct_url: str) -> Iterator[TestDatabase]:
 def test_relay_and_worker_through_a_session_pooler_publish_and_apply_each_row_once(
     declared: str,
     pgbouncer_session_url: str,
+    direct_url: str,
     database: TestDatabase,
     rabbit: RabbitAdmin,
     rabbitmq_url: str,
@@ -135,6 +136,7 @@ def test_relay_and_worker_through_a_session_pooler_publish_and_apply_each_row_on
         codes = (relay.stop(), worker.stop())
         pooled.dispose()
     assert codes == (0, 0), relay.tail() + worker.tail()
+    assert _held_locks(direct_url, prefix) == 0, "the stopped relay left advisory locks"
     messages = rabbit.drain(audit, len(every))
     copies = Counter(str(properties.message_id) for properties, _ in messages)
     sequence = [(body["key"], body["seq"]) for body in (json.loads(b) for _, b in messages)]
@@ -166,12 +168,16 @@ def _leaks(pooled_url: str, direct_url: str, prefix: str) -> tuple[list[str], in
                     value = connection.execute(text(f"SHOW {setting}")).scalar_one()
                     if value == "off":
                         odd.append(f"{setting}={value}")
-                connection.rollback()
-        finally:
+        finally:  # each kept its transaction (its server connection) open until here
             for connection in connections:
                 connection.close()
     finally:
         engine.dispose()
+    return odd, _held_locks(direct_url, prefix)
+
+
+def _held_locks(direct_url: str, prefix: str) -> int:
+    """Advisory locks of the table's relay lock classes held by any server connection."""
     table = OutboxStore(prefix).table.name
     classes = [lock_class(table, purpose) for purpose in ("shards", "members", "config", "turns")]
     direct = create_engine(direct_url)
@@ -186,7 +192,7 @@ def _leaks(pooled_url: str, direct_url: str, prefix: str) -> tuple[list[str], in
             ).scalar_one()
     finally:
         direct.dispose()
-    return odd, int(held)
+    return int(held)
 
 
 def test_a_session_pooler_declared_on_a_transaction_pooler_is_refused_and_leaks_nothing(
