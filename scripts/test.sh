@@ -16,7 +16,7 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e '.[all,test,dev]'
 
-bash scripts/services.sh start postgres rabbitmq redis kafka mariadb pgbouncer
+bash scripts/services.sh start postgres rabbitmq redis kafka mariadb pgbouncer pgbouncer-session
 eval "$(bash scripts/services.sh env)"
 
 .venv/bin/ruff check .

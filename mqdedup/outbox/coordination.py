@@ -25,11 +25,14 @@ from mqdedup.db.dialects import traits
 from mqdedup.db.pooling import declares_transaction_pooler, keeps_session
 from mqdedup.errors import ConfigurationError
 from mqdedup.masking import mask_url
-from mqdedup.outbox.store import OutboxStore, ShardFilter
+from mqdedup.outbox.store import MAX_LEASE_SHARDS, OutboxStore, ShardFilter
 
 log = logging.getLogger(__name__)
 
-MAX_SHARDS = 4096
+MAX_SHARDS = MAX_LEASE_SHARDS
+#: The second key of the ``turns`` lock class that session relays hold shared for their
+#: whole life (see :class:`PostgreSQLCoordinator`); ``0`` is the turn itself.
+SESSION_PRESENCE_KEY = 1
 
 
 class ShardCoordinator(Protocol):
@@ -191,8 +194,18 @@ class PostgreSQLCoordinator(FairShareCoordinator):
     each relay holds a *member* advisory lock, so relays can count each other and share
     the shards fairly. When a relay dies, PostgreSQL drops its locks and the others take
     over its shards. The claim statement checks ``pg_locks`` for this connection's backend
-    pid, so if this connection is lost the relay claims nothing until it has reconnected
-    and re-acquired shards.
+    pid (read with ``pg_backend_pid()``, never the pid a pooler announced at login), so if
+    this connection is lost the relay claims nothing until it has reconnected and
+    re-acquired shards.
+
+    Relays with ``coordination = transaction`` (no session: :meth:`OutboxStore.claim_in_turn
+    <mqdedup.outbox.store.OutboxStore.claim_in_turn>`) may share the table: on joining,
+    this relay takes the ``turns`` lock class's *presence* key in shared mode and keeps
+    it. A transaction-mode claim try-locks that key exclusively and claims nothing while
+    any session relay holds it; a session relay joining waits for a turn-taking claim in
+    progress to commit, so its first look at the leases sees that claim's lease (which
+    covers every shard) and waits for it to end. Relays in any mix of modes thus publish
+    each row once, a key's rows in order.
     """
 
     def __init__(
@@ -213,8 +226,10 @@ class PostgreSQLCoordinator(FairShareCoordinator):
         self.member_class = lock_class(table_name, "members")
         self.config_class = lock_class(table_name, "config")
         self.config_key = zlib.crc32(f"{shards}:{fingerprint}".encode()) & 0x7FFFFFFF
+        self.turns_class = lock_class(table_name, "turns")
         self._raw: Any = None
         self._conn: Any = None
+        self._pid = 0
 
     # -- connection ------------------------------------------------------------------------
 
@@ -236,10 +251,17 @@ class PostgreSQLCoordinator(FairShareCoordinator):
         conn.autocommit = True
         self._raw, self._conn = raw, conn
         try:
+            # The server's own pid: a pooler announces another one at login.
+            self._pid = int(conn.execute("SELECT pg_backend_pid()").fetchone()[0])
             if self.notifies:
                 conn.execute(f"LISTEN {_quote_identifier(self.channel)}")
             self._join()
             self._check_config()
+            # Waits for a turn-taking claim in progress (see the class docstring).
+            conn.execute(
+                "SELECT pg_advisory_lock_shared(%s::int, %s::int)",
+                (self.turns_class, SESSION_PRESENCE_KEY),
+            )
         except BaseException:
             self.close()
             raise
@@ -249,19 +271,32 @@ class PostgreSQLCoordinator(FairShareCoordinator):
         )
 
     def close(self) -> None:
-        """Close the connection; PostgreSQL releases every lock it held."""
-        raw, self._raw, self._conn = self._raw, None, None
+        """Release every advisory lock and ``LISTEN``, then close the connection.
+
+        Released explicitly: behind a session pooler the server connection outlives
+        ours and goes to the next client (PostgreSQL releases them when the server
+        connection ends; the pooler's ``server_reset_query = DISCARD ALL`` when a relay
+        dies without this)."""
+        raw, conn, self._raw, self._conn = self._raw, self._conn, None, None
         self.owned.clear()
-        if raw is not None:
-            try:
-                raw.close()
-            except Exception:  # already broken: nothing left to release
-                log.debug("closing a broken control connection", exc_info=True)
+        if raw is None:
+            return
+        try:
+            if conn is not None and not conn.closed:
+                conn.execute("SELECT pg_advisory_unlock_all()")
+                conn.execute("UNLISTEN *")
+        except Exception:  # already broken: the server ends the session and its locks
+            log.debug("releasing the control connection's locks failed", exc_info=True)
+        try:
+            raw.close()
+        except Exception:  # already broken: nothing left to release
+            log.debug("closing a broken control connection", exc_info=True)
 
     @property
     def backend_pid(self) -> int:
-        """The server process id of this connection (the owner in ``pg_locks``)."""
-        return int(self._conn.info.backend_pid)
+        """The server process id of this connection (``pg_backend_pid()``, read on open:
+        the owner in ``pg_locks``)."""
+        return self._pid
 
     def shard_filter(self, shards: set[int] | None = None) -> ShardFilter:
         """The claim filter for ``shards`` (default: all this connection holds)."""
@@ -611,6 +646,11 @@ class LeaseTakeover:
         self.store = store
         self.relay_id = relay_id
         self._verified: set[int] = set()
+
+    def reset(self) -> None:
+        """Forget the verified shards (the control connection was reopened: while it was
+        away, another relay may have claimed from them)."""
+        self._verified.clear()
 
     def claimable(self, owned: set[int]) -> set[int]:
         """The owned shards that are safe to claim from.

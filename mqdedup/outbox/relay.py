@@ -85,7 +85,9 @@ class RelayConfig:
       database reached only through a transaction pooler (PgBouncer
       ``pool_mode = transaction``): each claim takes a transaction-level advisory lock
       and claims nothing while another relay's lease is live, so relays take turns
-      (one publishes at a time) and poll every ``poll_interval``.
+      (one publishes at a time) and poll every ``poll_interval``. Relays of both kinds
+      may share a table (a rolling switch): turn-taking ones claim nothing while a
+      ``session`` relay runs (see :class:`~mqdedup.outbox.coordination.PostgreSQLCoordinator`).
     """
 
     batch_size: int = 2000
@@ -241,6 +243,8 @@ class Relay:
         self._takeover = LeaseTakeover(engine, self.store, self.relay_id)
         self._connections = RelayConnections(engine, dedicated=self._control is not None)
         self._metrics_lock = threading.Lock()
+        #: ``transaction`` coordination: session relays own the table now.
+        self._yielding = False
 
     # -- the daemon ----------------------------------------------------------------------------
 
@@ -414,7 +418,7 @@ class Relay:
         if not brokers:
             return []
         if self._turns is not None:  # transaction coordination: one relay at a time
-            return self._on(
+            records = self._on(
                 "claim",
                 self.store.claim_in_turn,
                 self.relay_id,
@@ -424,6 +428,8 @@ class Relay:
                 lock_class=self._turns,
                 in_flight=in_flight,
             )
+            self._note_session_relays(records is None)
+            return records or []
         shard_filter: ShardFilter | None = None
         control = self._control
         if control is not None:
@@ -445,6 +451,24 @@ class Relay:
             shard_filter=shard_filter,
             in_flight=in_flight,
         )
+
+    def _note_session_relays(self, present: bool) -> None:
+        """Say once when relays with session coordination own the table (and when they
+        are gone): this relay, taking turns, publishes nothing meanwhile."""
+        if present == self._yielding:
+            return
+        self._yielding = present
+        if present:
+            log.warning(
+                "relays with coordination 'session' run on this outbox table; this relay "
+                "(coordination 'transaction') publishes nothing while they do",
+                extra={"relay": self.relay_id, "table": self.store.table.name},
+            )
+        else:
+            log.info(
+                "no relay with coordination 'session' left on this outbox table; taking turns",
+                extra={"relay": self.relay_id, "table": self.store.table.name},
+            )
 
     def _end_lease(self) -> None:
         """Remove this relay's lease once its batches are settled (shards may move)."""
@@ -607,6 +631,7 @@ class Relay:
         assert control is not None
         try:
             if not control.connected:
+                self._takeover.reset()
                 control.open()
             control.rebalance()
         except Exception:
@@ -666,8 +691,7 @@ class RelayConnections:
             return statement(connection, *arguments, **options)
         except Exception:
             self._connections.pop(name, None)
-            with contextlib.suppress(Exception):
-                connection.close()
+            _give_back(connection)
             raise
 
     def helper(self, name: str) -> ThreadPoolExecutor:
@@ -684,9 +708,18 @@ class RelayConnections:
             executor.shutdown(wait=True)
         self._executors.clear()
         for connection in self._connections.values():
-            with contextlib.suppress(Exception):
-                connection.close()
+            _give_back(connection)
         self._connections.clear()
+
+
+def _give_back(connection: Connection) -> None:
+    """Close a relay connection, first undoing its session settings (PostgreSQL ``RESET
+    ALL``): behind a session pooler its server goes to the next client."""
+    with contextlib.suppress(Exception):  # a broken connection: its session is gone
+        if traits(connection).family == "postgresql" and not connection.invalidated:
+            connection.exec_driver_sql("RESET ALL")
+    with contextlib.suppress(Exception):
+        connection.close()
 
 
 def _unfinished(

@@ -68,6 +68,10 @@ from mqdedup.outbox.writer import FAILED, PENDING, PUBLISHED
 log = logging.getLogger(__name__)
 
 MAX_ERROR_LENGTH = 2000
+#: The most shards an outbox table can be spread over.
+MAX_LEASE_SHARDS = 4096
+#: The lease ``shards`` of a relay taking turns (``coordination = transaction``): all.
+EVERY_SHARD = "*"
 Bind = Engine | Connection
 
 
@@ -199,28 +203,41 @@ class OutboxStore:
         brokers: Collection[str],
         lock_class: int,
         in_flight: Sequence[int] = (),
-    ) -> list[OutboxRecord]:
+    ) -> list[OutboxRecord] | None:
         """The claim of relays that take turns (PostgreSQL, no session state needed).
 
         For a database reached through a transaction pooler, where session advisory
         locks cannot hold. One transaction: a transaction-level advisory lock
-        (``pg_advisory_xact_lock``, ``lock_class``) serialises the claims of every relay
-        of the table; then, in a fresh snapshot, nothing is claimed while another
-        relay's lease is live (it has rows published or being published and not yet
-        marked); else the rows are claimed as by :meth:`claim` (unsharded), which writes
-        this relay's lease. So one relay publishes at a time and a key's rows leave in
-        id order; a relay that died holds the others off until its lease expires.
+        (``pg_advisory_xact_lock``, ``lock_class``, key 0) serialises the claims of every
+        turn-taking relay of the table; the same class's key 1, which every relay
+        coordinating through session locks holds shared for its life, is try-locked
+        exclusively: while one runs this claims nothing and returns ``None`` (session
+        relays own the table; they wait for this claim's lease). Then, in a fresh
+        snapshot, nothing is claimed while another relay's lease is live (it has rows
+        published or being published and not yet marked); else the rows are claimed as
+        by :meth:`claim` (unsharded) under a lease on every shard (``*``). So one relay
+        publishes at a time and a key's rows leave in id order; a relay that died holds
+        the others off until its lease expires.
         """
         params = _claim_params(relay_id, limit, lease, brokers, _array_literal(in_flight))
+        params["lease_shards"] = EVERY_SHARD
         leases = self.leases
-        live = select(func.count()).where(
-            leases.c.relay_id != relay_id, leases.c.locked_until >= params["now"]
+        live = select(
+            func.pg_try_advisory_xact_lock(
+                cast(bindparam("c", lock_class), Integer), cast(literal(1), Integer)
+            ),
+            select(func.count())
+            .where(leases.c.relay_id != relay_id, leases.c.locked_until >= params["now"])
+            .scalar_subquery(),
         )
         with relay_transaction(engine, CLAIM_SETTINGS) as connection:
             connection.execute(
                 text("SELECT pg_advisory_xact_lock(CAST(:c AS int), 0)"), {"c": lock_class}
             )
-            if connection.execute(live).scalar():
+            alone, others = connection.execute(live).one()
+            if not alone:
+                return None
+            if others:
                 return []
             rows = connection.execute(self._claim_statement(False), params).all()
         return _records(rows)
@@ -376,6 +393,8 @@ class OutboxStore:
         )
         with engine.connect() as connection:
             listed = connection.execute(query).scalars().all()
+        if EVERY_SHARD in listed:  # a relay taking turns (coordination transaction)
+            return set(range(MAX_LEASE_SHARDS))
         return {int(shard) for text_ in listed for shard in text_.split(",") if shard}
 
     def end_lease(self, bind: Bind, relay_id: str) -> None:

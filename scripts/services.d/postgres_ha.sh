@@ -4,6 +4,8 @@
 #   pgbouncer   PgBouncer (Debian's package) in TRANSACTION pooling mode in front of the
 #               PostgreSQL on PG_PORT, listening on PGBOUNCER_PORT (6432). `env` prints
 #               MQDEDUP_TEST_PGBOUNCER_URL while it answers.
+#   pgbouncer-session  the same in SESSION pooling mode (server_reset_query = DISCARD ALL),
+#               on PGBOUNCER_SESSION_PORT (6433): MQDEDUP_TEST_PGBOUNCER_SESSION_URL.
 #   pg-replica  a streaming replica (pg_basebackup -R) of the PostgreSQL on PG_PORT, on
 #               PG_REPLICA_PORT (default PG_PORT+1), application_name 'mqdedup_replica'.
 #               PG_SYNC_REPLICATION=on (default off) makes the primary wait for it
@@ -15,13 +17,12 @@
 # Failover tests run all of this against a PRIVATE primary (own PG_PORT and MQDEDUP_STATE_DIR),
 # never the shared one: `services.sh kill postgres` on the private port plays the crash.
 
-ALL_SERVICES+=(pgbouncer pg-replica pg-promote)
+ALL_SERVICES+=(pgbouncer pgbouncer-session pg-replica pg-promote)
 
 PGBOUNCER_PORT=${PGBOUNCER_PORT:-6432}
+PGBOUNCER_SESSION_PORT=${PGBOUNCER_SESSION_PORT:-6433}
 PGBOUNCER_POOL_SIZE=${PGBOUNCER_POOL_SIZE:-20}
 PGB_INST="$STATE_DIR/pgbouncer-$PGBOUNCER_PORT"
-PGB_INI="$PGB_INST/pgbouncer.ini"
-PGB_PIDFILE="$PGB_INST/pgbouncer.pid"
 PGB_LOG="$PGB_INST/pgbouncer.log"
 
 PG_REPLICA_PORT=${PG_REPLICA_PORT:-$((PG_PORT + 1))}
@@ -37,110 +38,151 @@ PGR_LOG="$PGR_INST/postgres.log"
 PGR_SOCK=$(socket_dir_for "$PGR_INST")
 
 # ----------------------------------------------------------------------------- pgbouncer
+# Two instances share this code: `pgbouncer` (transaction pooling) and `pgbouncer-session`
+# (session pooling). Each function takes the instance's port and pool mode.
 
-pgb_pid() { read_pid "$PGB_PIDFILE"; }
-pgb_managed() { pid_alive "$(pgb_pid)" "$PGB_INI"; }
+pgb_inst() { echo "$STATE_DIR/pgbouncer-$1"; } # PORT
+pgb_pid() { read_pid "$(pgb_inst "${1:-$PGBOUNCER_PORT}")/pgbouncer.pid"; }
+pgb_managed() {
+    local port=${1:-$PGBOUNCER_PORT}
+    pid_alive "$(pgb_pid "$port")" "$(pgb_inst "$port")/pgbouncer.ini"
+}
+pgb_name() { [[ $1 == session ]] && echo pgbouncer-session || echo pgbouncer; } # MODE
 
-pgbouncer_start() {
-    local t0 deadline
+pgb_start() { # PORT MODE
+    local port=$1 mode=$2 name inst ini t0 deadline reset
+    name=$(pgb_name "$mode")
+    inst=$(pgb_inst "$port")
+    ini="$inst/pgbouncer.ini"
     t0=$(now)
-    if pgb_managed; then
-        log "pgbouncer: already running on $HOST:$PGBOUNCER_PORT (pid $(pgb_pid))"
+    if pgb_managed "$port"; then
+        log "$name: already running on $HOST:$port (pid $(pgb_pid "$port"))"
         return
     fi
-    if port_open "$PGBOUNCER_PORT"; then
-        log "pgbouncer: reusing what already listens on $HOST:$PGBOUNCER_PORT (not managed from $STATE_DIR)"
+    if port_open "$port"; then
+        log "$name: reusing what already listens on $HOST:$port (not managed from $STATE_DIR)"
         return
     fi
-    need_root "starting pgbouncer"
+    need_root "starting $name"
     [[ -x /usr/sbin/pgbouncer ]] || apt_install pgbouncer
-    port_open "$PG_PORT" || die "pgbouncer: no PostgreSQL on $HOST:$PG_PORT to pool (start postgres first)"
-    mkdir -p "$PGB_INST"
-    ensure_traversable postgres "$PGB_INST"
+    port_open "$PG_PORT" || die "$name: no PostgreSQL on $HOST:$PG_PORT to pool (start postgres first)"
+    mkdir -p "$inst"
+    ensure_traversable postgres "$inst"
+    if [[ $mode == session ]]; then
+        # A client keeps its server connection until it disconnects; the next client
+        # must not inherit its SETs, advisory locks, LISTENs or prepared statements.
+        reset="server_reset_query = DISCARD ALL"
+    else
+        # A server connection goes back to the pool at each transaction's end: nothing of
+        # a session (SET, LISTEN, advisory locks, prepared statements) survives the
+        # transaction. (PgBouncer runs server_reset_query in session mode only.)
+        reset="server_reset_query ="
+    fi
     # Client and server logins: the test role's password in plain text (scram towards the
     # server needs it). admin_users may run SHOW VERSION / SHOW CONFIG on the 'pgbouncer' db.
-    printf '"mqdedup" "mqdedup"\n' >"$PGB_INST/userlist.txt"
-    cat >"$PGB_INI" <<EOF
+    printf '"mqdedup" "mqdedup"\n' >"$inst/userlist.txt"
+    cat >"$ini" <<EOF2
 ; Written by scripts/services.sh on every start; edits are lost.
 [databases]
 * = host=$HOST port=$PG_PORT
 
 [pgbouncer]
 listen_addr = $HOST
-listen_port = $PGBOUNCER_PORT
+listen_port = $port
 unix_socket_dir =
-pool_mode = transaction
+pool_mode = $mode
 auth_type = scram-sha-256
-auth_file = $PGB_INST/userlist.txt
+auth_file = $inst/userlist.txt
 admin_users = mqdedup
 stats_users = mqdedup
 max_client_conn = 1000
 default_pool_size = $PGBOUNCER_POOL_SIZE
-; A server connection goes back to the pool at each transaction's end: nothing of a
-; session (SET, LISTEN, advisory locks, prepared statements) survives the transaction.
-server_reset_query =
+$reset
 ignore_startup_parameters = extra_float_digits
-logfile = $PGB_LOG
-pidfile = $PGB_PIDFILE
-EOF
-    chown -R postgres:postgres "$PGB_INST"
-    chmod 600 "$PGB_INST/userlist.txt"
-    log "pgbouncer: starting on $HOST:$PGBOUNCER_PORT (transaction pooling, server $HOST:$PG_PORT)"
-    (cd "$PGB_INST" && nolock runuser -u postgres -- /usr/sbin/pgbouncer -d -q "$PGB_INI") >>"$PGB_LOG.out" 2>&1 ||
-        fail_start pgbouncer "pgbouncer did not start" "$PGB_LOG.out" "$PGB_LOG"
+logfile = $inst/pgbouncer.log
+pidfile = $inst/pgbouncer.pid
+EOF2
+    chown -R postgres:postgres "$inst"
+    chmod 600 "$inst/userlist.txt"
+    log "$name: starting on $HOST:$port ($mode pooling, server $HOST:$PG_PORT)"
+    (cd "$inst" && nolock runuser -u postgres -- /usr/sbin/pgbouncer -d -q "$ini") >>"$inst/pgbouncer.log.out" 2>&1 ||
+        fail_start "$name" "pgbouncer did not start" "$inst/pgbouncer.log.out" "$inst/pgbouncer.log"
     deadline=$(($(date +%s) + START_TIMEOUT))
-    until port_open "$PGBOUNCER_PORT"; do
-        (($(date +%s) < deadline)) || fail_start pgbouncer "not listening after ${START_TIMEOUT}s" "$PGB_LOG"
+    until port_open "$port"; do
+        (($(date +%s) < deadline)) || fail_start "$name" "not listening after ${START_TIMEOUT}s" "$inst/pgbouncer.log"
         sleep 0.1
     done
-    log "pgbouncer: up on $HOST:$PGBOUNCER_PORT (pid $(pgb_pid), $(/usr/sbin/pgbouncer --version | head -n 1), $(elapsed "$t0"))"
+    log "$name: up on $HOST:$port (pid $(pgb_pid "$port"), $(/usr/sbin/pgbouncer --version | head -n 1), $(elapsed "$t0"))"
 }
 
-pgbouncer_stop() {
-    local pid
-    pid=$(pgb_pid)
-    if ! pgb_managed; then
-        log "pgbouncer: not running from $STATE_DIR"
+pgb_stop() { # PORT MODE
+    local port=$1 name pid
+    name=$(pgb_name "$2")
+    pid=$(pgb_pid "$port")
+    if ! pgb_managed "$port"; then
+        log "$name: not running from $STATE_DIR"
         return
     fi
-    log "pgbouncer: stopping (pid $pid)"
+    log "$name: stopping (pid $pid)"
     kill -INT "$pid" 2>/dev/null || true
-    wait_pid_gone "$pid" "$PGB_INI" 30 || kill -9 "$pid" 2>/dev/null || true
-    wait_port_closed "$PGBOUNCER_PORT" 10 || true
+    wait_pid_gone "$pid" "$(pgb_inst "$port")/pgbouncer.ini" 30 || kill -9 "$pid" 2>/dev/null || true
+    wait_port_closed "$port" 10 || true
 }
 
-pgbouncer_kill() {
-    local pid
-    pid=$(pgb_pid)
-    pgb_managed || {
-        log "pgbouncer: not running (nothing to kill)"
+pgb_kill() { # PORT MODE
+    local port=$1 name pid
+    name=$(pgb_name "$2")
+    pid=$(pgb_pid "$port")
+    pgb_managed "$port" || {
+        log "$name: not running (nothing to kill)"
         return
     }
     kill -9 "$pid" 2>/dev/null || true
     wait_pids_exited 30 "$pid" || true
-    wait_port_closed "$PGBOUNCER_PORT" 10 || true
+    wait_port_closed "$port" 10 || true
 }
 
-pgbouncer_status() {
-    if pgb_managed && port_open "$PGBOUNCER_PORT"; then
-        echo "pgbouncer: up ($HOST:$PGBOUNCER_PORT, pid $(pgb_pid), pool_mode=transaction, server $HOST:$PG_PORT)"
-    elif port_open "$PGBOUNCER_PORT"; then
-        echo "pgbouncer: up ($HOST:$PGBOUNCER_PORT, external: not managed from $STATE_DIR)"
+pgb_status() { # PORT MODE
+    local port=$1 mode=$2 name
+    name=$(pgb_name "$mode")
+    if pgb_managed "$port" && port_open "$port"; then
+        echo "$name: up ($HOST:$port, pid $(pgb_pid "$port"), pool_mode=$mode, server $HOST:$PG_PORT)"
+    elif port_open "$port"; then
+        echo "$name: up ($HOST:$port, external: not managed from $STATE_DIR)"
     else
-        echo "pgbouncer: down ($HOST:$PGBOUNCER_PORT)"
+        echo "$name: down ($HOST:$port)"
     fi
 }
 
+pgb_env() { # PORT MODE VARIABLE
+    local port=$1 name
+    name=$(pgb_name "$2")
+    if port_open "$port"; then
+        echo "export $3=postgresql+psycopg://mqdedup:mqdedup@$HOST:$port/mqdedup"
+    else
+        echo "# $3 unset: nothing listens on $HOST:$port ('$SCRIPT_PATH start $name' to run it)"
+    fi
+}
+
+pgbouncer_start() { pgb_start "$PGBOUNCER_PORT" transaction; }
+pgbouncer_stop() { pgb_stop "$PGBOUNCER_PORT" transaction; }
+pgbouncer_kill() { pgb_kill "$PGBOUNCER_PORT" transaction; }
+pgbouncer_status() { pgb_status "$PGBOUNCER_PORT" transaction; }
 pgbouncer_logfiles() { printf '%s\n' "$PGB_LOG" "$PGB_LOG.out"; }
-
-pgbouncer_env() {
-    if port_open "$PGBOUNCER_PORT"; then
-        echo "export MQDEDUP_TEST_PGBOUNCER_URL=postgresql+psycopg://mqdedup:mqdedup@$HOST:$PGBOUNCER_PORT/mqdedup"
-    else
-        echo "# MQDEDUP_TEST_PGBOUNCER_URL unset: nothing listens on $HOST:$PGBOUNCER_PORT ('$SCRIPT_PATH start pgbouncer' to run it)"
-    fi
-}
+pgbouncer_env() { pgb_env "$PGBOUNCER_PORT" transaction MQDEDUP_TEST_PGBOUNCER_URL; }
 EXTRA_ENV_HOOKS+=(pgbouncer_env)
+
+pgbouncer_session_start() { pgb_start "$PGBOUNCER_SESSION_PORT" session; }
+pgbouncer_session_stop() { pgb_stop "$PGBOUNCER_SESSION_PORT" session; }
+pgbouncer_session_kill() { pgb_kill "$PGBOUNCER_SESSION_PORT" session; }
+pgbouncer_session_status() { pgb_status "$PGBOUNCER_SESSION_PORT" session; }
+pgbouncer_session_logfiles() {
+    printf '%s\n' "$(pgb_inst "$PGBOUNCER_SESSION_PORT")/pgbouncer.log" "$(pgb_inst "$PGBOUNCER_SESSION_PORT")/pgbouncer.log.out"
+}
+pgbouncer_session_env() {
+    pgb_env "$PGBOUNCER_SESSION_PORT" session MQDEDUP_TEST_PGBOUNCER_SESSION_URL
+}
+EXTRA_ENV_HOOKS+=(pgbouncer_session_env)
 
 # ----------------------------------------------------------------------------- replica
 

@@ -26,3 +26,15 @@ def pgbouncer_url() -> str:
 def direct_url() -> str:
     """The shared PostgreSQL behind that PgBouncer, reached directly."""
     return service_env(PG_URL_ENV, "PostgreSQL")
+
+
+PGBOUNCER_SESSION_URL_ENV = "MQDEDUP_TEST_PGBOUNCER_SESSION_URL"
+
+
+@pytest.fixture(scope="session")
+def pgbouncer_session_url() -> str:
+    """A second PgBouncer in SESSION pooling mode (``server_reset_query = DISCARD ALL``)
+    in front of the shared PostgreSQL (``scripts/services.sh start pgbouncer-session``)."""
+    url = service_env(PGBOUNCER_SESSION_URL_ENV, "PgBouncer (session mode)")
+    checked_engine(url, "PgBouncer (session mode)").dispose()
+    return url
