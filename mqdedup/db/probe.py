@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, event
 from sqlalchemy.pool import QueuePool
 
 from mqdedup.masking import mask_url
@@ -35,6 +35,16 @@ class Probe:
         self.engine = engine
         #: MySQL/MariaDB ``max_allowed_packet`` in bytes, read by the last probe that answered.
         self.max_allowed_packet: int | None = None
+        #: The most connections of the engine's pool checked out at once in this process:
+        #: its capacity once a checkout timed out (the pool says its size, not its overflow).
+        self.most_checked_out = 0
+        if isinstance(engine.pool, QueuePool):
+            event.listen(engine, "checkout", self._checked_out)
+
+    def _checked_out(self, *_args: Any) -> None:
+        pool = self.engine.pool
+        if isinstance(pool, QueuePool):
+            self.most_checked_out = max(self.most_checked_out, pool.checkedout())
 
     def answers(self) -> bool:
         """One fresh connection, one trivial query; never raises."""
@@ -71,8 +81,9 @@ def engine_of(bind: object) -> Engine | None:
     return bind
 
 
-def pool_shortage(engine: Engine, *, in_handler: bool) -> str:
-    """Why a pool gave no connection, and how big it must be.
+def pool_shortage(engine: Engine, held: int, *, in_handler: bool) -> str:
+    """Why a pool gave no connection, and how big it must be; ``held``: the most
+    connections checked out at once (all of them, when a checkout timed out).
 
     Pool figures are read through the pool's public methods (``size()``,
     ``checkedout()``, ``timeout()``); ``in_handler``: the handler asked for it while the
@@ -81,14 +92,14 @@ def pool_shortage(engine: Engine, *, in_handler: bool) -> str:
     pool = engine.pool
     name = mask_url(engine.url)
     if isinstance(pool, QueuePool):
-        held = pool.checkedout()
+        held = max(held, pool.size())
         where = "the handler" if in_handler else "the worker"
         return (
-            f"{where} waited {pool.timeout():g}s for a connection of the pool of {name}: "
-            f"all {held} of its connections were checked out (pool_size {pool.size()}); "
-            f"the pool is too small by 1: give the engine at least {held + 1} connections "
-            "(pool_size + max_overflow). A worker needs 1 per process for the message's "
-            "transaction, plus 1 for ctx.step or any other connection its handlers open"
+            f"the pool of {name} is too small by 1: {where} waited {pool.timeout():g}s for "
+            f"a connection while all {held} were checked out, the message's transaction "
+            f"holding one; give the engine at least {held + 1} connections (pool_size + "
+            "max_overflow): a worker process needs 1 for the message's transaction, plus 1 "
+            "for ctx.step or any other connection its handlers open"
         )
     return (
         f"the pool of {name} ({type(pool).__name__}) gave no connection: a worker needs 1 "
@@ -113,7 +124,7 @@ def explain(error: BaseException, probe: Probe | None, *, answered: bool) -> Exc
 
     reason = dialects.driver_limit(error)
     if reason is None and dialects.is_pool_timeout(error) and probe is not None:
-        reason = pool_shortage(probe.engine, in_handler=True)
+        reason = pool_shortage(probe.engine, probe.most_checked_out, in_handler=True)
     elif reason is None and dialects.is_pooler_queue_timeout(error):
         reason = (
             "the pooler (PgBouncer) gave no server connection within its query_wait_timeout "
