@@ -212,6 +212,7 @@ class Outages:
                 raise
             if not again:
                 raise NotAnOutageError(error) from error
+            self.on_retry()  # a transaction retried for its connection, not flagged
             log.info(
                 f"the {self.what} answers a probe after {type(error).__name__}; "
                 "running the work once more",

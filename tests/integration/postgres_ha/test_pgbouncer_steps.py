@@ -260,4 +260,3 @@ def test_a_pgbouncer_pool_too_small_by_one_is_one_clear_line_and_not_ready(
     assert not [line for line in lines if "unavailable" in line], lines  # not "database down"
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors and all("default_pool_size" in line for line in errors), errors
-    assert worker.metrics.database_retries == 0
