@@ -16,7 +16,9 @@ an error already looked transient). :func:`pool_shortage` words the pool-exhaust
 from __future__ import annotations
 
 import logging
-from typing import Any
+import threading
+import weakref
+from typing import Any, ClassVar
 
 from sqlalchemy import Engine, event
 from sqlalchemy.pool import QueuePool
@@ -35,16 +37,14 @@ class Probe:
         self.engine = engine
         #: MySQL/MariaDB ``max_allowed_packet`` in bytes, read by the last probe that answered.
         self.max_allowed_packet: int | None = None
-        #: The most connections of the engine's pool checked out at once in this process:
-        #: its capacity once a checkout timed out (the pool says its size, not its overflow).
-        self.most_checked_out = 0
-        if isinstance(engine.pool, QueuePool):
-            event.listen(engine, "checkout", self._checked_out)
+        self._watch = _PoolWatch.of(engine)
 
-    def _checked_out(self, *_args: Any) -> None:
-        pool = self.engine.pool
-        if isinstance(pool, QueuePool):
-            self.most_checked_out = max(self.most_checked_out, pool.checkedout())
+    @property
+    def most_checked_out(self) -> int:
+        """The most connections of the engine's pool checked out at once in this
+        process: its capacity once a checkout timed out (a pool says its size through
+        its public methods, not its overflow)."""
+        return self._watch.most
 
     def answers(self) -> bool:
         """One fresh connection, one trivial query; never raises."""
@@ -70,6 +70,33 @@ class Probe:
         finally:
             pool.dispose()
         return True
+
+
+class _PoolWatch:
+    """Keeps the most connections checked out at once of one engine's pool (one
+    ``checkout`` listener per engine, however many Processors use it)."""
+
+    _watches: ClassVar[weakref.WeakKeyDictionary[Engine, _PoolWatch]] = weakref.WeakKeyDictionary()
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = weakref.ref(engine)
+        self.most = 0
+
+    @classmethod
+    def of(cls, engine: Engine) -> _PoolWatch:
+        with cls._lock:
+            watch = cls._watches.get(engine)
+            if watch is None:
+                watch = cls._watches[engine] = cls(engine)
+                event.listen(engine, "checkout", watch.checked_out)
+            return watch
+
+    def checked_out(self, *_args: Any) -> None:
+        engine = self._engine()
+        pool = engine.pool if engine is not None else None
+        if isinstance(pool, QueuePool):
+            self.most = max(self.most, pool.checkedout())
 
 
 def engine_of(bind: object) -> Engine | None:
