@@ -212,6 +212,8 @@ class Outages:
                 raise
             if not again:
                 raise NotAnOutageError(error) from error
+            if self.stop.requested:  # no second wait (a pool's timeout, say) when stopping
+                raise self.stopped(f"stop requested after {type(error).__name__}") from error
             self.on_retry()  # a transaction retried for its connection, not flagged
             log.info(
                 f"the {self.what} answers a probe after {type(error).__name__}; "

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import exc as sa_exc
 
 from mqdedup.db.dialects import driver_limit, is_contention, is_data_error, is_transient
-from mqdedup.outages import NotAnOutageError, Outages
+from mqdedup.outages import NotAnOutageError, Outages, StoppedDuringOutageError
 from mqdedup.stopping import StopToken
 
 
@@ -106,3 +106,23 @@ def test_contention_is_retried_without_a_probe() -> None:
     lost = psycopg_error(psycopg.OperationalError("server closed the connection"), {})
     assert is_transient(deadlock) and is_contention(deadlock)
     assert is_transient(lost) and not is_contention(lost)
+
+
+def test_a_stop_requested_meanwhile_ends_the_work_instead_of_running_it_again() -> None:
+    """A worker waiting on a pool when SIGTERM came stops after that one wait."""
+    calls: list[int] = []
+    stop = StopToken()
+    outages = Outages(
+        stop=stop,
+        is_transient=lambda error: isinstance(error, Dropped),
+        answers=lambda _error: True,
+    )
+
+    def waited_then_stopped() -> str:
+        calls.append(1)
+        stop.request()  # SIGTERM while the statement waited
+        raise Dropped("query_wait_timeout")
+
+    with pytest.raises(StoppedDuringOutageError):
+        outages.run(waited_then_stopped, blame=True)
+    assert len(calls) == 1
