@@ -43,7 +43,13 @@ from mqdedup.db.dialects import (
     is_pooler_queue_timeout,
     is_transient,
 )
-from mqdedup.db.probe import Probe, engine_of, explain
+from mqdedup.db.probe import (
+    Probe,
+    engine_of,
+    explain,
+    pool_gives_two,
+    pool_too_small_for_steps,
+)
 from mqdedup.dedup.claims import AttemptLog, ClaimStore
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outages import NotAnOutageError, Outages
@@ -143,6 +149,8 @@ class Processor:
         #: work looked like an outage (SQL claim stores on an engine only).
         engine = engine_of(sessions.kw.get("bind")) if sessions is not None else None
         self.probe = Probe(engine) if engine is not None and self.store.transactional else None
+        if self.probe is not None and pool_gives_two(self.probe.engine) is False:
+            log.warning(pool_too_small_for_steps(self.probe.engine), extra={"consumer": self.name})
         self.outages = self._outages(self.store.is_transient, self.store.infrastructure)
         database_outages = (
             self.outages if self.store.transactional else self._outages(is_transient, "database")

@@ -175,3 +175,47 @@ def explain(error: BaseException, probe: Probe | None, *, answered: bool) -> Exc
     clear = MessageDatabaseError(reason)
     clear.__cause__ = error
     return clear
+
+
+def pool_gives_two(engine: Engine, *, wait: float = 2.0) -> bool | None:
+    """Whether ``engine``'s pool can give a worker a second connection while it holds
+    one (a step's, while the message's transaction holds the first).
+
+    A pool of ``pool_size`` >= 2 can; otherwise (``pool_size=1``: it depends on its
+    ``max_overflow``, which SQLAlchemy does not publish) one connection is held and a
+    second asked for from a helper thread for up to ``wait`` seconds. None: the
+    database could not be reached (nothing is said at start then).
+    """
+    pool = engine.pool
+    if not isinstance(pool, QueuePool) or pool.size() >= 2:
+        return True
+    try:
+        first = pool.connect()
+    except Exception:  # the database is away at start: the outage logic takes over
+        return None
+    given = threading.Event()
+
+    def second() -> None:
+        try:
+            connection = pool.connect()
+        except Exception:
+            return
+        given.set()
+        connection.close()
+
+    helper = threading.Thread(target=second, daemon=True, name="pool-check")
+    helper.start()
+    try:
+        return given.wait(min(wait, pool.timeout()) or wait)
+    finally:
+        first.close()  # a helper still waiting gets this one back, and gives it back
+
+
+def pool_too_small_for_steps(engine: Engine) -> str:
+    """The start line for a pool that gives one connection at once."""
+    return (
+        f"the pool of {mask_url(engine.url)} gives 1 connection at once: enough for "
+        "handlers without steps, too small by 1 for a handler that uses ctx.step (or "
+        "opens a second connection of the engine), whose messages would fail waiting for "
+        "it; give the engine pool_size + max_overflow >= 2"
+    )

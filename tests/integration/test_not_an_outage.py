@@ -261,3 +261,7 @@ def test_a_step_on_a_pool_of_one_fails_its_message_with_the_pool_named(
     assert not [r for r in caplog.records if "unavailable" in r.getMessage()]
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("too small by 1" in line for line in errors), errors
+    starts = [
+        r.getMessage() for r in caplog.records if "gives 1 connection at once" in r.getMessage()
+    ]
+    assert len(starts) == 1 and "too small by 1 for a handler that uses ctx.step" in starts[0]

@@ -5,13 +5,19 @@ waited out. And the client-side limit psycopg refuses is never transient."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psycopg
 import pytest
+from sqlalchemy import create_engine as sa_create_engine
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.pool import QueuePool
 
 from mqdedup.db.dialects import driver_limit, is_contention, is_data_error, is_transient
+from mqdedup.db.probe import pool_gives_two
 from mqdedup.outages import NotAnOutageError, Outages, StoppedDuringOutageError
 from mqdedup.stopping import StopToken
 
@@ -126,3 +132,24 @@ def test_a_stop_requested_meanwhile_ends_the_work_instead_of_running_it_again() 
     with pytest.raises(StoppedDuringOutageError):
         outages.run(waited_then_stopped, blame=True)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(("pool_size", "max_overflow", "gives"), [(1, 0, False), (1, 1, True)])
+def test_a_pool_that_cannot_give_a_second_connection_is_found_at_start(
+    tmp_path: Path, pool_size: int, max_overflow: int, gives: bool
+) -> None:
+    engine = sa_create_engine(
+        f"sqlite:///{tmp_path / 'pool.db'}",
+        poolclass=QueuePool,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        pool_timeout=5,
+    )
+    try:
+        started = time.monotonic()
+        assert pool_gives_two(engine, wait=0.5) is gives
+        assert time.monotonic() - started < 4.5  # bounded by `wait`, not the pool's timeout
+        with engine.connect(), engine.connect() if gives else contextlib.nullcontext():
+            pass  # the pool is usable afterwards: nothing was kept
+    finally:
+        engine.dispose()
