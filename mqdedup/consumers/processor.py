@@ -7,7 +7,11 @@ their results; a unit of work runs them against the claim store and returns an
 database transaction per batch or per message; :mod:`~mqdedup.consumers.leased`: Redis
 leases); :mod:`~mqdedup.consumers.dead_lettering` dead-letters and parks. The Processor
 does the bookkeeping: outcomes into the report, hooks, retries, careful mode, settling.
-Outages of the claim store are waited out by :class:`mqdedup.outages.Outages`.
+Outages of the claim store are waited out by :class:`mqdedup.outages.Outages`; an error
+of a batch or a message that looks like one is first checked with a probe on a fresh
+connection (:mod:`mqdedup.db.probe`): a database that answers makes it the messages'
+(a batch then runs its messages one by one; a message's failure counts toward its
+attempts, with a reason naming the limit it hit).
 
 Careful mode: a redelivered message may be the one whose handler killed the previous
 worker (``os._exit``, OOM, a segfault): nothing could record that attempt. So each
@@ -287,6 +291,9 @@ class Processor:
     ) -> None:
         """A batch failed twice with an error that looked like an outage while the
         database answered: each message on its own, to find whose error it is."""
+        if len(deliveries) == 1:
+            failures.extend(self._not_an_outage(deliveries[0], answered).failures)
+            return
         log.warning(
             "the database answers a probe: the batch's error is not an outage; running "
             "its messages one by one",
@@ -308,14 +315,18 @@ class Processor:
                 functools.partial(self.runs.one, delivery, lease), blame=True, again=again
             )
         except NotAnOutageError as answered:
-            error = explain(answered.error, self.probe, answered=True) or answered.error
-            short = is_pool_timeout(answered.error) or is_pooler_queue_timeout(answered.error)
-            log.log(
-                logging.ERROR if short else logging.WARNING,
-                f"not an outage: {error}",
-                extra={"consumer": self.name, "message_id": delivery.message.id},
-            )
-            return Outcome(failures=[(delivery, error)])
+            return self._not_an_outage(delivery, answered)
+
+    def _not_an_outage(self, delivery: Delivery[Any], answered: NotAnOutageError) -> Outcome:
+        """The message's failure, in words naming the limit it hit; one log line."""
+        error = explain(answered.error, self.probe, answered=True) or answered.error
+        short = is_pool_timeout(answered.error) or is_pooler_queue_timeout(answered.error)
+        log.log(
+            logging.ERROR if short else logging.WARNING,
+            f"not an outage: {error}",
+            extra={"consumer": self.name, "message_id": delivery.message.id},
+        )
+        return Outcome(failures=[(delivery, error)])
 
     def _committed(self, outcome: Outcome, report: BatchReport) -> None:
         """After a unit of work is durable: the report, the after-commit hook, duplicate
