@@ -189,6 +189,8 @@ def pool_gives_two(engine: Engine, *, wait: float = 2.0) -> bool | None:
     pool = engine.pool
     if not isinstance(pool, QueuePool) or pool.size() >= 2:
         return True
+    if engine.dialect.is_async:  # an AsyncEngine's pool connects on its event loop only
+        return None
     try:
         first = pool.connect()
     except Exception:  # the database is away at start: the outage logic takes over

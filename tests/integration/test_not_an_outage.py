@@ -18,6 +18,7 @@ the message). A real outage (a stopped PostgreSQL) still pauses without dead-let
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -30,9 +31,18 @@ import pytest
 from sqlalchemy import Column, Integer, LargeBinary, MetaData, String, Table, insert, select
 from sqlalchemy.dialects.mysql import LONGBLOB
 
-from mqdedup import Consumer, Context, InMemoryBroker, Message, RetryPolicy
+from mqdedup import (
+    AsyncConsumer,
+    AsyncContext,
+    Consumer,
+    Context,
+    InMemoryBroker,
+    Message,
+    RetryPolicy,
+)
 from mqdedup.consumers.worker import Worker
 from mqdedup.db import create_engine
+from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.schema import schema
 from mqdedup.dedup.store import DedupStore
 from mqdedup.stopping import StopToken
@@ -265,3 +275,39 @@ def test_a_step_on_a_pool_of_one_fails_its_message_with_the_pool_named(
         r.getMessage() for r in caplog.records if "gives 1 connection at once" in r.getMessage()
     ]
     assert len(starts) == 1 and "too small by 1 for a handler that uses ctx.step" in starts[0]
+
+
+def test_an_async_step_on_a_pool_of_one_fails_its_message_with_the_pool_named(
+    db: TestDatabase,
+) -> None:
+    """The same through an AsyncEngine: the probe runs inside the asyncio bridge."""
+    orders = orders_table(db.prefix)
+
+    class AsyncCharging(AsyncConsumer):
+        name = "async-charging"
+        table_prefix = db.prefix
+        batch_size = 5
+        poll_timeout = 0.02
+        retry_policy = FAST
+
+        async def handle(self, message: Message, ctx: AsyncContext) -> None:
+            if message.id == "m-2":
+                await ctx.step("charge", lambda key: {"ok": True})
+            await ctx.session.execute(insert(orders).values(message_id=message.id, body="a"))
+
+    broker = InMemoryBroker()
+    ids = [f"m-{n}" for n in range(5)]
+    publish(broker, ids)
+
+    async def scenario() -> None:
+        engine = create_async_engine(db.url, pool_size=1, max_overflow=0, pool_timeout=0.5)
+        try:
+            worker = Worker(AsyncCharging(), broker.transport(QUEUE), engine)
+            await asyncio.wait_for(worker.run_async(until_idle=True), BOUND)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(scenario())
+    assert rows(db.engine, orders) == {i: 1 for i in ids if i != "m-2"}
+    letters = dead_letters(broker)
+    assert set(letters) == {"m-2"} and "too small by 1" in letters["m-2"]
