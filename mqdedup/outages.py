@@ -6,10 +6,21 @@ without limit, and never counts against a message. Every wait is logged with its
 counted, and flagged (``on_change``) so ``/healthz`` answers not ready until the work
 succeeds again. A stop request ends the wait: the caller's ``stopped`` exception is
 raised and nothing more is attempted.
+
+An outage is a service that does not answer. Some errors only look like one: a row
+over MySQL's ``max_allowed_packet`` drops the connection, a handler that exhausted its
+own pool gets a pool timeout, a pooler's queue times out. For the units of work that
+belong to messages (``run(work, blame=True)``) the caller's ``answers`` (a probe on a
+fresh connection, :mod:`mqdedup.db.probe`) decides: the database does not answer → an
+outage, waited out as above; it answers → the work runs once more at once (a restart
+that dropped the connection is over by then) and, failing again while the database
+answers, :class:`NotAnOutageError` is raised: the error is the work's, the caller
+blames its messages. The probe runs only after an error that already looked transient.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -33,7 +44,24 @@ class StoppedDuringOutageError(Exception):
     """A stop was requested while waiting for unreachable infrastructure."""
 
 
+class NotAnOutageError(Exception):
+    """A unit of work failed with an error that looks like an outage while the database
+    answers a probe: the error (``error``) belongs to the work's messages."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(f"the database answers; not an outage: {type(error).__name__}")
+        self.error = error
+
+
 def _nothing(*_args: Any) -> None:
+    return None
+
+
+def _never(_error: BaseException) -> bool:
+    return False
+
+
+def _no_cause(_error: BaseException) -> str | None:
     return None
 
 
@@ -99,7 +127,10 @@ class Outages:
     (``"database"``, ``"redis"``). ``keepalive`` runs while waiting (broker heartbeats);
     ``on_retry`` counts each wait; ``on_change`` gets the cause while waiting and None
     once the work succeeded again. ``stopped`` is the exception raised when a stop is
-    requested during a wait.
+    requested during a wait. ``answers(error)``: True when the database answers a probe
+    although ``error`` looked like an outage (asked only by ``run(..., blame=True)``).
+    ``cause(error)``: what to log and flag instead of "<what> unavailable" for an error
+    that is no outage of the service itself (a pool too small), None for an outage.
     """
 
     def __init__(
@@ -115,6 +146,8 @@ class Outages:
         stopped: type[Exception] = StoppedDuringOutageError,
         context: Mapping[str, Any] | None = None,
         slice_seconds: float = 0.2,
+        answers: Callable[[BaseException], bool] = _never,
+        cause: Callable[[BaseException], str | None] = _no_cause,
     ) -> None:
         self.stop = stop
         self.is_transient = is_transient
@@ -126,8 +159,17 @@ class Outages:
         self.stopped = stopped
         self.context = dict(context or {})
         self.slice_seconds = slice_seconds
+        self.answers = answers
+        self.cause = cause
 
-    def run(self, work: Callable[[], T], *, background: bool = False) -> T:
+    def run(
+        self,
+        work: Callable[[], T],
+        *,
+        background: bool = False,
+        blame: bool = False,
+        again: bool = True,
+    ) -> T:
         """Run ``work``; while it fails with an outage, wait with backoff and run it again.
 
         The first attempt runs directly (building the retry machinery costs ~30 µs, a
@@ -135,8 +177,13 @@ class Outages:
         follows at once: a connection found dead in the pool (the database restarted)
         invalidates the pool, so it usually succeeds on a fresh connection; further
         attempts back off. ``background``: called from a helper thread that must not
-        run ``keepalive`` (the connections of another thread).
+        run ``keepalive`` (the connections of another thread). ``blame``: the work
+        belongs to messages; an error that looks like an outage while the database
+        answers (``answers``) raises :class:`NotAnOutageError`, after one more run at
+        once (``again``; False when the work already failed so with the database there).
         """
+        if blame:
+            work = functools.partial(self._blamable, work, again)
         try:
             return work()
         except Exception as error:
@@ -155,6 +202,30 @@ class Outages:
             return retrying(work)
         finally:
             self.on_change(None)  # the outage is over (or no longer ours to wait out)
+
+    def _blamable(self, work: Callable[[], T], again: bool) -> T:
+        """``work``, NotAnOutageError when it fails so while the database answers."""
+        try:
+            return work()
+        except Exception as error:
+            if not (self.is_transient(error) and self.answers(error)):
+                raise
+            if not again:
+                raise NotAnOutageError(error) from error
+            if self.stop.requested:  # no second wait (a pool's timeout, say) when stopping
+                raise self.stopped(f"stop requested after {type(error).__name__}") from error
+            self.on_retry()  # a transaction retried for its connection, not flagged
+            log.info(
+                f"the {self.what} answers a probe after {type(error).__name__}; "
+                "running the work once more",
+                extra={**self.context, "error": type(error).__name__},
+            )
+        try:
+            return work()
+        except Exception as error:
+            if self.is_transient(error) and self.answers(error):
+                raise NotAnOutageError(error) from error
+            raise
 
     def pause(self, seconds: float) -> bool:
         """Wait ``seconds`` running ``keepalive``; False if a stop was requested."""
@@ -182,6 +253,14 @@ class Outages:
 
     def _waiting(self, attempt: int, error: BaseException | None) -> None:
         self.on_retry()
+        cause = self.cause(error) if error is not None else None
+        if cause is not None:
+            self.on_change(cause)
+            log.warning(
+                f"{cause}; retrying",
+                extra={**self.context, "attempt": attempt, "error": type(error).__name__},
+            )
+            return
         self.on_change(f"{self.what} unavailable: {type(error).__name__ if error else '?'}")
         log.warning(
             f"{self.what} unavailable; retrying",

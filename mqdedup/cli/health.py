@@ -44,9 +44,15 @@ def snapshot_ready(snapshot: Mapping[str, Any]) -> bool:
     consumer is attached: the broker closed its channel or the connection is being
     re-established, so nothing is consumed. A worker or relay waiting out an outage
     (``outage``: the database or Redis unreachable, see :mod:`mqdedup.outages`) is not
-    ready either.
+    ready either, nor one whose pool gave no connection (``connection_shortage``: a pool
+    or a pooler too small for the worker, see ``docs/operations.md``) until it commits
+    processed messages again.
     """
-    return snapshot.get("consumer_attached") is not False and not snapshot.get("outage")
+    return (
+        snapshot.get("consumer_attached") is not False
+        and not snapshot.get("outage")
+        and not snapshot.get("connection_shortage")
+    )
 
 
 class HealthServer:
@@ -139,6 +145,11 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ),
     ("mqdedup_handler_retries", "Handler retries", "retries"),
     ("mqdedup_database_retries", "Transactions retried for outages", "database_retries"),
+    (
+        "mqdedup_pool_timeouts",
+        "Times a connection pool (SQLAlchemy's or a pooler's queue) gave no connection",
+        "pool_timeouts",
+    ),
     ("mqdedup_batches", "Batches processed", "batches"),
     ("mqdedup_batch_seconds", "Seconds spent processing batches", "batch_seconds"),
     (

@@ -27,6 +27,12 @@ class Metrics:
     #: What the worker is waiting for while it cannot make progress (the database or
     #: Redis unreachable); None: nothing. ``/healthz`` is not ready meanwhile.
     outage: str | None = None
+    #: How often a pool gave no connection: SQLAlchemy's pool timed out, or a pooler's
+    #: queue did (PgBouncer ``query_wait_timeout``).
+    pool_timeouts: int = 0
+    #: The error of the last pool that gave no connection, until a unit of work commits
+    #: processed messages again; ``/healthz`` is not ready meanwhile.
+    connection_shortage: str | None = None
     batches: int = 0
     batch_seconds: float = 0.0
     lag: dict[str, int] = field(default_factory=dict)

@@ -7,7 +7,11 @@ their results; a unit of work runs them against the claim store and returns an
 database transaction per batch or per message; :mod:`~mqdedup.consumers.leased`: Redis
 leases); :mod:`~mqdedup.consumers.dead_lettering` dead-letters and parks. The Processor
 does the bookkeeping: outcomes into the report, hooks, retries, careful mode, settling.
-Outages of the claim store are waited out by :class:`mqdedup.outages.Outages`.
+Outages of the claim store are waited out by :class:`mqdedup.outages.Outages`; an error
+of a batch or a message that looks like one is first checked with a probe on a fresh
+connection (:mod:`mqdedup.db.probe`): a database that answers makes it the messages'
+(a batch then runs its messages one by one; a message's failure counts toward its
+attempts, with a reason naming the limit it hit).
 
 Careful mode: a redelivered message may be the one whose handler killed the previous
 worker (``os._exit``, OOM, a segfault): nothing could record that attempt. So each
@@ -37,10 +41,22 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.report import BatchAbandonedError, BatchReport, Outcome
 from mqdedup.consumers.transactions import SQLiteSelfDeadlockError, TransactionalRuns
 from mqdedup.consumers.transport import DeadLetter
-from mqdedup.db.dialects import is_transient
+from mqdedup.db.dialects import (
+    is_contention,
+    is_pool_timeout,
+    is_pooler_queue_timeout,
+    is_transient,
+)
+from mqdedup.db.probe import (
+    Probe,
+    engine_of,
+    explain,
+    pool_gives_two,
+    pool_too_small_for_steps,
+)
 from mqdedup.dedup.claims import AttemptLog, ClaimStore
 from mqdedup.errors import ConfigurationError, MessageError
-from mqdedup.outages import Outages
+from mqdedup.outages import NotAnOutageError, Outages
 from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
@@ -133,6 +149,12 @@ class Processor:
         handlers = Handlers(consumer, self.metrics)
         #: When the last claim became durable (for the commit -> settle histogram).
         self.last_commit: float | None = None
+        #: Asks the database whether it answers, once an error of a message's unit of
+        #: work looked like an outage (SQL claim stores on an engine only).
+        engine = engine_of(sessions.kw.get("bind")) if sessions is not None else None
+        self.probe = Probe(engine) if engine is not None and self.store.transactional else None
+        if self.probe is not None and pool_gives_two(self.probe.engine) is False:
+            log.warning(pool_too_small_for_steps(self.probe.engine), extra={"consumer": self.name})
         self.outages = self._outages(self.store.is_transient, self.store.infrastructure)
         database_outages = (
             self.outages if self.store.transactional else self._outages(is_transient, "database")
@@ -162,7 +184,35 @@ class Processor:
             on_change=self._flag_outage,
             stopped=BatchAbandonedError,
             context={"consumer": self.name},
+            answers=self._answers,
+            cause=self._cause,
         )
+
+    @staticmethod
+    def _cause(error: BaseException) -> str | None:
+        """The log line's subject for an error that is no database outage."""
+        if is_pool_timeout(error):
+            return "the database pool gave no connection within its timeout (pool exhausted)"
+        if is_pooler_queue_timeout(error):
+            return (
+                "the pooler gave no server connection within its query_wait_timeout "
+                "(PgBouncer's default_pool_size too small; the database answers)"
+            )
+        return None
+
+    def _answers(self, error: BaseException) -> bool:
+        """Whether the database answers although ``error`` looked like an outage."""
+        if self.probe is None or is_contention(error):
+            return False
+        if is_pool_timeout(error) or is_pooler_queue_timeout(error):
+            self._short_of_connections(error)
+        return self.probe.answers()
+
+    def _short_of_connections(self, error: BaseException) -> None:
+        """A pool (SQLAlchemy's, or a pooler's) gave no connection: counted, and the
+        worker is not ready until a unit of work commits again."""
+        self.metrics.pool_timeouts += 1
+        self.metrics.connection_shortage = type(error).__name__
 
     # -- public ------------------------------------------------------------------------
 
@@ -214,17 +264,69 @@ class Processor:
                     if self.stop.requested:
                         report.unsettled.extend(deliveries[index:])
                         break
-                    outcome = self.outages.run(functools.partial(self.runs.one, delivery, lease))
+                    outcome = self._one(delivery, lease)
                     self._committed(outcome, report)
                     failures.extend(outcome.failures)
             finally:
                 lease.close()
         else:
-            outcome = self.outages.run(functools.partial(self.runs.batch, deliveries))
-            self._committed(outcome, report)
-            failures = outcome.failures
+            try:
+                outcome = self.outages.run(
+                    functools.partial(self.runs.batch, deliveries), blame=True
+                )
+            except NotAnOutageError as answered:
+                self._each_alone(deliveries, answered, report, failures)
+            else:
+                self._committed(outcome, report)
+                failures = outcome.failures
         for delivery, error in failures:
             self._retry(delivery, error, report)
+
+    def _each_alone(
+        self,
+        deliveries: Sequence[Delivery[Any]],
+        answered: NotAnOutageError,
+        report: BatchReport,
+        failures: list[tuple[Delivery[Any], Exception]],
+    ) -> None:
+        """A batch failed twice with an error that looked like an outage while the
+        database answered: each message on its own, to find whose error it is."""
+        if len(deliveries) == 1:
+            failures.extend(self._not_an_outage(deliveries[0], answered).failures)
+            return
+        log.warning(
+            "the database answers a probe: the batch's error is not an outage; running "
+            "its messages one by one",
+            extra={"consumer": self.name, "error": type(answered.error).__name__},
+        )
+        for index, delivery in enumerate(deliveries):
+            if self.stop.requested:
+                report.unsettled.extend(deliveries[index:])
+                return
+            outcome = self._one(delivery, again=False)
+            self._committed(outcome, report)
+            failures.extend(outcome.failures)
+
+    def _one(self, delivery: Delivery[Any], lease: Any = None, *, again: bool = True) -> Outcome:
+        """One message in a unit of work of its own; an error that looks like an outage
+        while the database answers is the message's failure (see :class:`Outages`)."""
+        try:
+            return self.outages.run(
+                functools.partial(self.runs.one, delivery, lease), blame=True, again=again
+            )
+        except NotAnOutageError as answered:
+            return self._not_an_outage(delivery, answered)
+
+    def _not_an_outage(self, delivery: Delivery[Any], answered: NotAnOutageError) -> Outcome:
+        """The message's failure, in words naming the limit it hit; one log line."""
+        error = explain(answered.error, self.probe, answered=True) or answered.error
+        short = is_pool_timeout(answered.error) or is_pooler_queue_timeout(answered.error)
+        log.log(
+            logging.ERROR if short else logging.WARNING,
+            f"not an outage: {error}",
+            extra={"consumer": self.name, "message_id": delivery.message.id},
+        )
+        return Outcome(failures=[(delivery, error)])
 
     def _committed(self, outcome: Outcome, report: BatchReport) -> None:
         """After a unit of work is durable: the report, the after-commit hook, duplicate
@@ -238,6 +340,8 @@ class Processor:
         self.metrics.duplicates += len(outcome.duplicates)
         if outcome.durable_at is not None:
             self.last_commit = outcome.durable_at
+            if outcome.processed:  # a unit of work got its connections again
+                self.metrics.connection_shortage = None
         # call_hook: an async consumer's hooks are coroutines, awaited in the bridge.
         if outcome.processed:
             self._hook(self.consumer.after_commit, [d.message for d in outcome.processed])
@@ -257,6 +361,7 @@ class Processor:
         message_id = str(delivery.message.id)
         attempts = 1
         while True:
+            error = self._clear(error)
             if isinstance(error, MessageError):
                 report.dead_lettered.append((delivery, self.letters.record(error, attempts)))
                 return
@@ -272,7 +377,7 @@ class Processor:
                 report.unsettled.append(delivery)  # stopping: leave it to the next owner
                 return
             self.metrics.retries += 1
-            outcome = self.outages.run(functools.partial(self.runs.one, delivery))
+            outcome = self._one(delivery, again=False)
             if not outcome.failures:
                 self._committed(outcome, report)
                 return
@@ -336,13 +441,13 @@ class Processor:
                     },
                 )
                 return
-            outcome = outages.run(functools.partial(self.runs.one, delivery, lease))
+            outcome = self._one(delivery, lease)
             self._committed(outcome, report)
             if outcome.duplicates:  # claimed meanwhile by another worker: nothing ran
                 outages.run(functools.partial(attempt_log.undo_attempt, self.name, message_id))
             if not outcome.failures:
                 return
-            error = outcome.failures[0][1]
+            error = self._clear(outcome.failures[0][1])
             outages.run(
                 functools.partial(
                     attempt_log.finish_attempt,
@@ -392,6 +497,12 @@ class Processor:
         committed = report.processed + report.duplicates
         if committed:
             self.transport.settle(committed)
+
+    def _clear(self, error: Exception) -> Exception:
+        """A message's database error in words that name the limit it hit (a driver's
+        parameter limit, a pool its handler exhausted), else ``error`` itself."""
+        clear = explain(error, self.probe, answered=False)
+        return error if clear is None else clear
 
     def _count_outage_retry(self) -> None:
         self.metrics.database_retries += 1

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -70,6 +70,10 @@ _SQLITE_TRANSIENT_CODES = frozenset({5, 6})  # SQLITE_BUSY, SQLITE_LOCKED
 # MySQL/MariaDB: lock wait timeout, deadlock, server gone / lost / cannot connect,
 # too many connections, server shutdown, connection killed (MariaDB 1927, MySQL 4031).
 _MYSQL_TRANSIENT_CODES = frozenset({1205, 1213, 2002, 2003, 2006, 2013, 1040, 1053, 1927, 4031})
+# Transient errors of a database that answers (contention): serialization failure,
+# deadlock, lock not available; MySQL lock wait timeout and deadlock.
+_CONTENTION_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
+_MYSQL_CONTENTION_CODES = frozenset({1205, 1213})
 _MYSQL_DUPLICATE_KEY = 1062  # ER_DUP_ENTRY
 _MYSQL_LOCK_WAIT_TIMEOUT = 1205  # ER_LOCK_WAIT_TIMEOUT
 _PG_UNIQUE_VIOLATION = "23505"
@@ -94,10 +98,19 @@ _MYSQL_MAX_KEY_LENGTH = 255
 
 
 def is_transient(error: BaseException) -> bool:
-    """True when ``error`` is an infrastructure failure worth retrying the transaction for."""
+    """True when ``error`` *looks* like an infrastructure failure worth retrying the
+    transaction for.
+
+    A client-side driver limit (:func:`driver_limit`) is never transient. Whether an
+    error that looks like the database not answering really is an outage is decided by
+    a probe (:mod:`mqdedup.db.probe`, :class:`mqdedup.outages.Outages`); contention
+    (:func:`is_contention`) is retried without one.
+    """
     if isinstance(error, sa_exc.DBAPIError):
         if error.connection_invalidated:
             return True
+        if driver_limit(error) is not None:
+            return False
         return _is_transient_driver_error(error.orig)
     if isinstance(error, sa_exc.TimeoutError | sa_exc.DisconnectionError):
         return True  # pool checkout timed out / disconnect detected by the pool
@@ -133,6 +146,85 @@ def _is_transient_driver_error(orig: BaseException | None) -> bool:
     return False
 
 
+def is_contention(error: BaseException) -> bool:
+    """True for a transient error of a database that answers: a deadlock, a
+    serialization failure, a lock wait that timed out, SQLite's busy / locked. Retried
+    at once with backoff; no probe is needed to know the database is there."""
+    orig = error.orig if isinstance(error, sa_exc.DBAPIError) else error
+    if orig is None:
+        return False
+    sqlstate = getattr(orig, "sqlstate", None)
+    if isinstance(sqlstate, str) and sqlstate:
+        return sqlstate in _CONTENTION_SQLSTATES
+    if isinstance(orig, sqlite3.Error):
+        return getattr(orig, "sqlite_errorcode", None) in _SQLITE_TRANSIENT_CODES
+    if type(orig).__module__.startswith("pymysql"):
+        args: tuple[Any, ...] = tuple(getattr(orig, "args", ()))
+        return len(args) > 0 and args[0] in _MYSQL_CONTENTION_CODES
+    return False
+
+
+def is_pool_timeout(error: BaseException) -> bool:
+    """True when SQLAlchemy's pool gave no connection within its timeout (every one of
+    its connections checked out): the process exhausted its pool, the database may be
+    perfectly well."""
+    return isinstance(error, sa_exc.TimeoutError)
+
+
+#: PgBouncer ends a client's wait for a server connection with this error (SQLSTATE
+#: 08P01, the protocol-violation code it uses for all of its own errors; the reason is
+#: its documented setting name, the only thing that tells the queue timeout apart).
+PGBOUNCER_QUERY_WAIT_TIMEOUT = "query_wait_timeout"
+
+
+def is_pooler_queue_timeout(error: BaseException) -> bool:
+    """True when a pooler in front of PostgreSQL (PgBouncer) gave up waiting for a free
+    server connection (``query_wait_timeout``): its server pool is too small for what
+    is asked of it, the database itself answers.
+
+    PgBouncer sends SQLSTATE 08P01 with its reason ``query_wait_timeout`` as the primary
+    message and no code of its own, so the code AND that exact reason decide (the one
+    place a message text is read; duplicates are never recognised that way).
+    """
+    orig = error.orig if isinstance(error, sa_exc.DBAPIError) else error
+    if getattr(orig, "sqlstate", None) != "08P01":
+        return False
+    diag = getattr(orig, "diag", None)
+    return getattr(diag, "message_primary", None) == PGBOUNCER_QUERY_WAIT_TIMEOUT
+
+
+#: The most parameters one statement may carry (psycopg 3 / libpq: a 16-bit count).
+PSYCOPG_MAX_PARAMETERS = 65_535
+
+
+def driver_limit(error: BaseException) -> str | None:
+    """The reason when the driver refused a statement on the client side for a limit
+    that the statement's values exceed (it never reached the database); else None.
+
+    psycopg refuses a statement with more than 65,535 parameters with an
+    ``OperationalError`` without SQLSTATE, the class it also uses for a lost connection;
+    told apart by structure, not text: the connection is still valid (SQLAlchemy did not
+    invalidate it) and the statement carried more parameters than the protocol allows.
+    Such an error belongs to the message whose statement it was.
+    """
+    if not isinstance(error, sa_exc.DBAPIError) or error.connection_invalidated:
+        return None
+    orig = error.orig
+    if orig is None or getattr(orig, "sqlstate", None):
+        return None
+    if not type(orig).__module__.startswith("psycopg"):
+        return None
+    params = error.params
+    count = len(params) if isinstance(params, Mapping | tuple) else 0
+    if count <= PSYCOPG_MAX_PARAMETERS:
+        return None
+    return (
+        f"statement has {count:,} parameters; psycopg allows {PSYCOPG_MAX_PARAMETERS:,}: "
+        "write the rows in chunks (several statements, or ctx.stage / an ORM bulk insert, "
+        "which SQLAlchemy pages), or pass the values as arrays (unnest)"
+    )
+
+
 def is_data_error(error: BaseException) -> bool:
     """True when ``error`` was caused by the values a statement carried, not the database.
 
@@ -149,7 +241,7 @@ def is_data_error(error: BaseException) -> bool:
         if isinstance(current, UnicodeError) or _is_data_driver_error(current):
             return True
         if isinstance(current, sa_exc.DBAPIError):
-            return _is_data_driver_error(current.orig)
+            return _is_data_driver_error(current.orig) or driver_limit(current) is not None
         current = current.__cause__ or current.__context__
     return False
 

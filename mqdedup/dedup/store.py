@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: The retention-horizon key of a purge that covered every consumer.
 ALL_CONSUMERS = "*"
+#: Ids per read of stored results (a statement carries one parameter per id).
+_RESULTS_CHUNK = 10_000
 
 
 def utcnow() -> datetime:
@@ -88,17 +90,19 @@ class DedupStore:
 
     def results(self, session: Session, consumer: str, ids: Sequence[str]) -> dict[str, Any]:
         """Stored results of already-processed ids (ids without a result are absent)."""
-        if not ids:
-            return {}
         table = self._processed
-        rows = session.execute(
-            select(table.c.message_id, table.c.result).where(
-                table.c.consumer_name == consumer,
-                table.c.message_id.in_(list(ids)),
-                table.c.result.is_not(None),
+        found: dict[str, Any] = {}
+        # In chunks: one IN (…) parameter per id, and psycopg allows 65,535 per statement.
+        for start in range(0, len(ids), _RESULTS_CHUNK):
+            rows = session.execute(
+                select(table.c.message_id, table.c.result).where(
+                    table.c.consumer_name == consumer,
+                    table.c.message_id.in_(list(ids[start : start + _RESULTS_CHUNK])),
+                    table.c.result.is_not(None),
+                )
             )
-        )
-        return {row.message_id: row.result for row in rows}
+            found.update((row.message_id, row.result) for row in rows)
+        return found
 
     def is_processed(self, session: Session, consumer: str, message_id: str) -> bool:
         """True when ``message_id`` has a committed claim for ``consumer``."""
