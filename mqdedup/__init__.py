@@ -4,6 +4,7 @@ Each message id is claimed in a dedup table inside the same database transaction
 the handler's business writes and outbox rows; the broker is settled only after commit.
 """
 
+from mqdedup import ids
 from mqdedup.consumers import (
     AsyncConsumer,
     AsyncContext,
@@ -26,7 +27,7 @@ from mqdedup.consumers.context import (
 )
 from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.engine import create_engine, init_schema
-from mqdedup.dedup import ClaimStore, DedupStore, RedisDedup, SqlDedup, ids
+from mqdedup.dedup import ClaimStore, DedupStore, RedisDedup, SqlDedup
 from mqdedup.dedup.ids import InvalidMessageIdError
 from mqdedup.errors import (
     ConfigurationError,

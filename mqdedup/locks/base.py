@@ -211,7 +211,9 @@ def _check_fenced_arguments(
             f"{type(session).__name__}"
         )
     if not isinstance(table, Table):
-        raise TypeError(f"fenced_update table must be a SQLAlchemy Table, got {type(table).__name__}")
+        raise TypeError(
+            f"fenced_update table must be a SQLAlchemy Table, got {type(table).__name__}"
+        )
     if not isinstance(where, ColumnElement):
         raise TypeError(
             "fenced_update where must be a SQLAlchemy condition such as table.c.id == 42, "

@@ -19,9 +19,10 @@ have one Redis Cluster hash tag)::
 
 Earlier versions (0.1.0 and before) used the keys ``<namespace>:lock:<name>`` and
 ``<namespace>:lock:<name>:fence``, where the lock ``X:fence`` and the fence counter of
-``X`` were one key. The first acquisition of a :class:`RedisLock` raises the new counter to the old one's value if
-there is one, so tokens keep growing across the upgrade; processes of the old and the
-new version do not exclude each other (upgrade every holder of a lock together).
+``X`` were one key. The first acquisition of a :class:`RedisLock` raises the new
+counter to the old one's value if there is one, so tokens keep growing across the
+upgrade; processes of the old and the new version do not exclude each other (upgrade
+every holder of a lock together).
 """
 
 from __future__ import annotations
