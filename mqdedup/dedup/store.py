@@ -1,9 +1,17 @@
-"""The processed-messages table: claim, forget, stored results, purge."""
+"""The processed-messages table: claim, forget, stored results, purge.
+
+A statement with one parameter per message id is split into statements of at most
+:func:`ids_per_statement` ids (in the caller's transaction, in sorted order for the
+claim), so a batch of any size stays under the database's limit of bound parameters:
+65,535 for PostgreSQL and MySQL / MariaDB, 32,766 for SQLite (999 before 3.32). Batches
+below the limit (every usual one) still take one statement.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import sqlite3
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -32,6 +40,31 @@ log = logging.getLogger(__name__)
 ALL_CONSUMERS = "*"
 
 
+#: Bound parameters one statement may carry, by database (the protocols of PostgreSQL
+#: and MySQL count them in 16 bits; SQLite's default limit).
+_MAX_PARAMETERS = {
+    "sqlite": 32_766 if sqlite3.sqlite_version_info >= (3, 32) else 999,
+    "postgresql": 65_535,
+    "mysql": 65_535,
+    "mariadb": 65_535,
+}
+#: Parameters of a statement besides its ids (the consumer name, a timestamp, ...).
+_OTHER_PARAMETERS = 16
+
+
+def ids_per_statement(session: Session, parameters_per_id: int = 1) -> int:
+    """How many ids one statement on ``session``'s database may carry when each takes
+    ``parameters_per_id`` bound parameters."""
+    limit = _MAX_PARAMETERS.get(session.get_bind().dialect.name, 999)
+    return (limit - _OTHER_PARAMETERS) // parameters_per_id
+
+
+def chunked(ids: Sequence[str], size: int) -> Iterator[Sequence[str]]:
+    """``ids`` in consecutive slices of at most ``size`` (one slice when it fits)."""
+    for start in range(0, len(ids), size):
+        yield ids[start : start + size]
+
+
 def utcnow() -> datetime:
     """The current time, timezone-aware (UTC)."""
     return datetime.now(UTC)
@@ -56,17 +89,25 @@ class DedupStore:
         in the same order and cannot deadlock on each other.
         """
         ordered = sorted(set(ids))
-        return dialects.claim_ids(session, self._processed, consumer, ordered, utcnow())
+        now = utcnow()
+        # A claim row binds 3 parameters (consumer, id, time) on SQLite and MySQL.
+        size = ids_per_statement(session, 3)
+        if len(ordered) <= size:
+            return dialects.claim_ids(session, self._processed, consumer, ordered, now)
+        new: set[str] = set()
+        for chunk in chunked(ordered, size):  # in order: no deadlock between batches
+            new |= dialects.claim_ids(session, self._processed, consumer, chunk, now)
+        return new
 
     def forget(self, session: Session, consumer: str, ids: Iterable[str]) -> None:
         """Remove claims (a failed handler must not leave its message marked processed)."""
-        id_list = list(ids)
-        if not id_list:
-            return
         table = self._processed
-        session.execute(
-            delete(table).where(table.c.consumer_name == consumer, table.c.message_id.in_(id_list))
-        )
+        for chunk in chunked(list(ids), ids_per_statement(session)):
+            session.execute(
+                delete(table).where(
+                    table.c.consumer_name == consumer, table.c.message_id.in_(chunk)
+                )
+            )
 
     def save_results(self, session: Session, consumer: str, results: Mapping[str, Any]) -> None:
         """Store handlers' JSON results next to their claims (one executemany)."""
@@ -88,17 +129,18 @@ class DedupStore:
 
     def results(self, session: Session, consumer: str, ids: Sequence[str]) -> dict[str, Any]:
         """Stored results of already-processed ids (ids without a result are absent)."""
-        if not ids:
-            return {}
         table = self._processed
-        rows = session.execute(
-            select(table.c.message_id, table.c.result).where(
-                table.c.consumer_name == consumer,
-                table.c.message_id.in_(list(ids)),
-                table.c.result.is_not(None),
+        found: dict[str, Any] = {}
+        for chunk in chunked(list(ids), ids_per_statement(session)):
+            rows = session.execute(
+                select(table.c.message_id, table.c.result).where(
+                    table.c.consumer_name == consumer,
+                    table.c.message_id.in_(chunk),
+                    table.c.result.is_not(None),
+                )
             )
-        )
-        return {row.message_id: row.result for row in rows}
+            found.update((row.message_id, row.result) for row in rows)
+        return found
 
     def is_processed(self, session: Session, consumer: str, message_id: str) -> bool:
         """True when ``message_id`` has a committed claim for ``consumer``."""
@@ -118,13 +160,13 @@ class DedupStore:
 
     def forget_attempts(self, session: Session, consumer: str, ids: Iterable[str]) -> None:
         """Remove attempt counts: those messages get their full retries again (a replay)."""
-        id_list = list(ids)
-        if not id_list:
-            return
         table = self._attempts
-        session.execute(
-            delete(table).where(table.c.consumer_name == consumer, table.c.message_id.in_(id_list))
-        )
+        for chunk in chunked(list(ids), ids_per_statement(session)):
+            session.execute(
+                delete(table).where(
+                    table.c.consumer_name == consumer, table.c.message_id.in_(chunk)
+                )
+            )
 
     def start_attempt(
         self, session: Session, consumer: str, message_id: str, marker: str, max_attempts: int
@@ -167,15 +209,16 @@ class DedupStore:
         One read. Only a filter: an id absent here may still be claimed concurrently, so
         whoever runs its handler claims it first as usual.
         """
-        if not ids:
-            return {}
         table = self._processed
-        rows = session.execute(
-            select(table.c.message_id, table.c.result).where(
-                table.c.consumer_name == consumer, table.c.message_id.in_(list(ids))
+        found: dict[str, Any] = {}
+        for chunk in chunked(list(ids), ids_per_statement(session)):
+            rows = session.execute(
+                select(table.c.message_id, table.c.result).where(
+                    table.c.consumer_name == consumer, table.c.message_id.in_(chunk)
+                )
             )
-        )
-        return {row.message_id: row.result for row in rows}
+            found.update((row.message_id, row.result) for row in rows)
+        return found
 
     def purge(
         self,
