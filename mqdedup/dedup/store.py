@@ -3,8 +3,9 @@
 A statement with one parameter per message id is split into statements of at most
 :func:`ids_per_statement` ids (in the caller's transaction, in sorted order for the
 claim), so a batch of any size stays under the database's limit of bound parameters:
-65,535 for PostgreSQL and MySQL / MariaDB, 32,766 for SQLite (999 before 3.32). Batches
-below the limit (every usual one) still take one statement.
+65,535 for PostgreSQL and MySQL / MariaDB, SQLite's own (32,766 by default since 3.32,
+999 before; builds may raise it). Batches below the limit (every usual one) still take
+one statement.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ log = logging.getLogger(__name__)
 ALL_CONSUMERS = "*"
 
 
-#: Bound parameters one statement may carry, by database (the protocols of PostgreSQL
-#: and MySQL count them in 16 bits; SQLite's default limit).
+#: Bound parameters one statement may carry, by database: the protocols of PostgreSQL
+#: and MySQL count them in 16 bits; SQLite's default limit (a connection tells its own).
 _MAX_PARAMETERS = {
     "sqlite": 32_766 if sqlite3.sqlite_version_info >= (3, 32) else 999,
     "postgresql": 65_535,
@@ -55,8 +56,17 @@ _OTHER_PARAMETERS = 16
 def ids_per_statement(session: Session, parameters_per_id: int = 1) -> int:
     """How many ids one statement on ``session``'s database may carry when each takes
     ``parameters_per_id`` bound parameters."""
-    limit = _MAX_PARAMETERS.get(session.get_bind().dialect.name, 999)
-    return (limit - _OTHER_PARAMETERS) // parameters_per_id
+    return max(1, (_parameter_limit(session) - _OTHER_PARAMETERS) // parameters_per_id)
+
+
+def _parameter_limit(session: Session) -> int:
+    name = session.get_bind().dialect.name
+    if name == "sqlite":  # builds differ (Debian's allows 250,000): ask the connection
+        driver = session.connection().connection.driver_connection
+        getlimit = getattr(driver, "getlimit", None)  # sqlite3 (not aiosqlite)
+        if getlimit is not None:
+            return int(getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
+    return _MAX_PARAMETERS.get(name, 999)
 
 
 def chunked(ids: Sequence[str], size: int) -> Iterator[Sequence[str]]:
