@@ -14,7 +14,7 @@ import logging
 import sqlite3
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     Engine,
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 #: The retention-horizon key of a purge that covered every consumer.
 ALL_CONSUMERS = "*"
 
+
+_Id = TypeVar("_Id", str, int)
 
 #: Bound parameters one statement may carry, by database: the protocols of PostgreSQL
 #: and MySQL count them in 16 bits; SQLite's default limit (a connection tells its own).
@@ -69,7 +71,7 @@ def _parameter_limit(session: Session) -> int:
     return _MAX_PARAMETERS.get(name, 999)
 
 
-def chunked(ids: Sequence[str], size: int) -> Iterator[Sequence[str]]:
+def chunked(ids: Sequence[_Id], size: int) -> Iterator[Sequence[_Id]]:
     """``ids`` in consecutive slices of at most ``size`` (one slice when it fits)."""
     for start in range(0, len(ids), size):
         yield ids[start : start + size]

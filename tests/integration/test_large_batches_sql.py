@@ -5,9 +5,9 @@ connections: Debian's build allows 250,000), PostgreSQL's and MySQL's protocols
 65,535. A claim of more ids than that (70,000 on PostgreSQL, 33,000 on SQLite and
 MariaDB, whose claims bind 3 parameters per row), and the reads and deletes with one
 parameter per id (stored results, careful mode's processed filter, forgetting failed
-claims and attempt counts) all work on every database: the statements are split under
-the limit, in the batch's transaction. (SQLite claims cost ~140 us per id here, hence
-the smaller batch there.)
+claims and attempt counts, settling a dead-letter replay's rows) all work on every
+database: the statements are split under the limit, in the batch's transaction.
+(SQLite claims cost ~140 us per id here, hence the smaller batch there.)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from sqlalchemy import event, func, select
 
 from mqdedup.db.engine import session_factory
 from mqdedup.db.schema import schema
+from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.dedup.sql_claims import SqlClaimStore
 from tests.services import TestDatabase, prefixed_database
 
@@ -86,4 +87,6 @@ def test_a_batch_over_the_parameter_limit_is_claimed_read_and_forgotten(
 
     with sessions() as session, session.begin():
         store.forget(session, CONSUMER, ids)
+        # A dead-letter replay settles its batch by row ids: as many as the batch.
+        assert DeadLetterTable(db.prefix).delete(session, range(1, len(ids) + 1)) == 0
     assert count(db, "processed") == 0
