@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, Table, or_, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 
 from mqdedup.errors import MqdedupError
 
@@ -158,7 +158,7 @@ def check_lease(lease: object, lock: LeaseLock) -> Lease:
 
 
 def fenced_update(
-    session: Session | Connection,
+    session: Session | Connection | scoped_session[Session],
     table: Table,
     where: ColumnElement[bool],
     values: Mapping[str, Any],
@@ -205,7 +205,7 @@ def _check_fenced_arguments(
     fence_column: object,
 ) -> None:
     """Clear errors for arguments of the wrong kind, before any statement runs."""
-    if not isinstance(session, Session | Connection):
+    if not isinstance(session, Session | Connection | scoped_session):
         raise TypeError(
             "fenced_update session must be a SQLAlchemy Session or Connection, got "
             f"{type(session).__name__}"
