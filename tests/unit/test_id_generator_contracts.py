@@ -1,10 +1,12 @@
 """Id generators hold their contracts (issue #39): fork-safe, a frozen clock refused.
 
-* A process forked while another thread makes ids gets its first UUIDv7 within a
-  bounded time (50 forks; before, 19 of 100 children waited for ever on a lock the
-  parent's thread held at the fork), unique against the parent's; a Snowflake copied
-  into such a child refuses at once with ``ForkedGeneratorError`` (before: a hang), and
-  a Snowflake with the child's own node id works there.
+* A process forked while another thread makes ids gets its UUIDv7s within a bounded
+  time (50 forks), unique against the parent's; a Snowflake copied into such a child
+  refuses at once with ``ForkedGeneratorError``, and a Snowflake with the child's own
+  node id works there. Before, a child waited for ever on a generator lock the
+  parent's thread held at the fork (a few in 100 forks for ``new_message_id``; a
+  generator whose clock is slow to read holds its lock most of the time, so there the
+  first fork or the second hung).
 * A Snowflake whose clock stands still refuses its 4,097th id of the millisecond with
   ``ClockStalledError`` within a bounded time (before: a hang), and an error leaves
   no trace: once the clock moves on, the ids stay unique.
@@ -28,6 +30,7 @@ from mqdedup.id_generators import (
     ClockStalledError,
     ForkedGeneratorError,
     Snowflake,
+    UUIDv7Generator,
     new_message_id,
 )
 
@@ -88,21 +91,35 @@ def run_in_fork(child: Callable[[], bytes]) -> bytes:
     return b"".join(chunks)
 
 
+def slow_clock() -> int:
+    """The wall clock, read slowly: a generator's lock is held most of the time."""
+    time.sleep(0.0005)
+    return time.time_ns() // 1_000_000
+
+
 def test_a_child_forked_while_a_thread_makes_uuid7s_gets_its_ids(busy_thread: BusyThread) -> None:
+    slow = UUIDv7Generator(clock=slow_clock)  # a fork nearly always finds its lock held
     parent_ids = busy_thread(new_message_id)
+    parent_slow_ids = busy_thread(lambda: str(slow.new()))
     children: set[str] = set()
     for _ in range(FORKS):
-        made = run_in_fork(lambda: " ".join(new_message_id() for _ in range(CHILD_IDS)).encode())
-        ids = made.decode().split()
-        assert len(ids) == CHILD_IDS and ids == sorted(ids)
-        children.update(ids)
-    assert len(children) == FORKS * CHILD_IDS  # unique across the children
-    assert not children & set(map(str, list(parent_ids)))  # and against the parent
-    assert parent_ids  # the thread was making ids while the forks happened
+
+        def child() -> bytes:
+            ids = [new_message_id() for _ in range(CHILD_IDS)]
+            ids += [str(slow.new()) for _ in range(10)]
+            return " ".join(ids).encode()
+
+        made = run_in_fork(child).decode().split()
+        assert len(made) == CHILD_IDS + 10 and made[:CHILD_IDS] == sorted(made[:CHILD_IDS])
+        children.update(made)
+    assert len(children) == FORKS * (CHILD_IDS + 10)  # unique across the children
+    parent = {str(i) for i in [*parent_ids, *parent_slow_ids]}
+    assert not children & parent  # and against the parent
+    assert parent_ids and parent_slow_ids  # the threads made ids while the forks happened
 
 
 def test_a_snowflake_copied_into_a_forked_child_refuses_at_once(busy_thread: BusyThread) -> None:
-    snowflake = Snowflake(3)
+    snowflake = Snowflake(3, clock=slow_clock)  # its lock held most of the time
     parent_ids = busy_thread(snowflake.next_id)
 
     def child() -> bytes:
