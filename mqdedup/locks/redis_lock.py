@@ -79,6 +79,11 @@ return -1
 """
 
 
+#: (server, old counter key) pairs this process has carried over: once per lock name,
+#: not once per RedisLock object (one is often made per request).
+_LEGACY_CHECKED: set[tuple[str, str]] = set()
+
+
 class RedisLock(LeaseLock):
     """A named lease lock on Redis; the same API as
     :class:`~mqdedup.locks.postgres.PostgresLock`.
@@ -115,7 +120,6 @@ class RedisLock(LeaseLock):
         self.fence_key = f"{namespace}:fence:{{{tag}}}"
         #: The fence counter of the old key layout (read once, see the module docstring).
         self.legacy_fence_key = f"{namespace}:lock:{name}:fence"
-        self._legacy_checked = False
         self._acquire = self.client.register_script(_ACQUIRE)
         self._extend = self.client.register_script(_EXTEND)
         self._release = self.client.register_script(_RELEASE)
@@ -127,7 +131,7 @@ class RedisLock(LeaseLock):
 
     def try_acquire(self) -> Lease | None:
         """The lease if the lock is free (or its last lease ran out), else None."""
-        if not self._legacy_checked:
+        if (_url_of(self.client), self.legacy_fence_key) not in _LEGACY_CHECKED:
             self._carry_legacy_tokens()
         owner = uuid.uuid4().hex
         started = time.monotonic()
@@ -159,7 +163,7 @@ class RedisLock(LeaseLock):
         text = old.decode() if isinstance(old, bytes) else old
         if isinstance(text, str) and text.isdigit():
             self._call(self._raise_fence, [self.fence_key], [int(text)])
-        self._legacy_checked = True
+        _LEGACY_CHECKED.add((_url_of(self.client), self.legacy_fence_key))
 
     def _check(self, code: Any, lease: Lease, what: str) -> None:
         if int(code) == 1:
