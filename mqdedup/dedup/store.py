@@ -77,6 +77,13 @@ def chunked(ids: Sequence[_Id], size: int) -> Iterator[Sequence[_Id]]:
         yield ids[start : start + size]
 
 
+def id_chunks(session: Session, ids: Iterable[_Id]) -> Iterator[Sequence[_Id]]:
+    """``ids`` in slices one statement with a parameter per id can carry (none if empty)."""
+    id_list = list(ids)
+    if id_list:
+        yield from chunked(id_list, ids_per_statement(session))
+
+
 def utcnow() -> datetime:
     """The current time, timezone-aware (UTC)."""
     return datetime.now(UTC)
@@ -95,12 +102,15 @@ class DedupStore:
         self._attempts = self.schema.attempts
 
     def claim(self, session: Session, consumer: str, ids: Iterable[str]) -> set[str]:
-        """Claim ``ids`` for ``consumer`` in one statement; return the ids that were new.
+        """Claim ``ids`` for ``consumer`` in one statement (a batch over the database's
+        parameter limit: one per slice, in order); return the ids that were new.
 
         Ids are de-duplicated and sorted first so concurrent batches lock index entries
         in the same order and cannot deadlock on each other.
         """
         ordered = sorted(set(ids))
+        if not ordered:
+            return set()
         now = utcnow()
         # A claim row binds 3 parameters (consumer, id, time) on SQLite and MySQL.
         size = ids_per_statement(session, 3)
@@ -114,7 +124,7 @@ class DedupStore:
     def forget(self, session: Session, consumer: str, ids: Iterable[str]) -> None:
         """Remove claims (a failed handler must not leave its message marked processed)."""
         table = self._processed
-        for chunk in chunked(list(ids), ids_per_statement(session)):
+        for chunk in id_chunks(session, ids):
             session.execute(
                 delete(table).where(
                     table.c.consumer_name == consumer, table.c.message_id.in_(chunk)
@@ -143,7 +153,7 @@ class DedupStore:
         """Stored results of already-processed ids (ids without a result are absent)."""
         table = self._processed
         found: dict[str, Any] = {}
-        for chunk in chunked(list(ids), ids_per_statement(session)):
+        for chunk in id_chunks(session, ids):
             rows = session.execute(
                 select(table.c.message_id, table.c.result).where(
                     table.c.consumer_name == consumer,
@@ -173,7 +183,7 @@ class DedupStore:
     def forget_attempts(self, session: Session, consumer: str, ids: Iterable[str]) -> None:
         """Remove attempt counts: those messages get their full retries again (a replay)."""
         table = self._attempts
-        for chunk in chunked(list(ids), ids_per_statement(session)):
+        for chunk in id_chunks(session, ids):
             session.execute(
                 delete(table).where(
                     table.c.consumer_name == consumer, table.c.message_id.in_(chunk)
@@ -223,7 +233,7 @@ class DedupStore:
         """
         table = self._processed
         found: dict[str, Any] = {}
-        for chunk in chunked(list(ids), ids_per_statement(session)):
+        for chunk in id_chunks(session, ids):
             rows = session.execute(
                 select(table.c.message_id, table.c.result).where(
                     table.c.consumer_name == consumer, table.c.message_id.in_(chunk)
