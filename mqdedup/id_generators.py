@@ -277,17 +277,20 @@ class Snowflake:
     def _next_millisecond(self) -> int:
         """Wait (bounded) for the clock to pass the last id's millisecond."""
         deadline = time.monotonic() + self.MAX_STALL_WAIT
-        now = self._now()
-        while now <= self._last_ms:
-            if time.monotonic() > deadline:
+        while True:
+            # The deadline before the clock: a thread paused past the deadline reads the
+            # clock once more before it refuses.
+            expired = time.monotonic() > deadline
+            now = self._now()
+            if now > self._last_ms:
+                return now
+            if expired:
                 raise ClockStalledError(
                     f"the clock stood still for {self.MAX_STALL_WAIT * 1000:.0f} ms after "
                     f"the {self.MAX_SEQUENCE + 1} ids of its millisecond: no id made (is the "
                     "clock frozen or mocked?)"
                 )
             self._sleep(0.0001)
-            now = self._now()
-        return now
 
     def _now(self) -> int:
         """Milliseconds since the epoch, never earlier than the last id's."""
