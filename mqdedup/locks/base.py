@@ -179,7 +179,9 @@ def fenced_update(
     """
     _check_fenced_arguments(session, table, where, values, token, fence_column)
     fence = table.c[fence_column]
-    fences = session.execute(select(fence).where(where).with_for_update()).scalars().all()
+    # In primary-key order: two holders stamping overlapping rows lock them in one order.
+    locking = select(fence).where(where).order_by(*table.primary_key.columns).with_for_update()
+    fences = session.execute(locking).scalars().all()
     newer = max((value for value in fences if value is not None and value > token), default=None)
     if newer is not None:
         raise StaleTokenError(
