@@ -4,6 +4,7 @@ Each message id is claimed in a dedup table inside the same database transaction
 the handler's business writes and outbox rows; the broker is settled only after commit.
 """
 
+from mqdedup import ids
 from mqdedup.consumers import (
     AsyncConsumer,
     AsyncContext,
@@ -34,7 +35,6 @@ from mqdedup.dedup import (
     RedisDedup,
     SqlDedup,
     async_insert_or_get,
-    ids,
     insert_or_get,
 )
 from mqdedup.dedup.ids import InvalidMessageIdError

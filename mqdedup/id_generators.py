@@ -12,15 +12,19 @@ time-ordered and never repeat an id within a process:
   also when the clock steps back (the last millisecond is kept until the clock passes
   it) or the counter runs out (the timestamp moves on by one millisecond). Across
   processes they are unique by their random bits (122 - 48 bits of randomness less
-  the counter's headroom: 74 bits per millisecond). Thread-safe; after ``fork`` the
-  child starts a fresh counter of its own.
+  the counter's headroom: 74 bits per millisecond). Thread-safe and fork-safe: a
+  child forked while another thread was making an id gets a fresh lock and a fresh
+  counter of its own (``os.register_at_fork``), never a lock held for ever.
 * :class:`Snowflake` makes 63-bit positive integers for teams that want numeric ids:
   41 bits of milliseconds since an epoch (2024-01-01 by default, ~69 years of room),
   10 bits of node id, 12 bits of sequence (4,096 ids per millisecond and node). Unique
   only if every live generator has its own node id: a generator copied into a forked
-  child refuses to make ids (:class:`ForkedGeneratorError`). A clock that goes back is
-  waited out up to ``max_backward_wait``, and refused beyond it
-  (:class:`ClockMovedBackwardsError`): never a duplicate id.
+  child refuses to make ids at once (:class:`ForkedGeneratorError`; also when another
+  thread was making an id at the fork), as the child has no node id of its own. A
+  clock that goes back is waited out up to ``max_backward_wait``, and refused beyond
+  it (:class:`ClockMovedBackwardsError`); a clock that stands still after 4,096 ids in
+  its millisecond is waited for up to :attr:`Snowflake.MAX_STALL_WAIT` and refused
+  after (:class:`ClockStalledError`): never a duplicate id, never a hang.
 
 Messages a consumer writes to its outbox keep their deterministic ids
 (:func:`mqdedup.outbox.writer.outgoing_message_id`): a re-run of the handler must make
@@ -34,13 +38,16 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Protocol
 
 from mqdedup.errors import MqdedupError
 
 __all__ = [
     "ClockMovedBackwardsError",
+    "ClockStalledError",
     "ForkedGeneratorError",
     "Snowflake",
     "UUIDv7Generator",
@@ -74,6 +81,39 @@ class ClockMovedBackwardsError(MqdedupError, RuntimeError):
     (making one could repeat an id already given out)."""
 
 
+class ClockStalledError(MqdedupError, RuntimeError):
+    """A :class:`Snowflake` made its 4,096 ids of one millisecond and the clock did not
+    move on within :attr:`Snowflake.MAX_STALL_WAIT`: no id was made (a frozen or
+    mocked clock; waiting longer could hang for ever)."""
+
+
+class _ForkAware(Protocol):
+    def _after_fork_in_child(self) -> None: ...
+
+
+# Every live generator, to reset in a forked child: a fork copies the process with
+# only the forking thread, so a lock another thread held at that moment stays held
+# for ever in the child.
+_LIVE: weakref.WeakSet[_ForkAware] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def _track(generator: _ForkAware) -> None:
+    with _LIVE_LOCK:
+        _LIVE.add(generator)
+
+
+def _reset_after_fork() -> None:
+    global _LIVE_LOCK  # noqa: PLW0603 - the parent's copy may be held by another thread
+    _LIVE_LOCK = threading.Lock()
+    for generator in list(_LIVE):
+        generator._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; there is no fork elsewhere
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 class UUIDv7Generator:
     """Strictly increasing UUIDv7 values (see the module's docstring for the layout).
 
@@ -92,6 +132,12 @@ class UUIDv7Generator:
         self._last_ms = -1
         self._counter = 0
         self._pid = os.getpid()
+        _track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A fresh lock (the parent's may have been held) and a counter of our own."""
+        self._lock = threading.Lock()
+        self._pid, self._last_ms = os.getpid(), -1
 
     def new(self) -> uuid.UUID:
         """The next UUIDv7, greater than every one this generator made before."""
@@ -156,8 +202,11 @@ class Snowflake:
     forever, ids from another epoch overlap). When the clock reads earlier than the
     last id's millisecond, :meth:`next_id` waits for it to catch up if the gap is at
     most ``max_backward_wait`` seconds (default 0.05: NTP slews and small steps), else
-    raises :class:`ClockMovedBackwardsError`. ``clock`` (Unix milliseconds) and
-    ``sleep`` (seconds) are injectable. Thread-safe.
+    raises :class:`ClockMovedBackwardsError`. When the 4,096 ids of a millisecond are
+    made, the next millisecond is awaited for up to :attr:`MAX_STALL_WAIT` seconds
+    (:class:`ClockStalledError` after). ``clock`` (Unix milliseconds) and ``sleep``
+    (seconds) are injectable. Thread-safe; a copy in a forked child raises
+    :class:`ForkedGeneratorError` (create a generator with the child's own node id).
     """
 
     NODE_BITS = 10
@@ -166,6 +215,8 @@ class Snowflake:
     MAX_NODE_ID = (1 << NODE_BITS) - 1
     MAX_SEQUENCE = (1 << SEQUENCE_BITS) - 1
     DEFAULT_EPOCH = datetime(2024, 1, 1, tzinfo=UTC)
+    #: Seconds to wait for the clock to pass a millisecond whose ids are all made.
+    MAX_STALL_WAIT = 0.1
 
     def __init__(
         self,
@@ -193,6 +244,12 @@ class Snowflake:
         self._last_ms = -1
         self._sequence = 0
         self._pid = os.getpid()
+        _track(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A fresh lock, so that :meth:`next_id` refuses at once instead of waiting for
+        ever on a lock another thread of the parent held at the fork."""
+        self._lock = threading.Lock()
 
     def next_id(self) -> int:
         """The next id: unique for this node id, greater than every id made before."""
@@ -204,20 +261,36 @@ class Snowflake:
                     "make the same ids; create a Snowflake with its own node id per process"
                 )
             now = self._now()
+            sequence = 0
             if now == self._last_ms:
-                self._sequence = (self._sequence + 1) & self.MAX_SEQUENCE
-                if self._sequence == 0:  # 4,096 ids this millisecond: wait for the next
-                    while now <= self._last_ms:
-                        self._sleep(0.0001)
-                        now = self._now()
-            else:
-                self._sequence = 0
-            self._last_ms = now
+                sequence = (self._sequence + 1) & self.MAX_SEQUENCE
+                if sequence == 0:  # 4,096 ids this millisecond: wait for the next
+                    now = self._next_millisecond()
+            # Only a made id moves the state on: an error leaves it as it was.
+            self._last_ms, self._sequence = now, sequence
             return (
                 (now << (self.NODE_BITS + self.SEQUENCE_BITS))
                 | (self.node_id << self.SEQUENCE_BITS)
-                | self._sequence
+                | sequence
             )
+
+    def _next_millisecond(self) -> int:
+        """Wait (bounded) for the clock to pass the last id's millisecond."""
+        deadline = time.monotonic() + self.MAX_STALL_WAIT
+        while True:
+            # The deadline before the clock: a thread paused past the deadline reads the
+            # clock once more before it refuses.
+            expired = time.monotonic() > deadline
+            now = self._now()
+            if now > self._last_ms:
+                return now
+            if expired:
+                raise ClockStalledError(
+                    f"the clock stood still for {self.MAX_STALL_WAIT * 1000:.0f} ms after "
+                    f"the {self.MAX_SEQUENCE + 1} ids of its millisecond: no id made (is the "
+                    "clock frozen or mocked?)"
+                )
+            self._sleep(0.0001)
 
     def _now(self) -> int:
         """Milliseconds since the epoch, never earlier than the last id's."""

@@ -22,7 +22,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.identity import message_id_of
@@ -228,15 +227,9 @@ class ReplayTally:
     def _claimed(self, ids: list[str]) -> set[str]:
         if not ids:
             return set()
-        table = DedupStore(self.consumer.table_prefix).schema.processed
-        with self.sessions() as session:
-            rows = session.execute(
-                select(table.c.message_id).where(
-                    table.c.consumer_name == self.consumer.consumer_name,
-                    table.c.message_id.in_(ids),
-                )
-            )
-            return {row[0] for row in rows}
+        store = DedupStore(self.consumer.table_prefix)
+        with self.sessions() as session:  # a read per batch, split under the parameter limit
+            return set(store.processed(session, self.consumer.consumer_name, ids))
 
 
 class ParkedTransport:

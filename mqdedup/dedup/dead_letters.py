@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from mqdedup.db import dialects
 from mqdedup.db.schema import DEFAULT_PREFIX, schema
-from mqdedup.dedup.store import utcnow
+from mqdedup.dedup.store import id_chunks, utcnow
 from mqdedup.message import HeaderValue, Message
 
 #: Longest reason / error text kept (the full text is in the worker's log).
@@ -123,11 +123,11 @@ class DeadLetterTable:
 
     def delete(self, session: Session, ids: Iterable[int]) -> int:
         """Remove kept dead letters by row id; returns how many were removed."""
-        id_list = list(ids)
-        if not id_list:
-            return 0
-        result = session.execute(delete(self.table).where(self.table.c.id.in_(id_list)))
-        return int(getattr(result, "rowcount", 0) or 0)
+        removed = 0
+        for chunk in id_chunks(session, ids):  # as many as a replay's batch
+            result = session.execute(delete(self.table).where(self.table.c.id.in_(chunk)))
+            removed += int(getattr(result, "rowcount", 0) or 0)
+        return removed
 
     def delete_all(self, session: Session, consumer: str) -> int:
         """Remove every kept dead letter of ``consumer``."""

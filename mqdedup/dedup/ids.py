@@ -19,9 +19,9 @@ encodable as UTF-8 (no lone surrogates), so every database accepts it the same w
 (:func:`check_message_id`). A message whose id breaks a rule is dead-lettered at once
 with the rule it broke; :func:`first_of` moves on to its next strategy instead.
 
-This module is also ``mqdedup.ids`` (``from mqdedup import ids``), so the id
-*generators* of :mod:`mqdedup.id_generators` are here too: ``ids.new_message_id()``
-(a UUIDv7 for the messages you publish) and ``ids.Snowflake(node_id)``.
+Users import these from :mod:`mqdedup.ids` (``from mqdedup import ids``), which also
+names the id *generators* of :mod:`mqdedup.id_generators` (``ids.new_message_id()``,
+``ids.Snowflake(node_id)``).
 """
 
 from __future__ import annotations
@@ -30,14 +30,6 @@ import hashlib
 from collections.abc import Callable
 
 from mqdedup.errors import MessageError, MissingMessageIdError
-
-# The id generators, re-exported: this module is also ``mqdedup.ids``.
-from mqdedup.id_generators import ClockMovedBackwardsError as ClockMovedBackwardsError  # noqa: PLC0414
-from mqdedup.id_generators import ForkedGeneratorError as ForkedGeneratorError  # noqa: PLC0414
-from mqdedup.id_generators import Snowflake as Snowflake  # noqa: PLC0414
-from mqdedup.id_generators import UUIDv7Generator as UUIDv7Generator  # noqa: PLC0414
-from mqdedup.id_generators import new_message_id as new_message_id  # noqa: PLC0414
-from mqdedup.id_generators import uuid7_time as uuid7_time  # noqa: PLC0414
 from mqdedup.message import Message
 
 MessageIdStrategy = Callable[[Message], str]

@@ -1,11 +1,20 @@
-"""The processed-messages table: claim, forget, stored results, purge."""
+"""The processed-messages table: claim, forget, stored results, purge.
+
+A statement with one parameter per message id is split into statements of at most
+:func:`ids_per_statement` ids (in the caller's transaction, in sorted order for the
+claim), so a batch of any size stays under the database's limit of bound parameters:
+65,535 for PostgreSQL and MySQL / MariaDB, SQLite's own (32,766 by default since 3.32,
+999 before; builds may raise it). Batches below the limit (every usual one) still take
+one statement.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import sqlite3
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     Engine,
@@ -30,8 +39,49 @@ log = logging.getLogger(__name__)
 
 #: The retention-horizon key of a purge that covered every consumer.
 ALL_CONSUMERS = "*"
-#: Ids per read of stored results (a statement carries one parameter per id).
-_RESULTS_CHUNK = 10_000
+
+
+_Id = TypeVar("_Id", str, int)
+
+#: Bound parameters one statement may carry, by database: the protocols of PostgreSQL
+#: and MySQL count them in 16 bits; SQLite's default limit (a connection tells its own).
+_MAX_PARAMETERS = {
+    "sqlite": 32_766 if sqlite3.sqlite_version_info >= (3, 32) else 999,
+    "postgresql": 65_535,
+    "mysql": 65_535,
+    "mariadb": 65_535,
+}
+#: Parameters of a statement besides its ids (the consumer name, a timestamp, ...).
+_OTHER_PARAMETERS = 16
+
+
+def ids_per_statement(session: Session, parameters_per_id: int = 1) -> int:
+    """How many ids one statement on ``session``'s database may carry when each takes
+    ``parameters_per_id`` bound parameters."""
+    return max(1, (_parameter_limit(session) - _OTHER_PARAMETERS) // parameters_per_id)
+
+
+def _parameter_limit(session: Session) -> int:
+    name = session.get_bind().dialect.name
+    if name == "sqlite":  # builds differ (Debian's allows 250,000): ask the connection
+        driver = session.connection().connection.driver_connection
+        getlimit = getattr(driver, "getlimit", None)  # sqlite3 (not aiosqlite)
+        if getlimit is not None:
+            return int(getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
+    return _MAX_PARAMETERS.get(name, 999)
+
+
+def chunked(ids: Sequence[_Id], size: int) -> Iterator[Sequence[_Id]]:
+    """``ids`` in consecutive slices of at most ``size`` (one slice when it fits)."""
+    for start in range(0, len(ids), size):
+        yield ids[start : start + size]
+
+
+def id_chunks(session: Session, ids: Iterable[_Id]) -> Iterator[Sequence[_Id]]:
+    """``ids`` in slices one statement with a parameter per id can carry (none if empty)."""
+    id_list = list(ids)
+    if id_list:
+        yield from chunked(id_list, ids_per_statement(session))
 
 
 def utcnow() -> datetime:
@@ -52,23 +102,34 @@ class DedupStore:
         self._attempts = self.schema.attempts
 
     def claim(self, session: Session, consumer: str, ids: Iterable[str]) -> set[str]:
-        """Claim ``ids`` for ``consumer`` in one statement; return the ids that were new.
+        """Claim ``ids`` for ``consumer`` in one statement (a batch over the database's
+        parameter limit: one per slice, in order); return the ids that were new.
 
         Ids are de-duplicated and sorted first so concurrent batches lock index entries
         in the same order and cannot deadlock on each other.
         """
         ordered = sorted(set(ids))
-        return dialects.claim_ids(session, self._processed, consumer, ordered, utcnow())
+        if not ordered:
+            return set()
+        now = utcnow()
+        # A claim row binds 3 parameters (consumer, id, time) on SQLite and MySQL.
+        size = ids_per_statement(session, 3)
+        if len(ordered) <= size:
+            return dialects.claim_ids(session, self._processed, consumer, ordered, now)
+        new: set[str] = set()
+        for chunk in chunked(ordered, size):  # in order: no deadlock between batches
+            new |= dialects.claim_ids(session, self._processed, consumer, chunk, now)
+        return new
 
     def forget(self, session: Session, consumer: str, ids: Iterable[str]) -> None:
         """Remove claims (a failed handler must not leave its message marked processed)."""
-        id_list = list(ids)
-        if not id_list:
-            return
         table = self._processed
-        session.execute(
-            delete(table).where(table.c.consumer_name == consumer, table.c.message_id.in_(id_list))
-        )
+        for chunk in id_chunks(session, ids):
+            session.execute(
+                delete(table).where(
+                    table.c.consumer_name == consumer, table.c.message_id.in_(chunk)
+                )
+            )
 
     def save_results(self, session: Session, consumer: str, results: Mapping[str, Any]) -> None:
         """Store handlers' JSON results next to their claims (one executemany)."""
@@ -92,12 +153,11 @@ class DedupStore:
         """Stored results of already-processed ids (ids without a result are absent)."""
         table = self._processed
         found: dict[str, Any] = {}
-        # In chunks: one IN (…) parameter per id, and psycopg allows 65,535 per statement.
-        for start in range(0, len(ids), _RESULTS_CHUNK):
+        for chunk in id_chunks(session, ids):
             rows = session.execute(
                 select(table.c.message_id, table.c.result).where(
                     table.c.consumer_name == consumer,
-                    table.c.message_id.in_(list(ids[start : start + _RESULTS_CHUNK])),
+                    table.c.message_id.in_(chunk),
                     table.c.result.is_not(None),
                 )
             )
@@ -122,13 +182,13 @@ class DedupStore:
 
     def forget_attempts(self, session: Session, consumer: str, ids: Iterable[str]) -> None:
         """Remove attempt counts: those messages get their full retries again (a replay)."""
-        id_list = list(ids)
-        if not id_list:
-            return
         table = self._attempts
-        session.execute(
-            delete(table).where(table.c.consumer_name == consumer, table.c.message_id.in_(id_list))
-        )
+        for chunk in id_chunks(session, ids):
+            session.execute(
+                delete(table).where(
+                    table.c.consumer_name == consumer, table.c.message_id.in_(chunk)
+                )
+            )
 
     def start_attempt(
         self, session: Session, consumer: str, message_id: str, marker: str, max_attempts: int
@@ -171,15 +231,16 @@ class DedupStore:
         One read. Only a filter: an id absent here may still be claimed concurrently, so
         whoever runs its handler claims it first as usual.
         """
-        if not ids:
-            return {}
         table = self._processed
-        rows = session.execute(
-            select(table.c.message_id, table.c.result).where(
-                table.c.consumer_name == consumer, table.c.message_id.in_(list(ids))
+        found: dict[str, Any] = {}
+        for chunk in id_chunks(session, ids):
+            rows = session.execute(
+                select(table.c.message_id, table.c.result).where(
+                    table.c.consumer_name == consumer, table.c.message_id.in_(chunk)
+                )
             )
-        )
-        return {row.message_id: row.result for row in rows}
+            found.update((row.message_id, row.result) for row in rows)
+        return found
 
     def purge(
         self,

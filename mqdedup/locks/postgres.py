@@ -31,6 +31,9 @@ from mqdedup.locks.base import (
     LockExpiredError,
     LockLostError,
     LockUnavailableError,
+    check_lease,
+    check_name,
+    check_seconds,
     check_ttl,
 )
 from mqdedup.masking import mask_url
@@ -81,17 +84,22 @@ class PostgresLock(LeaseLock):
         prefix: str = DEFAULT_PREFIX,
         poll_interval: float = 0.05,
     ) -> None:
+        if not isinstance(engine, Engine):
+            raise TypeError(
+                "PostgresLock engine must be a SQLAlchemy Engine (mqdedup.create_engine(url)), "
+                f"got {type(engine).__name__}"
+            )
         if engine.dialect.name != "postgresql":
             raise ConfigurationError(
                 f"PostgresLock needs PostgreSQL, not {engine.dialect.name} "
                 "(RedisLock is the other store)"
             )
-        if not isinstance(name, str) or not name or len(name) > 255:
-            raise ValueError(f"a lock name must be 1 to 255 characters, got {name!r:.80}")
         self.engine = engine
-        self.name = name
+        self.name = check_name(name, 255)
         self.ttl = check_ttl(ttl)
-        self.poll_interval = poll_interval
+        self.poll_interval = check_seconds(poll_interval, "poll_interval")
+        if not isinstance(prefix, str):
+            raise TypeError(f"PostgresLock prefix must be a string, got {type(prefix).__name__}")
         self._table = schema(prefix).locks.name
 
     def try_acquire(self) -> Lease | None:
@@ -107,6 +115,7 @@ class PostgresLock(LeaseLock):
 
     def extend(self, lease: Lease) -> Lease:
         """Give ``lease`` another ``ttl`` from now; raise if it expired or was lost."""
+        check_lease(lease, self)
         started = time.monotonic()
         row = self._execute(
             _EXTEND, name=self.name, owner=lease.owner, token=lease.token, ttl=self.ttl
@@ -118,6 +127,7 @@ class PostgresLock(LeaseLock):
     def release(self, lease: Lease) -> None:
         """Free the lock. Raises :class:`LockExpiredError` if the lease had run out
         (freed all the same) and :class:`LockLostError` if another holder has it."""
+        check_lease(lease, self)
         row = self._execute(_RELEASE, name=self.name, owner=lease.owner, token=lease.token)
         if row is None:
             raise self._why_not(lease, "released")
