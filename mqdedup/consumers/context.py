@@ -18,6 +18,9 @@ from sqlalchemy.orm import Session
 
 from mqdedup.consumers.staging import Stageable, capture, staged_writes
 from mqdedup.consumers.steps import StepRunner
+from mqdedup.db.transaction_state import (  # re-exported: raised to handlers
+    HandlerBrokeTransactionError as HandlerBrokeTransactionError,
+)
 from mqdedup.dedup.steps import idempotency_key
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outbox.async_writer import AsyncOutboxWriter
@@ -36,18 +39,6 @@ class HandlerEndedTransactionError(RuntimeError):
     The transaction belongs to the processor: it holds the message's claim and its
     batch-mates' work, and commits them together before the broker is settled. The call
     is refused (nothing is ended) and the message fails like any raising handler.
-    """
-
-
-class HandlerBrokeTransactionError(RuntimeError):
-    """A handler left the processor's transaction aborted or ended.
-
-    It caught a database error without a savepoint (PostgreSQL then refuses every later
-    statement of the transaction), or it ended the transaction by a route the guard
-    cannot refuse (``execute(text("COMMIT"))``, DDL that MariaDB commits implicitly, a
-    commit on the raw driver connection). The framework checks the transaction after
-    every handler: this message fails, alone (its batch-mates keep their writes and
-    claims), is retried and then dead-lettered with a reason naming the cause and the fix.
     """
 
 

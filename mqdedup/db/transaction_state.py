@@ -41,6 +41,19 @@ from sqlalchemy.orm import Session
 _WATCH_KEY = "mqdedup.transaction_watch"
 
 
+class HandlerBrokeTransactionError(RuntimeError):
+    """A handler left the processor's transaction aborted or ended.
+
+    It caught a database error without a savepoint (PostgreSQL then refuses every later
+    statement of the transaction), or it ended the transaction by a route the guard
+    cannot refuse (``execute(text("COMMIT"))``, DDL that MariaDB commits implicitly, the
+    transaction objects' ``commit()``). A statement that ends the transaction raises it
+    at once; the rest is found when the handler returns. The message fails alone (its
+    batch-mates keep their writes and claims), is retried and then dead-lettered with a
+    reason naming the cause and the fix.
+    """
+
+
 class State(enum.Enum):
     """A driver's view of its connection's transaction."""
 
@@ -180,8 +193,12 @@ class TransactionWatch:
         if state is State.OPEN:
             self.opened = True
             self.aborted_by = None  # a statement succeeded: nothing is aborted now
-        elif state is State.NONE and self.opened and self.ended_by is None:
-            self.ended_by = statement
+        elif state is State.NONE and self.opened:
+            if self.ended_by is None:
+                self.ended_by = statement
+            # Stop the handler here: what it would write next is no longer in the
+            # transaction (on SQLite, with SQLAlchemy's BEGIN, it would even autocommit).
+            raise HandlerBrokeTransactionError(_statement_reason(statement))
 
     def caught(self, raised: BaseException) -> bool:
         """True when the transaction was aborted by an error other than ``raised``: the

@@ -87,7 +87,8 @@ def maria(mariadb_url: str) -> Iterator[Env]:
     yield from _env(mariadb_url, "MariaDB")
 
 
-Behaviour = Callable[[Context, Env], None]
+#: What the culprit does; returning True ends its handler there (no write of its own).
+Behaviour = Callable[[Context, Env], bool | None]
 
 
 class Broken(Consumer):
@@ -109,8 +110,8 @@ class Broken(Consumer):
         self.calls[message_id] = self.calls.get(message_id, 0) + 1
         if message.json().get("step"):
             ctx.step("charge", lambda _key: self._charge(message_id))
-        if message_id == "culprit":
-            self.culprit(ctx, self.env)
+        if message_id == "culprit" and self.culprit(ctx, self.env):
+            return {"ok": message_id}
         ctx.session.execute(insert(self.env.rows), {"msg": message_id})
         return {"ok": message_id}
 
@@ -170,16 +171,27 @@ def assert_culprit_failed_alone(
 # -- a caught database error without a savepoint ----------------------------------------------
 
 
-def swallow(ctx: Context, env: Env) -> None:
+def swallow(ctx: Context, env: Env) -> bool:
+    """Catch IntegrityError without a savepoint and return: the next statement of the
+    transaction (a batch-mate's) is refused by PostgreSQL."""
     try:
         ctx.session.execute(insert(env.taken), {"id": 1})
     except IntegrityError:
         pass  # the bug: PostgreSQL's transaction is now aborted
+    return True
+
+
+def swallow_and_write(ctx: Context, env: Env) -> None:
+    """The same, then the handler's own write (refused: "transaction is aborted")."""
+    swallow(ctx, env)
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
-def test_a_swallowed_integrity_error_fails_only_its_message(pg: Env, isolation: str) -> None:
-    consumer, broker = run(pg, swallow, isolation)
+@pytest.mark.parametrize("culprit", [swallow, swallow_and_write], ids=["returns", "writes"])
+def test_a_swallowed_integrity_error_fails_only_its_message(
+    pg: Env, isolation: str, culprit: Behaviour
+) -> None:
+    consumer, broker = run(pg, culprit, isolation)
     assert_culprit_failed_alone(pg, consumer, broker, fix="ctx.session.begin_nested()")
     assert "caught IntegrityError" in letters(broker)["culprit"][1]
 
