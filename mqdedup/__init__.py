@@ -26,6 +26,7 @@ from mqdedup.consumers.context import (
 )
 from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.engine import create_engine, init_schema
+from mqdedup.db.transaction_state import HandlerBrokeTransactionError
 from mqdedup.dedup import ClaimStore, DedupStore, RedisDedup, SqlDedup, ids
 from mqdedup.dedup.ids import InvalidMessageIdError
 from mqdedup.errors import (
@@ -54,6 +55,7 @@ __all__ = [
     "DeadLetterRefusedError",
     "DedupStore",
     "Delivery",
+    "HandlerBrokeTransactionError",
     "HandlerEndedTransactionError",
     "InMemoryBroker",
     "InvalidMessageIdError",

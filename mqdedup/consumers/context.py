@@ -18,9 +18,6 @@ from sqlalchemy.orm import Session
 
 from mqdedup.consumers.staging import Stageable, capture, staged_writes
 from mqdedup.consumers.steps import StepRunner
-from mqdedup.db.transaction_state import (  # re-exported: raised to handlers
-    HandlerBrokeTransactionError as HandlerBrokeTransactionError,
-)
 from mqdedup.dedup.steps import idempotency_key
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outbox.async_writer import AsyncOutboxWriter

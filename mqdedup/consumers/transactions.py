@@ -41,7 +41,6 @@ from sqlalchemy.exc import SAWarning
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.context import (
-    HandlerBrokeTransactionError,
     HandlerChangedConnectionError,
     guard_session,
     unguard_session,
@@ -56,7 +55,13 @@ from mqdedup.db.dialects import (
     is_sqlite_lock_error,
     is_transient,
 )
-from mqdedup.db.transaction_state import Breakage, Broken, TransactionWatch, watch_engine
+from mqdedup.db.transaction_state import (
+    Breakage,
+    Broken,
+    HandlerBrokeTransactionError,
+    TransactionWatch,
+    watch_engine,
+)
 
 if TYPE_CHECKING:
     from mqdedup.consumers.metrics import Metrics

@@ -157,9 +157,9 @@ class TransactionWatch:
     __slots__ = (
         "_driver",
         "_probe",
+        "aborted_by",
         "connection",
         "connection_transaction",
-        "aborted_by",
         "ended_by",
         "opened",
         "root",
@@ -201,10 +201,21 @@ class TransactionWatch:
             raise HandlerBrokeTransactionError(_statement_reason(statement))
 
     def caught(self, raised: BaseException) -> bool:
-        """True when the transaction was aborted by an error other than ``raised``: the
-        handler caught that one and went on (``raised`` is then "transaction aborted")."""
+        """True when the transaction was aborted by an error the handler did not let
+        out: neither ``raised`` nor its cause or context (``raise Mine(...) from error``
+        lets it out). The handler caught that one and went on; ``raised`` is then, say,
+        PostgreSQL's "current transaction is aborted"."""
         aborted_by = self.aborted_by
-        return aborted_by is not None and aborted_by is not raised
+        if aborted_by is None:
+            return False
+        seen: set[int] = set()
+        error: BaseException | None = raised
+        while error is not None and id(error) not in seen:
+            if error is aborted_by:
+                return False
+            seen.add(id(error))
+            error = error.__cause__ or error.__context__
+        return True
 
     def check(self) -> Broken | None:
         """None while the transaction is the framework's and healthy; else what broke."""

@@ -14,6 +14,8 @@ Every test runs the real worker over an in-memory broker against the real Postgr
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +25,9 @@ import pytest
 from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, insert, select, text
 from sqlalchemy.exc import IntegrityError
 
-from mqdedup import Consumer, Context, InMemoryBroker, Message
+from mqdedup import AsyncConsumer, AsyncContext, Consumer, Context, InMemoryBroker, Message
+from mqdedup.consumers.worker import Worker
+from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db import init_schema
 from mqdedup.db.schema import schema
 from tests import differential
@@ -174,10 +178,8 @@ def assert_culprit_failed_alone(
 def swallow(ctx: Context, env: Env) -> bool:
     """Catch IntegrityError without a savepoint and return: the next statement of the
     transaction (a batch-mate's) is refused by PostgreSQL."""
-    try:
+    with contextlib.suppress(IntegrityError):  # the bug: the transaction is aborted now
         ctx.session.execute(insert(env.taken), {"id": 1})
-    except IntegrityError:
-        pass  # the bug: PostgreSQL's transaction is now aborted
     return True
 
 
@@ -305,3 +307,73 @@ def test_ddl_in_a_handler_on_postgresql_is_transactional_and_fine(pg: Env) -> No
     assert written(pg) == ["culprit", "good-a", "good-b"]
     assert letters(broker) == {}
     assert consumer.calls["culprit"] == 1
+
+
+class DuplicateOrderError(Exception):
+    """What a handler raises instead of the IntegrityError it caught."""
+
+
+def translate(ctx: Context, env: Env) -> None:
+    """Catches IntegrityError and raises its own error from it: an ordinary failure."""
+    try:
+        ctx.session.execute(insert(env.taken), {"id": 1})
+    except IntegrityError as error:
+        raise DuplicateOrderError("order 1 exists") from error
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_an_error_raised_from_a_caught_one_keeps_its_own_reason(pg: Env, isolation: str) -> None:
+    consumer, broker = run(pg, translate, isolation)
+    assert_culprit_failed_alone(pg, consumer, broker, fix="DuplicateOrderError: order 1 exists")
+
+
+# -- async consumers: the same transaction, the same check ----------------------------------
+
+
+@pytest.mark.parametrize("route", ["swallow", "text(COMMIT)"])
+def test_an_async_handler_that_breaks_the_transaction_fails_alone(
+    pg: Env, pg_url: str, route: str
+) -> None:
+    env = pg
+
+    class AsyncBroken(AsyncConsumer):
+        name: ClassVar[str | None] = "broken"
+        table_prefix = env.prefix
+        poll_timeout = 0.01
+        retry_policy = RETRY
+        batch_size = 3
+
+        def __init__(self) -> None:
+            self.calls: dict[str, int] = {}
+
+        async def handle(self, message: Message, ctx: AsyncContext) -> Any:
+            message_id = str(message.id)
+            self.calls[message_id] = self.calls.get(message_id, 0) + 1
+            if message_id == "culprit":
+                if route == "swallow":
+                    with contextlib.suppress(IntegrityError):
+                        await ctx.session.execute(insert(env.taken), {"id": 1})
+                    return {"ok": message_id}
+                await ctx.session.execute(text("COMMIT"))
+            await ctx.session.execute(insert(env.rows), {"msg": message_id})
+            return {"ok": message_id}
+
+    broker = InMemoryBroker()
+    for message_id in ("good-a", "culprit", "good-b"):
+        broker.publish(QUEUE, "{}", message_id=message_id)
+    consumer = AsyncBroken()
+
+    async def scenario() -> None:
+        engine = create_async_engine(pg_url)
+        try:
+            await Worker(consumer, broker.transport(QUEUE), engine).run_async(until_idle=True)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(scenario())
+    assert written(env) == ["good-a", "good-b"]
+    assert claims(env) == {"good-a": {"ok": "good-a"}, "good-b": {"ok": "good-b"}}
+    assert list(letters(broker)) == ["culprit"]
+    assert letters(broker)["culprit"][0] == MAX_ATTEMPTS
+    assert consumer.calls["culprit"] == MAX_ATTEMPTS
+    assert broker.pending(QUEUE) == 0

@@ -143,9 +143,7 @@ def test_the_watch_runs_no_statement_and_stops_a_commit_statement(
     watch_engine(sqlite_engine)
     watch_engine(sqlite_engine)  # once per engine
     statements: list[str] = []
-    event.listen(
-        sqlite_engine, "before_cursor_execute", lambda *args: statements.append(args[2])
-    )
+    event.listen(sqlite_engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
     with Session(sqlite_engine) as session:
         session.begin()
         session.execute(insert(orders), {"message_id": "x", "amount": 1})
