@@ -398,8 +398,8 @@ class TransactionalRuns:
                     outcome.results[str(delivery.message.id)] = result
             return None
         finally:
-            watch.close()
             unguard_session(session)
+            watch.close()
             if self._sqlite:
                 sqlite_lock.leave()
 
@@ -436,10 +436,11 @@ class TransactionalRuns:
                 )
         except Exception as raised:
             error = raised
-            broken = watch.check()
+            transient = is_transient(error)  # an outage first: never the message's fault
+            broken = None if transient else watch.check()
             if broken is not None and (broken.kind is Breakage.ENDED or watch.caught(error)):
                 return self._broken(broken, error, delivery, savepoint, staged, mark)
-            if is_transient(error):
+            if transient:
                 if not _waits_for_own_lock(session, error):
                     raise
                 error = _self_deadlock(error)

@@ -156,6 +156,7 @@ class TransactionWatch:
 
     __slots__ = (
         "_driver",
+        "_info",
         "_probe",
         "aborted_by",
         "connection",
@@ -181,11 +182,13 @@ class TransactionWatch:
         #: The first database error since the last statement that succeeded: on
         #: PostgreSQL the one that aborted the transaction (a caught one names the cause).
         self.aborted_by: BaseException | None = None
-        self.connection.info[_WATCH_KEY] = self
+        # Kept: ``Connection.info`` of a connection lost meanwhile raises.
+        self._info = self.connection.info
+        self._info[_WATCH_KEY] = self
 
     def close(self) -> None:
         """Stop watching (the framework is about to end the transaction)."""
-        self.connection.info.pop(_WATCH_KEY, None)
+        self._info.pop(_WATCH_KEY, None)
 
     def seen(self, statement: str, cursor: Any) -> None:
         """After each statement on the connection: note an open transaction, or its end."""
