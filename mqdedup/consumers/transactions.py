@@ -21,6 +21,13 @@ traced to its messages; the transaction rolls back and the batch runs once more 
 them. A data error no single message's rows reproduce (a deferred constraint at commit,
 say) makes each message run in a transaction of its own.
 
+The transaction is checked after every handler and before the commit
+(:class:`~mqdedup.db.transaction_state.TransactionWatch`): a handler that left it aborted
+(a database error caught without a savepoint) fails like a raising one; one that ended
+it (a commit or rollback by a route the guard cannot refuse, an implicit commit) fails
+too, what is still open is rolled back, and the claims it committed without their
+writes are forgotten so that its batch-mates run again (:meth:`_after_ended`).
+
 The unit of work returns an :class:`~mqdedup.consumers.report.Outcome`; it never calls
 back into the Processor. Transient errors (a lost connection, a deadlock) are raised for
 the Processor to wait out and retry.
@@ -291,9 +298,11 @@ class TransactionalRuns:
         transaction = session.begin()
         try:
             new = self._claim(session, deliveries, outcome)
-            encoding = client_encoding(session.connection())
+            connection = session.connection()
+            encoding = client_encoding(connection)
             staged = open_stage(session)
-            watch = TransactionWatch(session, begun=self.consumer.deduplicate and bool(deliveries))
+            claimed = self.consumer.deduplicate and bool(deliveries)
+            watch = TransactionWatch(session, connection, begun=claimed)
             try:
                 rolled_back = self._handle(session, new, outcome, mode, staged, encoding, watch)
                 if rolled_back is not None and rolled_back.ended:

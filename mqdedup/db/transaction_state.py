@@ -18,13 +18,16 @@ What it reads, all of it already known on the client (no round trip):
   ``Connection.info.transaction_status`` (``INTRANS``, ``INERROR``, ``IDLE``); PyMySQL's
   ``Connection.server_status``, the server status flags of the last OK packet
   (``SERVER_STATUS_IN_TRANS``, cleared by a ``COMMIT``, a ``ROLLBACK`` or an implicit
-  commit); ``sqlite3.Connection.in_transaction``. A transaction seen open that a
-  statement leaves closed was ended by that statement, even when a later statement
-  silently began a new one.
+  commit; PyMySQL refreshes it from OK packets only, so it is read only right after a
+  statement without a result set); ``sqlite3.Connection.in_transaction``. A
+  transaction seen open that a statement leaves closed was ended by that statement,
+  even when a later statement would silently begin a new one: the statement raises
+  :class:`HandlerBrokeTransactionError` right after it ran, so the handler stops there.
 
 Drivers that say nothing (other DBAPIs) get the SQLAlchemy checks only. A statement
 run on the raw driver connection, bypassing SQLAlchemy, is seen only by the state at the
-end of the handler.
+end of the handler (on PostgreSQL and SQLite; not at all on MariaDB). Cost: two
+attribute reads per statement on a watched connection, a few per handler; no statement.
 """
 
 from __future__ import annotations
@@ -167,10 +170,12 @@ class TransactionWatch:
         "session",
     )
 
-    def __init__(self, session: Session, *, begun: bool = False) -> None:
+    def __init__(
+        self, session: Session, connection: Connection | None = None, *, begun: bool = False
+    ) -> None:
         self.session = session
         self.root = session.get_transaction()
-        self.connection = session.connection()
+        self.connection = session.connection() if connection is None else connection
         self.connection_transaction = self.connection.get_transaction()
         self._driver = self.connection.connection.driver_connection
         self._probe = _probe_for(self._driver)
