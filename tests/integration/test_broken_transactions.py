@@ -27,8 +27,8 @@ from sqlalchemy.exc import IntegrityError
 
 from mqdedup import AsyncConsumer, AsyncContext, Consumer, Context, InMemoryBroker, Message
 from mqdedup.consumers.worker import Worker
-from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db import init_schema
+from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.schema import schema
 from tests import differential
 from tests.differential import MAX_ATTEMPTS, RETRY
