@@ -151,8 +151,10 @@ def test_the_watch_runs_no_statement_and_stops_a_commit_statement(
         before = len(statements)
         assert watch.check() is None
         assert len(statements) == before  # the check reads state, it runs nothing
+        session.execute(text("COMMIT"))
         with pytest.raises(HandlerBrokeTransactionError, match="`COMMIT` ended"):
-            session.execute(text("COMMIT"))  # it ran; the handler is stopped right after
+            # refused: it would run outside the transaction (here: autocommit)
+            session.execute(insert(orders), {"message_id": "y", "amount": 1})
         broken = watch.check()
         assert broken is not None and broken.kind is Breakage.ENDED
         assert "`COMMIT`" in broken.reason and "must not" in broken.reason
