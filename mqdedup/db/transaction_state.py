@@ -42,7 +42,9 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import ExceptionContext, ExecutionContext
 from sqlalchemy.orm import Session
 
-_WATCH_KEY = "mqdedup.transaction_watch"
+#: The watches in force, by ``id()`` of their Connection (read before every statement:
+#: cheaper than ``Connection.info``; empty when no handler runs).
+_WATCHES: dict[int, TransactionWatch] = {}
 
 
 class HandlerBrokeTransactionError(RuntimeError):
@@ -52,9 +54,9 @@ class HandlerBrokeTransactionError(RuntimeError):
     statement of the transaction), or it ended the transaction by a route the guard
     cannot refuse (``execute(text("COMMIT"))``, DDL that MariaDB commits implicitly, the
     transaction objects' ``commit()``). The statement after one that ended the
-    transaction is refused with it; the rest is found when the handler returns. The message fails alone (its
-    batch-mates keep their writes and claims), is retried and then dead-lettered with a
-    reason naming the cause and the fix.
+    transaction is refused with it; the rest is found when the handler returns. The
+    message fails alone (its batch-mates keep their writes and claims), is retried and
+    then dead-lettered with a reason naming the cause and the fix.
     """
 
 
@@ -160,7 +162,6 @@ class TransactionWatch:
 
     __slots__ = (
         "_driver",
-        "_info",
         "_last_cursor",
         "_probe",
         "aborted_by",
@@ -194,13 +195,11 @@ class TransactionWatch:
         #: The first database error since the last statement that succeeded: on
         #: PostgreSQL the one that aborted the transaction (a caught one names the cause).
         self.aborted_by: BaseException | None = None
-        # Kept: ``Connection.info`` of a connection lost meanwhile raises.
-        self._info = self.connection.info
-        self._info[_WATCH_KEY] = self
+        _WATCHES[id(self.connection)] = self
 
     def close(self) -> None:
         """Stop watching (the framework is about to end the transaction)."""
-        self._info.pop(_WATCH_KEY, None)
+        _WATCHES.pop(id(self.connection), None)
 
     def before(self, statement: str, cursor: Any) -> None:
         """Before each statement on the connection: the state the previous one left.
@@ -286,13 +285,10 @@ def watch_engine(engine: Engine) -> None:
 def _before_statement(
     cursor: Any, statement: str, _parameters: Any, context: ExecutionContext
 ) -> None:
-    try:
-        info = context.root_connection.info
-    except NotImplementedError:  # the engine's first connect: no pooled connection yet
-        return
-    watch = info.get(_WATCH_KEY)
-    if watch is not None:
-        watch.before(statement, cursor)
+    if _WATCHES:
+        watch = _WATCHES.get(id(context.root_connection))
+        if watch is not None:
+            watch.before(statement, cursor)
     # None: SQLAlchemy executes the statement itself, as it would without this event
 
 
@@ -302,9 +298,9 @@ def _before_statement_no_params(cursor: Any, statement: str, context: ExecutionC
 
 def _on_error(context: ExceptionContext) -> None:
     connection = context.connection
-    if connection is None or connection.closed or connection.invalidated:
+    if connection is None:
         return
-    watch = connection.info.get(_WATCH_KEY)
+    watch = _WATCHES.get(id(connection))
     if watch is not None and watch.aborted_by is None:
         watch.aborted_by = context.sqlalchemy_exception or context.original_exception
 
