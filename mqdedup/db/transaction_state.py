@@ -10,9 +10,10 @@ is that check.
 
 What it reads, all of it already known on the client (no round trip):
 
-* SQLAlchemy: the identity and ``is_active`` of the Session's root transaction and of
-  the Connection's transaction (a ``commit()`` or ``rollback()`` through any SQLAlchemy
-  object replaces or ends them);
+* SQLAlchemy: the Session's root transaction and the Connection's transaction, taken
+  when the watch begins, are still ``is_active`` (a ``commit()`` or ``rollback()``
+  through any SQLAlchemy object ends one of them for good, even when a new one has
+  begun since);
 * the driver's own transaction state before every statement (a dialect event that only
   reads it, installed once per engine by :func:`watch_engine`): psycopg's
   ``Connection.info.transaction_status`` (``INTRANS``, ``INERROR``, ``IDLE``); PyMySQL's
@@ -239,13 +240,13 @@ class TransactionWatch:
 
     def check(self) -> Broken | None:
         """None while the transaction is the framework's and healthy; else what broke."""
+        # A transaction object, once ended, never becomes active again: a commit or a
+        # rollback through any SQLAlchemy object ends one of these two for good.
         root = self.root
-        if self.session.get_transaction() is not root or root is None or not root.is_active:
+        if root is None or not root.is_active:
             return Broken(Breakage.ENDED, _ended_reason("the session's transaction"))
         transaction = self.connection_transaction
-        if self.connection.get_transaction() is not transaction or not (
-            transaction is not None and transaction.is_active
-        ):
+        if transaction is None or not transaction.is_active:
             return Broken(Breakage.ENDED, _ended_reason("the connection's transaction"))
         if self.ended_by is not None:
             return Broken(Breakage.ENDED, _statement_reason(self.ended_by))
