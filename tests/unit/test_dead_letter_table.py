@@ -107,9 +107,9 @@ def test_a_dead_letter_that_fails_for_an_outage_stays_unsettled(sqlite_engine: E
 def test_replay_runs_the_fixed_handler_and_removes_the_rows(sqlite_engine: Engine) -> None:
     broker = InMemoryBroker(seed=1)
     _publish(broker, 10)
-    Worker(Orders(), _transport(broker, refuse=frozenset({"m3", "m7"})), sqlite_engine).run(
-        until_idle=True
-    )
+    Worker(
+        Orders(), _transport(broker, refuse=frozenset({"m3", "m7"})), sqlite_engine
+    ).run(until_idle=True)
     assert _order_rows(sqlite_engine) == 8
 
     class StillBroken(Orders):
@@ -140,9 +140,9 @@ def test_replay_runs_the_fixed_handler_and_removes_the_rows(sqlite_engine: Engin
 def test_delete_needs_ids_or_all(sqlite_engine: Engine) -> None:
     broker = InMemoryBroker(seed=1)
     _publish(broker, 10)
-    Worker(Orders(), _transport(broker, refuse=frozenset({"m3", "m7"})), sqlite_engine).run(
-        until_idle=True
-    )
+    Worker(
+        Orders(), _transport(broker, refuse=frozenset({"m3", "m7"})), sqlite_engine
+    ).run(until_idle=True)
     with Session(sqlite_engine) as session:
         first = DeadLetterTable().list(session)[0].id
     assert delete_dead_letters(sqlite_engine, "mqdedup_", "orders", [first], False) == 1
