@@ -27,6 +27,7 @@ from mqdedup.consumers.context import (
 )
 from mqdedup.db.async_engine import create_async_engine
 from mqdedup.db.engine import create_engine, init_schema
+from mqdedup.db.transaction_state import HandlerBrokeTransactionError
 from mqdedup.dedup import (
     ClaimStore,
     DedupStore,
@@ -64,6 +65,7 @@ __all__ = [
     "DeadLetterRefusedError",
     "DedupStore",
     "Delivery",
+    "HandlerBrokeTransactionError",
     "HandlerEndedTransactionError",
     "InMemoryBroker",
     "InsertOrGet",

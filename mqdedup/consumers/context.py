@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import Table
+from sqlalchemy import Connection, Table
 from sqlalchemy.orm import Session
 
 from mqdedup.consumers.staging import Stageable, capture, staged_writes
@@ -58,12 +58,15 @@ class InvalidResultError(MessageError):
 
 #: Session methods that would end (or replace) the processor's transaction.
 GUARDED_SESSION_METHODS = ("commit", "rollback", "close", "begin", "reset", "invalidate")
+#: Methods of the session's ``Connection`` that would end it (``invalidate`` is left to
+#: SQLAlchemy, which calls it on a lost connection: that is an outage, not a refusal).
+GUARDED_CONNECTION_METHODS = ("commit", "rollback", "close", "detach")
 
 
-def _refusal(method: str) -> Any:
+def _refusal(method: str, owner: str = "ctx.session") -> Any:
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise HandlerEndedTransactionError(
-            f"a handler must not end the transaction: ctx.session.{method}() is not allowed "
+            f"a handler must not end the transaction: {owner}.{method}() is not allowed "
             "(mqdedup commits the message's claim and effects together after the handler)"
         )
 
@@ -83,21 +86,32 @@ def _guarded_begin(session: Session) -> Any:
 
 
 _REFUSALS: dict[str, Any] = {method: _refusal(method) for method in GUARDED_SESSION_METHODS}
+_CONNECTION_REFUSALS: dict[str, Any] = {
+    method: _refusal(method, "ctx.session.connection()") for method in GUARDED_CONNECTION_METHODS
+}
 _REFUSALS_KEY = "mqdedup.refusals"
+_GUARDED_CONNECTION_KEY = "mqdedup.guarded_connection"
 
 
-def guard_session(session: Session) -> None:
-    """Make ``session``'s transaction-ending methods raise HandlerEndedTransactionError.
+def guard_session(session: Session, connection: Connection | None = None) -> None:
+    """Make ``session``'s transaction-ending methods raise HandlerEndedTransactionError,
+    and those of ``connection`` (the session's connection in this transaction) too.
 
     Instance attributes shadow the methods, so ``ctx.session`` stays a real ``Session``
-    (``ctx.outbox``, ORM calls and savepoints with ``begin_nested()`` keep working) and
-    the guard costs two dictionary updates per transaction.
+    and ``ctx.session.connection()`` a real ``Connection`` (``ctx.outbox``, ORM calls,
+    ``exec_driver_sql`` and savepoints with ``begin_nested()`` keep working); the guard
+    costs a few dictionary updates per transaction. What no method covers (a ``COMMIT``
+    statement, DDL that commits implicitly, the transaction objects' own ``commit()``) is
+    found afterwards by :class:`mqdedup.db.transaction_state.TransactionWatch`.
     """
     refusals = session.info.get(_REFUSALS_KEY)
     if refusals is None:  # built once per session (a lease reuses it for a batch)
         refusals = {**_REFUSALS, "begin": _guarded_begin(session)}
         session.info[_REFUSALS_KEY] = refusals
     session.__dict__.update(refusals)
+    if connection is not None:
+        connection.__dict__.update(_CONNECTION_REFUSALS)
+        session.info[_GUARDED_CONNECTION_KEY] = connection
 
 
 def unguard_session(session: Session) -> None:
@@ -105,6 +119,11 @@ def unguard_session(session: Session) -> None:
     namespace = session.__dict__
     for method in GUARDED_SESSION_METHODS:
         namespace.pop(method, None)
+    connection = session.info.pop(_GUARDED_CONNECTION_KEY, None)
+    if connection is not None:
+        connection_namespace = connection.__dict__
+        for method in GUARDED_CONNECTION_METHODS:
+            connection_namespace.pop(method, None)
 
 
 class NoTransactionError(ConfigurationError):

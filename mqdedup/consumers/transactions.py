@@ -21,6 +21,13 @@ traced to its messages; the transaction rolls back and the batch runs once more 
 them. A data error no single message's rows reproduce (a deferred constraint at commit,
 say) makes each message run in a transaction of its own.
 
+The transaction is checked after every handler and before the commit
+(:class:`~mqdedup.db.transaction_state.TransactionWatch`): a handler that left it aborted
+(a database error caught without a savepoint) fails like a raising one; one that ended
+it (a commit or rollback by a route the guard cannot refuse, an implicit commit) fails
+too, what is still open is rolled back, and the claims it committed without their
+writes are forgotten so that its batch-mates run again (:meth:`_after_ended`).
+
 The unit of work returns an :class:`~mqdedup.consumers.report.Outcome`; it never calls
 back into the Processor. Transient errors (a lost connection, a deadlock) are raised for
 the Processor to wait out and retry.
@@ -29,12 +36,15 @@ the Processor to wait out and retry.
 from __future__ import annotations
 
 import functools
+import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import SAWarning
 from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.context import (
@@ -52,6 +62,13 @@ from mqdedup.db.dialects import (
     is_sqlite_lock_error,
     is_transient,
 )
+from mqdedup.db.transaction_state import (
+    Breakage,
+    Broken,
+    HandlerBrokeTransactionError,
+    TransactionWatch,
+    watch_engine,
+)
 
 if TYPE_CHECKING:
     from mqdedup.consumers.metrics import Metrics
@@ -60,6 +77,8 @@ if TYPE_CHECKING:
     from mqdedup.dedup.claims import ClaimStore
 
 T = TypeVar("T")
+
+log = logging.getLogger("mqdedup.consumers.processor")
 
 
 class SQLiteSelfDeadlockError(RuntimeError):
@@ -128,6 +147,13 @@ class _RolledBack:
     batch_handler: Exception | None = None
     #: A data error no single message's writes reproduce: run each message alone.
     unattributed: Exception | None = None
+    #: A handler ended the transaction (committed, rolled back or replaced it): nothing
+    #: was rolled back to; the claims it committed are sorted out before the next one.
+    ended: bool = False
+    #: Batch-mates that ran before it, committed with their writes by its commit:
+    #: processed (their staged rows and results were written after).
+    processed: list[Delivery[Any]] = field(default_factory=list)
+    results: dict[str, Any] = field(default_factory=dict)
 
 
 class TransactionalRuns:
@@ -151,6 +177,8 @@ class TransactionalRuns:
         self._sqlite = isinstance(bind, Engine) and bind.dialect.name == "sqlite"
         if self._sqlite:
             sqlite_lock.install()  # a handler's own connection to the file fails fast
+        if isinstance(bind, Engine | Connection):
+            watch_engine(bind.engine)  # sees a COMMIT statement or an implicit commit
 
     def lease(self) -> SessionLease:
         """A session for a run of one-message transactions (transaction mode, careful
@@ -167,6 +195,7 @@ class TransactionalRuns:
         )
         pending = list(deliveries)
         failed: list[tuple[Delivery[Any], Exception]] = []
+        done = Outcome()  # committed by a handler that ended its transaction
         while pending:
             try:
                 with self.sessions() as session:
@@ -179,21 +208,32 @@ class TransactionalRuns:
                 for delivery, error in result.failures:  # failed in their savepoints
                     log_failure(self.name, delivery, error)
                 result.failures[:0] = failed
+                result.processed[:0] = done.processed
+                result.results.update(done.results)
                 return result
             if not (result.failed or result.unattributed or mode.batch_handler):
                 raise AssertionError("a transaction rolled back with nothing to change")
             for delivery, error in result.failed:
                 log_failure(self.name, delivery, error)
-            culprits = {id(delivery) for delivery, _error in result.failed}
-            pending = [delivery for delivery in pending if id(delivery) not in culprits]
+            finished = {id(delivery) for delivery, _error in result.failed}
+            finished.update(id(delivery) for delivery in result.processed)
+            pending = [delivery for delivery in pending if id(delivery) not in finished]
             failed.extend(result.failed)
+            done.processed.extend(result.processed)
+            done.results.update(result.results)
+            if result.ended:
+                done.durable_at = time.monotonic()
             if result.unattributed is not None:
-                return self._each_alone(pending, failed, result.unattributed)
+                outcome = self._each_alone(pending, failed, result.unattributed)
+                outcome.processed[:0] = done.processed
+                outcome.results.update(done.results)
+                return outcome
             mode = _Mode(
                 batch_handler=mode.batch_handler and result.batch_handler is None,
                 savepoints=mode.savepoints or isolation == "auto",
             )
-        return Outcome(failures=failed)
+        done.failures = failed
+        return done
 
     def one(self, delivery: Delivery[Any], lease: SessionLease | None = None) -> Outcome:
         """One message in a transaction of its own (on ``lease``'s session if given)."""
@@ -258,10 +298,15 @@ class TransactionalRuns:
         transaction = session.begin()
         try:
             new = self._claim(session, deliveries, outcome)
-            encoding = client_encoding(session.connection())
+            connection = session.connection()
+            encoding = client_encoding(connection)
             staged = open_stage(session)
+            claimed = self.consumer.deduplicate and bool(deliveries)
+            watch = TransactionWatch(session, connection, begun=claimed)
             try:
-                rolled_back = self._handle(session, new, outcome, mode, staged, encoding)
+                rolled_back = self._handle(session, new, outcome, mode, staged, encoding, watch)
+                if rolled_back is not None and rolled_back.ended:
+                    return self._after_ended(session, watch, new, outcome, staged, rolled_back)
                 if rolled_back is None and staged:
                     rolled_back = self._write_staged(session, staged)
                     if rolled_back is not None and outcome.failures:
@@ -278,6 +323,9 @@ class TransactionalRuns:
                 store.forget(session, self.name, [str(d.message.id) for d, _ in outcome.failures])
             if self.consumer.deduplicate and outcome.results:
                 store.save_results(session, self.name, outcome.results)
+            broken = watch.check()  # before every commit: is it still our transaction?
+            if broken is not None:
+                return self._broken_at_commit(session, watch, new, broken)
             transaction.commit()
         except BaseException:
             session.rollback()  # also after a failed commit: the session is clean again
@@ -311,11 +359,13 @@ class TransactionalRuns:
         mode: _Mode,
         staged: StagedWrites,
         encoding: str | None,
+        watch: TransactionWatch,
     ) -> _RolledBack | None:
-        """Run the handlers (the session guarded); fill ``outcome``. ``encoding``: the
-        connection's client encoding before them (None: the driver does not say)."""
+        """Run the handlers (the session guarded, the transaction checked after each);
+        fill ``outcome``. ``encoding``: the connection's client encoding before them
+        (None: the driver does not say)."""
         handlers = self.handlers
-        guard_session(session)  # the handlers must not end this transaction
+        guard_session(session, watch.connection)  # the handlers must not end it
         if self._sqlite:
             sqlite_lock.enter(session)
         try:
@@ -328,6 +378,7 @@ class TransactionalRuns:
                     None,
                     functools.partial(handlers.call_batch, session, new),
                     encoding,
+                    watch,
                 )
                 if isinstance(value, _RolledBack):
                     return value
@@ -344,6 +395,7 @@ class TransactionalRuns:
                     delivery,
                     functools.partial(handlers.call, session, delivery),
                     encoding,
+                    watch,
                 )
                 if isinstance(result, _RolledBack):
                     return result
@@ -356,6 +408,7 @@ class TransactionalRuns:
             return None
         finally:
             unguard_session(session)
+            watch.close()
             if self._sqlite:
                 sqlite_lock.leave()
 
@@ -367,17 +420,22 @@ class TransactionalRuns:
         delivery: Delivery[Any] | None,
         call: Callable[[], T],
         encoding: str | None,
+        watch: TransactionWatch,
     ) -> T | Exception | _RolledBack:
         """Run ``call`` so that its failure undoes only its own work.
 
         Returns the call's value; with savepoints the (non-transient) exception it raised,
         its savepoint rolled back; without, the reason to roll the transaction back.
-        Transient errors propagate.
+        Transient errors propagate. A call that left the transaction aborted or ended
+        (:class:`TransactionWatch`) failed, with HandlerBrokeTransactionError.
         """
         savepoint = session.begin_nested() if savepoints else None
         mark = staged.mark()
         try:
             value = call()
+            broken = watch.check()  # never trust the handler to leave it intact
+            if broken is not None:
+                return self._broken(broken, None, delivery, savepoint, staged, mark)
             session.flush()  # the ORM's pending writes are the handler's too
             if encoding is not None and client_encoding(session.connection()) != encoding:
                 raise HandlerChangedConnectionError(
@@ -387,7 +445,11 @@ class TransactionalRuns:
                 )
         except Exception as raised:
             error = raised
-            if is_transient(error):
+            transient = is_transient(error)  # an outage first: never the message's fault
+            broken = None if transient else watch.check()
+            if broken is not None and (broken.kind is Breakage.ENDED or watch.caught(error)):
+                return self._broken(broken, error, delivery, savepoint, staged, mark)
+            if transient:
                 if not _waits_for_own_lock(session, error):
                     raise
                 error = _self_deadlock(error)
@@ -399,6 +461,98 @@ class TransactionalRuns:
         if savepoint is not None:
             savepoint.commit()
         return value
+
+    def _broken(
+        self,
+        broken: Broken,
+        raised: Exception | None,
+        delivery: Delivery[Any] | None,
+        savepoint: Any,
+        staged: StagedWrites,
+        mark: int,
+    ) -> Exception | _RolledBack:
+        """The failure of a call that left the transaction aborted or ended."""
+        error = HandlerBrokeTransactionError(broken.reason)
+        error.__cause__ = raised
+        if broken.kind is Breakage.ENDED:  # no savepoint left to roll back to
+            rolled_back = _blamed(delivery, error)
+            rolled_back.ended = True
+            return rolled_back
+        if savepoint is None:
+            return _blamed(delivery, error)
+        savepoint.rollback()  # ROLLBACK TO SAVEPOINT also ends PostgreSQL's aborted state
+        staged.undo(mark)
+        return error
+
+    def _after_ended(
+        self,
+        session: Session,
+        watch: TransactionWatch,
+        new: list[Delivery[Any]],
+        outcome: Outcome,
+        staged: StagedWrites,
+        rolled_back: _RolledBack,
+    ) -> _RolledBack:
+        """A handler ended the transaction: whatever it committed is sorted out.
+
+        Everything still open is rolled back. When the handler committed, the claims of
+        the whole batch and the writes of the batch-mates before it are durable: those
+        batch-mates are processed (their staged rows and results are written now); the
+        claims of the culprit, of the batch-mates that failed before it and of those
+        after it are forgotten, so that the culprit is retried and the others run again.
+        When it rolled back, nothing is durable and everything runs again.
+        """
+        discard(session, watch)
+        culprit = rolled_back.failed[0][0] if rolled_back.failed else None
+        ids = [str(delivery.message.id) for delivery in new]
+        if not self.consumer.deduplicate or not ids:
+            return rolled_back
+        with session.begin():
+            # Claiming again tells which claims the handler committed (and takes the rest,
+            # forgotten again below): one statement, as for any batch.
+            fresh = set(self.store.claim(session, self.name, ids).new)
+            committed = culprit is None or str(culprit.message.id) not in fresh
+            kept = [d for d in outcome.processed if committed and d.message.id not in fresh]
+            kept_ids = {id(delivery) for delivery in kept}
+            forget = [str(d.message.id) for d in new if id(d) not in kept_ids]
+            self.store.forget(session, self.name, forget)
+            if kept:
+                connection = session.connection()
+                for delivery in kept:
+                    staged.write_alone(connection, delivery)
+                results = {
+                    key: value
+                    for key, value in outcome.results.items()
+                    if key in {str(d.message.id) for d in kept}
+                }
+                if results:
+                    self.store.save_results(session, self.name, results)
+                rolled_back.processed = kept
+                rolled_back.results = results
+        if committed and outcome.failures:  # failed in their savepoints before it
+            rolled_back.failed = _in_order(new, [*outcome.failures, *rolled_back.failed])
+        log.warning(
+            "a handler ended the consumer's transaction; its message failed",
+            extra={
+                "consumer": self.name,
+                "message_id": culprit.message.id if culprit else None,
+                "committed": committed,
+                "processed_before_it": len(kept),
+            },
+        )
+        return rolled_back
+
+    def _broken_at_commit(
+        self, session: Session, watch: TransactionWatch, new: list[Delivery[Any]], broken: Broken
+    ) -> _RolledBack:
+        """The transaction is no longer ours at commit although every handler left it
+        intact (a statement on the raw driver connection, say): nothing of it commits,
+        claims it may have committed are forgotten and each message runs alone."""
+        discard(session, watch)
+        if self.consumer.deduplicate and new:
+            with session.begin():
+                self.store.forget(session, self.name, [str(d.message.id) for d in new])
+        return _RolledBack(unattributed=HandlerBrokeTransactionError(broken.reason))
 
     def _write_staged(self, session: Session, staged: StagedWrites) -> _RolledBack | None:
         """Write the staged rows in a savepoint; when they fail, find whose they are."""
@@ -444,6 +598,24 @@ class TransactionalRuns:
                 continue
             savepoint.commit()
         return _RolledBack(failed=failed) if failed else _RolledBack(unattributed=error)
+
+
+def discard(session: Session, watch: TransactionWatch) -> None:
+    """Roll back what is open after a handler ended the transaction: the Connection's
+    transaction (one the handler began after its commit, say), the driver connection's
+    (begun by a statement SQLAlchemy did not see) and the session's state (its savepoints
+    and transaction objects no longer exist on the server, which SQLAlchemy warns about)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SAWarning)
+        for rollback in (watch.connection.rollback, watch.rollback_driver, session.rollback):
+            try:
+                rollback()
+            except Exception as error:  # ROLLBACK TO a savepoint the commit removed, say
+                if is_transient(error):
+                    raise
+                log.debug("rollback after a broken transaction failed", exc_info=True)
+        if session.in_transaction():
+            session.rollback()
 
 
 def _blamed(owner: Delivery[Any] | None, error: Exception) -> _RolledBack:
