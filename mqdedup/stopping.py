@@ -23,7 +23,7 @@ class ImmediateStop(BaseException):
     """Raised in the main thread by a second SIGTERM/SIGINT: stop now, settle nothing more."""
 
 
-class StopWhileWaiting(BaseException):  # noqa: N818 (like ImmediateStop: a control-flow signal)
+class StopWhileWaiting(BaseException):
     """A stop signal arrived while the main thread waited in an :func:`abandoned_on_stop`
     block (a step waiting for a connection): the wait is abandoned, the batch in flight
     rolled back and given back unsettled (never dead-lettered, never acked).
