@@ -117,7 +117,7 @@ def _waiting_in_a_step(thread_id: int) -> bool:
     while frame is not None:
         names.append(frame.f_code.co_name)
         frame = frame.f_back
-    return "_starting" in names and "wait" in names
+    return "_in_own_transaction" in names and "wait" in names
 
 
 def test_sigterm_ends_a_step_waiting_for_the_pools_checkout(db: TestDatabase) -> None:
