@@ -147,6 +147,7 @@ def test_sigterm_ends_a_step_waiting_in_the_poolers_queue_within_the_shutdown_ti
             finally:
                 _stop(worker)
             assert worker.returncode == exitcodes.OK, (took, errors[-3000:])
+            print(f"\n[SIGTERM while a step waits in PgBouncer's queue] exit in {took:.1f}s")
             assert took < SHUTDOWN_TIMEOUT + 20, took  # the supervisor's own limit + margin
             assert "batch abandoned on stop: stop requested while step 'charge'" in errors
             assert not (markers / "calls").exists()  # the step was never called

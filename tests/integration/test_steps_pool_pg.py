@@ -126,9 +126,11 @@ def test_sigterm_ends_a_step_waiting_for_the_pools_checkout(db: TestDatabase) ->
     publish(broker, ["m-1"])
     calls: list[str] = []
     main = threading.get_ident()
+    signalled: list[float] = []
 
     def terminate_once_waiting() -> None:
         wait_for(lambda: _waiting_in_a_step(main), 30, "the step waiting for the pool")
+        signalled.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGTERM)
 
     stop = StopToken()
@@ -140,11 +142,13 @@ def test_sigterm_ends_a_step_waiting_for_the_pools_checkout(db: TestDatabase) ->
             worker = Worker(charging(db.prefix, calls), broker.transport(QUEUE), engine, stop=stop)
             worker.run()
         took = time.monotonic() - started
+        after_signal = time.monotonic() - signalled[0]
     finally:
         signaller.join(timeout=60)
         engine.dispose()
     assert stop.requested
     assert took < 30, took  # the pool's timeout is 60 s
+    print(f"\n[SIGTERM during a step's pool checkout] stopped {after_signal:.2f}s after it")
     assert calls == [] and order_ids(db.engine, db.prefix) == []
     assert not broker.dead_letters.get(QUEUE)
     assert broker.pending(QUEUE) == 1  # given back, not acked
