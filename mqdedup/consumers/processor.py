@@ -56,7 +56,7 @@ from mqdedup.db.probe import (
 from mqdedup.dedup.claims import AttemptLog, ClaimStore
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outages import NotAnOutageError, Outages
-from mqdedup.stopping import StopToken
+from mqdedup.stopping import StopToken, StopWhileWaiting
 
 if TYPE_CHECKING:
     from mqdedup.consumers.spec import ConsumerSpec
@@ -235,7 +235,7 @@ class Processor:
                     unique = self._careful(self.attempts, unique, report)
                 if unique:
                     self._first(unique, report)
-            except BatchAbandonedError:
+            except (BatchAbandonedError, StopWhileWaiting):  # a stop during a wait
                 self._settle_committed(report)
                 raise
         resolve_repeats(self.consumer, repeats, report, self.metrics)

@@ -42,6 +42,8 @@ def charging(prefix: str, calls: list[str], **attributes: Any) -> Consumer:
 
     def handle(self: Consumer, message: Message, ctx: Context) -> Any:
         ctx.session.execute(insert(orders_table(prefix)).values(message_id=message.id, body="x"))
+        if message.id == "m-0":  # no step
+            return None
         return ctx.step("charge", lambda key: calls.append(key) or "charged")
 
     namespace = {
@@ -120,11 +122,17 @@ def _waiting_in_a_step(thread_id: int) -> bool:
     return "_in_own_transaction" in names and "wait" in names
 
 
-def test_sigterm_ends_a_step_waiting_for_the_pools_checkout(db: TestDatabase) -> None:
+@pytest.mark.parametrize("isolation", ["auto", "transaction"])
+def test_sigterm_ends_a_step_waiting_for_the_pools_checkout(
+    db: TestDatabase, isolation: str
+) -> None:
+    """m-0 (no step) runs before m-1, whose step waits: in one transaction (auto) both
+    go back; one transaction per message settles m-0, committed before the stop."""
     engine = create_engine(db.url, pool_size=1, max_overflow=0, pool_timeout=60)
     broker = InMemoryBroker()
-    publish(broker, ["m-1"])
+    publish(broker, ["m-0", "m-1"])
     calls: list[str] = []
+    consumer = charging(db.prefix, calls, failure_isolation=isolation)
     main = threading.get_ident()
     signalled: list[float] = []
 
@@ -139,7 +147,7 @@ def test_sigterm_ends_a_step_waiting_for_the_pools_checkout(db: TestDatabase) ->
     try:
         with graceful_signals(stop):
             signaller.start()
-            worker = Worker(charging(db.prefix, calls), broker.transport(QUEUE), engine, stop=stop)
+            worker = Worker(consumer, broker.transport(QUEUE), engine, stop=stop)
             worker.run()
         took = time.monotonic() - started
         after_signal = time.monotonic() - signalled[0]
@@ -149,16 +157,17 @@ def test_sigterm_ends_a_step_waiting_for_the_pools_checkout(db: TestDatabase) ->
     assert stop.requested
     assert took < 30, took  # the pool's timeout is 60 s
     print(f"\n[SIGTERM during a step's pool checkout] stopped {after_signal:.2f}s after it")
-    assert calls == [] and order_ids(db.engine, db.prefix) == []
+    committed = ["m-0"] if isolation == "transaction" else []
+    assert calls == [] and order_ids(db.engine, db.prefix) == committed
     assert not broker.dead_letters.get(QUEUE)
-    assert broker.pending(QUEUE) == 1  # given back, not acked
-    assert worker.metrics.processed == 0 and worker.metrics.failures == 0
+    assert broker.pending(QUEUE) == 2 - len(committed)  # given back, not acked
+    assert worker.metrics.failures == 0 and worker.metrics.dead_lettered == 0
 
     again = create_engine(db.url)  # two connections: the redelivery is processed once
     try:
-        Worker(charging(db.prefix, calls), broker.transport(QUEUE), again).run(until_idle=True)
+        Worker(consumer, broker.transport(QUEUE), again).run(until_idle=True)
     finally:
         again.dispose()
-    assert order_ids(db.engine, db.prefix) == ["m-1"]
+    assert order_ids(db.engine, db.prefix) == ["m-0", "m-1"]
     assert len(calls) == 1 and not broker.dead_letters.get(QUEUE)
     assert broker.pending(QUEUE) == 0
