@@ -23,6 +23,36 @@ class ImmediateStop(BaseException):
     """Raised in the main thread by a second SIGTERM/SIGINT: stop now, settle nothing more."""
 
 
+class StopWhileWaiting(BaseException):
+    """A stop signal arrived while the main thread waited in an :func:`abandoned_on_stop`
+    block (a step waiting for a connection): the wait is abandoned, the batch in flight
+    rolled back and given back unsettled (never dead-lettered, never acked).
+
+    A ``BaseException``: a handler's ``except Exception`` does not keep it, and
+    SQLAlchemy invalidates a connection whose statement it interrupted."""
+
+
+#: Per thread: how many :func:`abandoned_on_stop` blocks it is in.
+_waiting = threading.local()
+
+
+@contextmanager
+def abandoned_on_stop(what: str) -> Iterator[None]:
+    """Within the block, a stop requested *in this thread* (a signal handler runs in the
+    main thread, interrupting the wait it is in) raises :class:`StopWhileWaiting` there.
+
+    For waits that may outlast a shutdown timeout (a pool checkout, a pooler's queue).
+    A stop requested before the block, or from another thread, does not interrupt it.
+    """
+    depth = getattr(_waiting, "depth", 0)
+    _waiting.depth = depth + 1
+    _waiting.what = what
+    try:
+        yield
+    finally:
+        _waiting.depth = depth
+
+
 class StopToken:
     """A graceful-stop request shared by a worker and whoever wants to stop it."""
 
@@ -35,8 +65,14 @@ class StopToken:
         return self._event.is_set()
 
     def request(self) -> None:
-        """Ask the worker to finish its batch in flight and stop."""
+        """Ask the worker to finish its batch in flight and stop.
+
+        Called in a thread waiting in an :func:`abandoned_on_stop` block (a signal
+        handler interrupting it), it raises :class:`StopWhileWaiting` to end that wait.
+        """
         self._event.set()
+        if getattr(_waiting, "depth", 0):
+            raise StopWhileWaiting(f"stop requested while {_waiting.what}")
 
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; return True early if a stop is requested.

@@ -76,6 +76,12 @@ class Consumer:
     #: True for :class:`~mqdedup.consumers.async_consumer.AsyncConsumer`: its handlers and
     #: hooks are coroutines, awaited by the pipeline running on an event loop (the bridge).
     asynchronous: ClassVar[bool] = False
+    #: Declare True when the handlers call ``ctx.step``: a step runs on a second
+    #: connection of the engine while the message's transaction holds the first, so a
+    #: worker refuses to start (``ConfigurationError``) on an engine whose pool cannot
+    #: give two at once. Undeclared, such a pool is a WARNING at start and the first
+    #: step that waits for the connection fails its message (see ``docs/operations.md``).
+    uses_steps: ClassVar[bool] = False
 
     @property
     def consumer_name(self) -> str:
@@ -189,6 +195,10 @@ class Consumer:
         if not (self.has_single_handler or self.has_batch_handler):
             raise ConfigurationError(
                 f"{type(self).__name__} implements neither handle() nor handle_batch()"
+            )
+        if not isinstance(self.uses_steps, bool):
+            raise ConfigurationError(
+                f"{type(self).__name__}.uses_steps must be True or False, not {self.uses_steps!r}"
             )
         problem = consumer_name_problem(self.consumer_name)
         if problem:

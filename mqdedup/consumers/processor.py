@@ -49,15 +49,14 @@ from mqdedup.db.dialects import (
 )
 from mqdedup.db.probe import (
     Probe,
+    check_pool_for_steps,
     engine_of,
     explain,
-    pool_gives_two,
-    pool_too_small_for_steps,
 )
 from mqdedup.dedup.claims import AttemptLog, ClaimStore
 from mqdedup.errors import ConfigurationError, MessageError
 from mqdedup.outages import NotAnOutageError, Outages
-from mqdedup.stopping import StopToken
+from mqdedup.stopping import StopToken, StopWhileWaiting
 
 if TYPE_CHECKING:
     from mqdedup.consumers.spec import ConsumerSpec
@@ -153,8 +152,10 @@ class Processor:
         #: work looked like an outage (SQL claim stores on an engine only).
         engine = engine_of(sessions.kw.get("bind")) if sessions is not None else None
         self.probe = Probe(engine) if engine is not None and self.store.transactional else None
-        if self.probe is not None and pool_gives_two(self.probe.engine) is False:
-            log.warning(pool_too_small_for_steps(self.probe.engine), extra={"consumer": self.name})
+        if self.probe is not None:
+            check_pool_for_steps(
+                self.probe.engine, type(consumer).__name__, consumer.uses_steps, self.name
+            )
         self.outages = self._outages(self.store.is_transient, self.store.infrastructure)
         database_outages = (
             self.outages if self.store.transactional else self._outages(is_transient, "database")
@@ -234,7 +235,7 @@ class Processor:
                     unique = self._careful(self.attempts, unique, report)
                 if unique:
                     self._first(unique, report)
-            except BatchAbandonedError:
+            except (BatchAbandonedError, StopWhileWaiting):  # a stop during a wait
                 self._settle_committed(report)
                 raise
         resolve_repeats(self.consumer, repeats, report, self.metrics)

@@ -61,13 +61,27 @@ class Outcome:
             self.durable_at = other.durable_at
 
 
+#: The most characters of an error's text in the "handler failed" line: a database
+#: error's text carries its whole statement (hundreds of KB for a bulk insert).
+LOGGED_ERROR_CHARS = 2000
+
+
+def logged_error(error: BaseException) -> str:
+    """``Type: text`` of ``error``, its text cut to :data:`LOGGED_ERROR_CHARS`."""
+    text = f"{type(error).__name__}: {error}"
+    if len(text) <= LOGGED_ERROR_CHARS:
+        return text
+    return f"{text[:LOGGED_ERROR_CHARS]}… ({len(text) - LOGGED_ERROR_CHARS:,} more characters)"
+
+
 def log_failure(consumer: str, delivery: Delivery[Any] | None, error: Exception) -> None:
-    """One line per failed handler call."""
+    """One line per failed handler call (the error's text cut to a readable length; the
+    dead letter keeps its own reason)."""
     log.info(
         "handler failed",
         extra={
             "consumer": consumer,
             "message_id": delivery.message.id if delivery else None,
-            "error": f"{type(error).__name__}: {error}",
+            "error": logged_error(error),
         },
     )

@@ -101,6 +101,11 @@ class ConsumerSpec(Protocol):
         ...
 
     @property
+    def uses_steps(self) -> bool:
+        """True when the handlers declare they call ``ctx.step`` (two connections)."""
+        ...
+
+    @property
     def dedup(self) -> Dedup:
         """Where the claims live."""
         ...

@@ -34,6 +34,12 @@ deduplication on the key must cover (an ``Idempotency-Key`` header, a merchant o
 number). A call that raises records nothing: the message fails as usual and its retry
 calls again with the same key.
 
+**Stopping.** A step's start may wait for a connection (the engine's pool, a pooler's
+queue) longer than the worker's shutdown timeout. A stop signal arriving during that
+wait abandons it: nothing was called, the message's transaction rolls back and its
+batch goes back to the broker unsettled, to be redelivered (see
+:func:`mqdedup.stopping.abandoned_on_stop`).
+
 SQLite allows one writer per file and the message's transaction holds it while the
 handler runs, so there the record is written in the message's transaction instead (in
 a savepoint of it): it is lost with a rollback of that transaction (the message's, or
@@ -57,6 +63,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from mqdedup.bridge import in_bridge
 from mqdedup.db.dialects import is_transient
 from mqdedup.dedup.steps import (
     Recorded,
@@ -67,6 +74,7 @@ from mqdedup.dedup.steps import (
     idempotency_key,
     serialize,
 )
+from mqdedup.stopping import abandoned_on_stop
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -121,11 +129,23 @@ class StepRunner:
         check_step_name(name)
         check_step_function(fn)
         key = self.key(name)
-        recorded = self._in_own_transaction(lambda connection: self._start(connection, name))
+        recorded = self._starting(name)
         if recorded is not None:
             log.info("step already done", extra=self._extra(name))
             return recorded.result
         return self._finish(name, fn(key))
+
+    def _starting(self, name: str) -> Recorded | None:
+        """The start, on a connection of its own: the one wait of a step that may
+        outlast a shutdown (the pool's ``pool_timeout``, a pooler's
+        ``query_wait_timeout``). A stop signal during it abandons it
+        (:class:`~mqdedup.stopping.StopWhileWaiting`): nothing was called yet, the
+        message goes back unsettled. Not inside the asyncio bridge, whose event loop a
+        signal must not interrupt."""
+        if self.engine is None or in_bridge():
+            return self._in_own_transaction(lambda connection: self._start(connection, name))
+        with abandoned_on_stop(f"step {name!r} waited for a connection"):
+            return self._in_own_transaction(lambda connection: self._start(connection, name))
 
     async def run_async(
         self, proxy: AsyncSession, name: str, fn: Callable[[str], Awaitable[Any] | Any]

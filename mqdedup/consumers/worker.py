@@ -22,7 +22,7 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchAbandonedError, BatchReport, Processor
 from mqdedup.db.async_engine import sync_engine_of
 from mqdedup.db.engine import session_factory
-from mqdedup.stopping import StopToken, run_stoppable
+from mqdedup.stopping import StopToken, StopWhileWaiting, run_stoppable
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -117,6 +117,13 @@ class Worker:
                     log.warning(
                         "batch abandoned on stop (database unavailable); only what had "
                         "committed was settled",
+                        extra={"consumer": self.consumer.consumer_name, "size": len(deliveries)},
+                    )
+                    break
+                except StopWhileWaiting as stopped:
+                    log.warning(
+                        "batch abandoned on stop: %s; it goes back unsettled",
+                        stopped,
                         extra={"consumer": self.consumer.consumer_name, "size": len(deliveries)},
                     )
                     break

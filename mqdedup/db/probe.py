@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from sqlalchemy import Engine, event
 from sqlalchemy.pool import QueuePool
 
+from mqdedup.errors import ConfigurationError
 from mqdedup.masking import mask_url
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ def pool_shortage(engine: Engine, held: int, *, in_handler: bool) -> str:
             f"a connection while all {held} were checked out, the message's transaction "
             f"holding one; give the engine at least {held + 1} connections (pool_size + "
             "max_overflow): a worker process needs 1 for the message's transaction, plus 1 "
-            "for ctx.step or any other connection its handlers open"
+            "for ctx.step or any other connection its handlers open (declare uses_steps = "
+            "True on the consumer to have a pool too small refused at start)"
         )
     return (
         f"the pool of {name} ({type(pool).__name__}) gave no connection: a worker needs 1 "
@@ -157,7 +159,7 @@ def explain(error: BaseException, probe: Probe | None, *, answered: bool) -> Exc
             "the pooler (PgBouncer) gave no server connection within its query_wait_timeout "
             "while the database answers: its server pool (default_pool_size) is too small "
             "for the worker processes; a worker process needs 1 server connection, 2 when "
-            "its handlers use ctx.step"
+            "its handlers use ctx.step (see docs/operations.md, pool sizes)"
         )
     elif reason is None and answered:
         reason = (
@@ -219,5 +221,23 @@ def pool_too_small_for_steps(engine: Engine) -> str:
         f"the pool of {mask_url(engine.url)} gives 1 connection at once: enough for "
         "handlers without steps, too small by 1 for a handler that uses ctx.step (or "
         "opens a second connection of the engine), whose messages would fail waiting for "
-        "it; give the engine pool_size + max_overflow >= 2"
+        "it; give the engine pool_size + max_overflow >= 2 (a consumer declaring "
+        "uses_steps = True is refused at start on such a pool)"
     )
+
+
+def check_pool_for_steps(engine: Engine, owner: str, uses_steps: bool, consumer: str) -> None:
+    """At start: a pool that cannot give a second connection while the message's
+    transaction holds one refuses a consumer declaring ``uses_steps`` (``owner``: its
+    class name) with a :class:`~mqdedup.errors.ConfigurationError` of one line, and is
+    one WARNING line for a consumer that does not declare it (it may not call steps)."""
+    if pool_gives_two(engine) is not False:
+        return
+    if uses_steps:
+        raise ConfigurationError(
+            f"{owner} declares uses_steps = True, but the pool of {mask_url(engine.url)} "
+            "gives 1 connection at once, too small by 1: a step needs a second connection "
+            "while the message's transaction holds the first; give the engine "
+            "pool_size + max_overflow >= 2"
+        )
+    log.warning(pool_too_small_for_steps(engine), extra={"consumer": consumer})

@@ -87,6 +87,7 @@ auth_file = {state}/userlist.txt
 max_client_conn = 200
 default_pool_size = {pool_size}
 query_wait_timeout = {query_wait_timeout}
+stats_users = {server.username}
 server_reset_query =
 ignore_startup_parameters = extra_float_digits
 logfile = {state}/pgbouncer.log
