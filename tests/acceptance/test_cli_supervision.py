@@ -1,0 +1,299 @@
+"""No child of ``mqdedup worker`` / ``mqdedup relay`` outlives its supervisor, and no second
+supervisor runs beside them (issue #40): real processes, ``kill -9`` and SIGHUP, for a
+Kafka worker, a RabbitMQ worker and the relay.
+
+Each scenario: a supervisor with two children runs; a second one for the same slots is
+refused in one line. Its children are frozen (SIGSTOP), the supervisor is killed with
+``kill -9``, and a new supervisor is refused while the orphans live (they hold the slot
+lock). Thawed (SIGCONT), the orphans notice their supervisor is gone and stop cleanly
+within 2 s: none is alive, the relay's shard locks are released (``pg_locks``). A new
+supervisor then runs alone and finishes the work; SIGHUP stops it cleanly (exit 0, a
+log line, no child left). Every message's effects happened once (rows in PostgreSQL), and
+every outbox row reached the topic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from mqdedup.cli import exitcodes
+from mqdedup.outbox.coordination import lock_class
+from mqdedup.outbox.store import OutboxStore
+from tests.integration.kafka.helpers import row_counts
+from tests.integration.rabbitmq.support import make_consumer
+from tests.services import (
+    KAFKA_SESSION_TIMEOUT_ENV,
+    REPO,
+    KafkaHelper,
+    Outgoing,
+    RabbitAdmin,
+    TestDatabase,
+    free_port,
+    kafka_headers,
+    kill_session_timeout_ms,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
+#: The issue's bound: no child alive this long after its supervisor died.
+ORPHAN_BOUND = 2.0
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def healthz(port: int) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as reply:
+            return dict(json.load(reply))
+    except OSError:
+        return {}
+
+
+@dataclass
+class Daemon:
+    """How to run one supervisor kind and judge its effects."""
+
+    command: list[str]
+    env: dict[str, str]
+    #: Effects so far (rows written / rows published), and the total expected.
+    done: Callable[[], int]
+    total: int
+    #: Whether every effect happened exactly once (at least once for the relay).
+    check: Callable[[], None]
+    #: Shard locks still held (the relay), else None.
+    locks: Callable[[], int] | None = None
+
+
+class Supervisor:
+    def __init__(self, daemon: Daemon, tmp: Path, name: str) -> None:
+        self.port = free_port()
+        self.log = tmp / f"{name}.log"
+        self._out = self.log.open("wb")
+        self.process = subprocess.Popen(
+            [
+                MQDEDUP,
+                "--log-level",
+                "INFO",
+                *daemon.command,
+                "--processes",
+                "2",
+                "--health-port",
+                str(self.port),
+                "--health-host",
+                "127.0.0.1",
+                "--shutdown-timeout",
+                "20",
+            ],
+            env=daemon.env,
+            cwd=REPO,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+        )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        wait_for(
+            lambda: self.process.poll() is not None or healthz(self.port).get("running") == 2,
+            90,
+            "two children running",
+        )
+        assert self.process.poll() is None, self.output()[-3000:]
+        return [int(pid) for pid in healthz(self.port)["pids"]]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+        self._out.close()
+
+
+def refused(daemon: Daemon) -> str:
+    """A supervisor for the same slots: refused with one line and exit code 1."""
+    second = subprocess.run(
+        [MQDEDUP, *daemon.command, "--processes", "2"],
+        env=daemon.env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert second.returncode == exitcodes.CHECK_FAILED, second.stderr[-3000:]
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
+    assert "another `mqdedup" in lines[0], lines[0]
+    return lines[0]
+
+
+def run_scenario(daemon: Daemon, tmp: Path) -> dict[str, float]:
+    figures: dict[str, float] = {}
+    first = Supervisor(daemon, tmp, "first")
+    supervisors = [first]
+    try:
+        children = first.children()
+        wait_for(lambda: daemon.done() > 0, 120, "the first effects")
+        print(refused(daemon))
+
+        # kill -9 of the supervisor while its children are frozen: they outlive it.
+        for pid in children:
+            os.kill(pid, signal.SIGSTOP)
+        first.process.kill()
+        first.process.wait(30)
+        print(refused(daemon))
+        thawed = time.monotonic()
+        for pid in children:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: not any(alive(pid) for pid in children), 60, "the orphans to stop")
+        figures["orphans_gone_s"] = time.monotonic() - thawed
+        assert figures["orphans_gone_s"] <= ORPHAN_BOUND, figures
+        assert "the supervisor is gone; stopping cleanly" in first.output()
+        if daemon.locks is not None:
+            assert daemon.locks() == 0, "the orphans' shard locks are still held"
+
+        # A new supervisor runs alone and finishes; SIGHUP stops it cleanly.
+        last = Supervisor(daemon, tmp, "restarted")
+        supervisors.append(last)
+        survivors = last.children()
+        wait_for(lambda: daemon.done() >= daemon.total, 240, "every effect")
+        last.process.send_signal(signal.SIGHUP)
+        asked = time.monotonic()
+        code = last.process.wait(60)
+        figures["sighup_stop_s"] = time.monotonic() - asked
+        assert code == exitcodes.OK, last.output()[-3000:]
+        assert "SIGHUP" in last.output() and "stopping cleanly" in last.output()
+        assert not any(alive(pid) for pid in survivors), "a child outlived SIGHUP"
+        assert "Traceback" not in first.output() + last.output()
+    finally:
+        for supervisor in supervisors:
+            supervisor.close()
+    daemon.check()
+    if daemon.locks is not None:
+        assert daemon.locks() == 0
+    return figures
+
+
+@pytest.fixture
+def base_env(tmp_path: Path, db: TestDatabase) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "MQDEDUP_DATABASE_URL": db.url,
+        "MQDEDUP_TABLE_PREFIX": db.prefix,
+        "MQDEDUP_RUNTIME_DIR": str(tmp_path / "run"),
+    }
+
+
+def once(counts: Callable[[], dict[str, int]], expected: set[str]) -> Callable[[], None]:
+    def check() -> None:
+        got = counts()
+        assert set(got) == expected, f"{len(expected - set(got))} missing"
+        assert set(got.values()) == {1}, "an effect happened twice"
+
+    return check
+
+
+def test_kafka_worker_supervisor_never_orphans_its_children(
+    kafka: KafkaHelper, db: TestDatabase, base_env: dict[str, str], tmp_path: Path
+) -> None:
+    topic = kafka.create_topic(partitions=4, kind="orphans")
+    ids = [f"m-{n}" for n in range(3000)]
+    kafka.produce(topic, [Outgoing(i, b"{}") for i in ids + ids[:600]])
+    env = {
+        **base_env,
+        "ACCEPT_PREFIX": db.prefix,
+        "ACCEPT_TOPIC": topic,
+        "ACCEPT_GROUP": f"group-{topic}",
+        KAFKA_SESSION_TIMEOUT_ENV: str(kill_session_timeout_ms(kafka.bootstrap)),
+    }
+    daemon = Daemon(
+        ["worker", "tests.acceptance.cli_consumers:Orders"],
+        env,
+        done=lambda: len(row_counts(db.engine, db.prefix)),
+        total=len(ids),
+        check=once(lambda: row_counts(db.engine, db.prefix), set(ids)),
+    )
+    print(run_scenario(daemon, tmp_path))
+
+
+def test_rabbitmq_worker_supervisor_never_orphans_its_children(
+    rabbit: RabbitAdmin, db: TestDatabase, base_env: dict[str, str], tmp_path: Path
+) -> None:
+    queue = rabbit.queue("orphans")
+    rabbit.declare(make_consumer(queue, db.prefix, rabbit.url)())
+    ids = [f"r-{n}" for n in range(3000)]
+    rabbit.publish(queue, ids + ids[:600])
+    env = {
+        **base_env,
+        "MQDEDUP_TEST_RABBIT_QUEUE": queue,
+        "MQDEDUP_TEST_RABBIT_PREFIX": db.prefix,
+        "MQDEDUP_RABBITMQ_URL": rabbit.url,
+    }
+    daemon = Daemon(
+        ["worker", "tests.integration.rabbitmq.cli_consumer:CliOrders"],
+        env,
+        done=lambda: len(row_counts(db.engine, db.prefix)),
+        total=len(ids),
+        check=once(lambda: row_counts(db.engine, db.prefix), set(ids)),
+    )
+    print(run_scenario(daemon, tmp_path))
+
+
+def test_relay_supervisor_never_orphans_its_children(
+    kafka: KafkaHelper, db: TestDatabase, base_env: dict[str, str], tmp_path: Path
+) -> None:
+    from sqlalchemy.orm import Session
+
+    from mqdedup.outbox.writer import OutboxWriter, OutgoingMessage
+
+    topic = kafka.create_topic(partitions=3, kind="relayed")
+    total = 20_000
+    with Session(db.engine) as session, session.begin():
+        OutboxWriter(session, prefix=db.prefix).publish_many(
+            OutgoingMessage({"n": n}, topic=topic, key=f"k{n % 50}") for n in range(total)
+        )
+    store = OutboxStore(db.prefix)
+    shards = lock_class(store.table.name, "shards")
+
+    def shard_locks() -> int:
+        query = text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = :c")
+        with db.engine.connect() as connection:
+            return int(connection.execute(query, {"c": shards}).scalar_one())
+
+    def published_once() -> None:
+        assert store.status(db.engine).pending == 0
+        records = kafka.read_all(topic, total, timeout=60)
+        # Every row at least once (each has its own id; a kill -9 may repeat a batch).
+        assert len({kafka_headers(record)["message-id"] for record in records}) == total
+
+    daemon = Daemon(
+        ["relay", "--batch-size", "200", "--kafka-bootstrap", kafka.bootstrap],
+        base_env,
+        done=lambda: store.status(db.engine).published,
+        total=total,
+        check=published_once,
+        locks=shard_locks,
+    )
+    print(run_scenario(daemon, tmp_path))
