@@ -44,9 +44,13 @@ def snapshot_ready(snapshot: Mapping[str, Any]) -> bool:
     consumer is attached: the broker closed its channel or the connection is being
     re-established, so nothing is consumed. A worker or relay waiting out an outage
     (``outage``: the database or Redis unreachable, see :mod:`mqdedup.outages`) is not
-    ready either.
+    ready either, nor a consumer the broker fenced (``fenced``: its reason).
     """
-    return snapshot.get("consumer_attached") is not False and not snapshot.get("outage")
+    return (
+        snapshot.get("consumer_attached") is not False
+        and not snapshot.get("outage")
+        and not snapshot.get("fenced")
+    )
 
 
 class HealthServer:

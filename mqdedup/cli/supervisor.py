@@ -143,6 +143,12 @@ class Supervisor:
                 1 for c in self.children if c.process is not None and c.process.is_alive()
             )
             detached = [c.spec.label for c in self.children if not snapshot_ready(c.snapshot)]
+            # Why a child is not ready, where it says (fenced, an outage).
+            reasons = {
+                c.spec.label: c.snapshot.get("fenced") or c.snapshot.get("outage")
+                for c in self.children
+                if c.snapshot.get("fenced") or c.snapshot.get("outage")
+            }
             details = {
                 "children": len(self.children),
                 "running": running,
@@ -154,6 +160,7 @@ class Supervisor:
                 "restarts": sum(c.restarts for c in self.children),
                 "draining": self._draining_since is not None,
                 "detached": detached,
+                "reasons": reasons,
             }
         ready = running == len(self.children) and self._draining_since is None and not detached
         return True, ready, details

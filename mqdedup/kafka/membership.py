@@ -17,6 +17,14 @@ process-killing message) keeps its partitions until the broker notices: for
   ``<group>.<MQDEDUP_INSTANCE_HOST>.<slot>``, the same across supervisor restarts, so a
   restarted supervisor also takes its partitions back at once; two supervisors must then
   never share the value. ``static_membership = False`` on the class turns it off.
+* **Fenced.** When a second member joins the group under the same instance id (two
+  supervisors sharing ``MQDEDUP_INSTANCE_HOST``, on two hosts: on one host the second
+  supervisor is refused, :mod:`mqdedup.cli.lineage`), the broker fences the first one:
+  its offset commits fail with ``FencedInstanceIdError``. The fenced member stops
+  consuming (it never joins again, which would fence the other back), reports
+  ``consumer_attached = 0`` and its reason (``fenced``) in its metrics, so ``/healthz``
+  answers 503 naming the cause, and logs one ERROR line (:func:`fenced_reason`). It keeps
+  running until it is stopped: the newer member consumes, the operator fixes the names.
 * A **session timeout of 10 s** (kafka-python's own default is 45 s; aiokafka's is 10 s),
   heartbeats every 3 s: a dead member that does not come back (scale-down, a crashed
   host, a static member stopped for good: static members do not leave the group on a
@@ -67,3 +75,21 @@ def static_instance_id(group_id: str, environ: Mapping[str, str] | None = None) 
     if len(cleaned) > _MAX_LENGTH:  # keep the distinguishing end (host and slot)
         cleaned = cleaned[-_MAX_LENGTH:]
     return cleaned or None
+
+
+def fenced_reason(
+    group_id: str, instance_id: str | None, environ: Mapping[str, str] | None = None
+) -> str:
+    """What a fenced member says (log line, ``/healthz``): who fenced it, and the fix."""
+    env = os.environ if environ is None else environ
+    named = env.get(HOST_VARIABLE)
+    cause = (
+        f"two supervisors share {HOST_VARIABLE}={named}"
+        if named
+        else "two consumers use the same group_instance_id"
+    )
+    return (
+        f"fenced: another member of group {group_id!r} joined with this member's static id "
+        f"{instance_id!r} ({cause}); this one stopped consuming: stop it, or give each "
+        f"supervisor its own {HOST_VARIABLE}"
+    )

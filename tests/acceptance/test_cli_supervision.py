@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,9 +64,12 @@ def alive(pid: int) -> bool:
 
 
 def healthz(port: int) -> dict[str, Any]:
+    """``/healthz`` as JSON (its body on 503 too); {} while nobody answers."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as reply:
             return dict(json.load(reply))
+    except urllib.error.HTTPError as answer:
+        return {**json.load(answer), "status": answer.code}
     except OSError:
         return {}
 
@@ -86,7 +90,8 @@ class Daemon:
 
 
 class Supervisor:
-    def __init__(self, daemon: Daemon, tmp: Path, name: str) -> None:
+    def __init__(self, daemon: Daemon, tmp: Path, name: str, processes: int = 2) -> None:
+        self.processes = processes
         self.port = free_port()
         self.log = tmp / f"{name}.log"
         self._out = self.log.open("wb")
@@ -97,7 +102,7 @@ class Supervisor:
                 "INFO",
                 *daemon.command,
                 "--processes",
-                "2",
+                str(processes),
                 "--health-port",
                 str(self.port),
                 "--health-host",
@@ -116,9 +121,12 @@ class Supervisor:
 
     def children(self) -> list[int]:
         wait_for(
-            lambda: self.process.poll() is not None or healthz(self.port).get("running") == 2,
+            lambda: (
+                self.process.poll() is not None
+                or healthz(self.port).get("running") == self.processes
+            ),
             90,
-            "two children running",
+            "the children running",
         )
         assert self.process.poll() is None, self.output()[-3000:]
         return [int(pid) for pid in healthz(self.port)["pids"]]
@@ -297,3 +305,65 @@ def test_relay_supervisor_never_orphans_its_children(
         locks=shard_locks,
     )
     print(run_scenario(daemon, tmp_path))
+
+
+def test_a_fenced_kafka_member_goes_not_ready_and_says_why(
+    kafka: KafkaHelper, db: TestDatabase, base_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two supervisors on two "hosts" (runtime directories) share MQDEDUP_INSTANCE_HOST: the
+    second one's member takes the static id, the broker fences the first. The first goes
+    not ready (503 naming the cause), says so in one ERROR line and stops consuming; the
+    second stays ready and consumes; every message's effects happen once."""
+    topic = kafka.create_topic(partitions=2, kind="fenced")
+    env = {
+        **base_env,
+        "ACCEPT_PREFIX": db.prefix,
+        "ACCEPT_TOPIC": topic,
+        "ACCEPT_GROUP": f"group-{topic}",
+        "MQDEDUP_INSTANCE_HOST": "same-name",
+    }
+    ids = [f"f-{n}" for n in range(1000)]
+    kafka.produce(topic, [Outgoing(i, b"{}") for i in ids[:500]])
+    daemon = Daemon(
+        ["worker", "tests.acceptance.cli_consumers:Orders"],
+        env,
+        done=lambda: len(row_counts(db.engine, db.prefix)),
+        total=len(ids),
+        check=once(lambda: row_counts(db.engine, db.prefix), set(ids)),
+    )
+    first = Supervisor(daemon, tmp_path, "first", processes=1)
+    daemon.env = {**env, "MQDEDUP_RUNTIME_DIR": str(tmp_path / "other-host")}
+    supervisors = [first]
+    try:
+        first.children()
+        wait_for(lambda: daemon.done() == 500, 120, "the first 500 messages")
+        assert healthz(first.port).get("ready") is not False
+        second = Supervisor(daemon, tmp_path, "second", processes=1)
+        supervisors.append(second)
+        second.children()
+        # Its member joined (the broker fenced the first's) once it reports its lag.
+        wait_for(lambda: "mqdedup_consumer_lag{" in metrics(second.port), 120, "the join")
+        # The fenced member notices at its next offset commit: with the next messages.
+        kafka.produce(topic, [Outgoing(i, b"{}") for i in ids[500:]])
+        wait_for(
+            lambda: "MQDEDUP_INSTANCE_HOST=same-name" in str(healthz(first.port).get("reasons")),
+            120,
+            "the fenced member to go not ready and say why",
+        )
+        assert healthz(first.port)["status"] == 503 and not healthz(first.port)["ready"]
+        assert healthz(second.port).get("ready") is True
+        wait_for(lambda: daemon.done() == len(ids), 120, "every message")
+        assert "fenced: another member of group" in first.output()
+        assert 'mqdedup_consumer_attached{consumer="' in metrics(first.port)
+        for supervisor in supervisors:
+            supervisor.process.send_signal(signal.SIGTERM)
+            assert supervisor.process.wait(60) == exitcodes.OK, supervisor.output()[-3000:]
+    finally:
+        for supervisor in supervisors:
+            supervisor.close()
+    daemon.check()
+
+
+def metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return str(reply.read().decode())
