@@ -10,8 +10,9 @@ process-killing message) keeps its partitions until the broker notices: for
   ``MQDEDUP_WORKER_SLOT`` and its supervisor's pid from ``MQDEDUP_WORKER_SUPERVISOR``).
   The restarted child rejoins under the same id, and the broker hands it the dead
   member's partitions at once, without a rebalance of the group and without waiting for
-  the session to expire. The supervisor's pid keeps two supervisors of one group on one
-  host apart (a second member with the same id would fence the first). A deployment that
+  the session to expire. The supervisor's pid is part of the id; a second supervisor of
+  the same consumer on one host is refused unless it has its own
+  ``MQDEDUP_INSTANCE_HOST`` (:mod:`mqdedup.cli.lineage`). A deployment that
   gives each supervisor a stable name of its own (a StatefulSet pod, a systemd unit
   instance) sets ``MQDEDUP_INSTANCE_HOST`` to it: the id is then
   ``<group>.<MQDEDUP_INSTANCE_HOST>.<slot>``, the same across supervisor restarts, so a

@@ -65,9 +65,7 @@ def assert_one_line(result: subprocess.CompletedProcess[str], code: int, text: s
 
 
 @pytest.mark.parametrize("older_than", ["99999999d", "99999999999d", "99999999999999999999w"])
-def test_a_duration_too_long_is_one_line_with_exit_code_2(
-    tmp_path: Path, older_than: str
-) -> None:
+def test_a_duration_too_long_is_one_line_with_exit_code_2(tmp_path: Path, older_than: str) -> None:
     result = run(environment(tmp_path), "dedup", "purge", "--older-than", older_than, "--yes")
     assert_one_line(result, exitcodes.USAGE, f"duration '{older_than}' is too long")
 
