@@ -153,6 +153,21 @@ class KafkaClient:
             },
         )
 
+    def _commit(
+        self,
+        client: Any,
+        offsets: dict[PartitionKey, int],
+        timeout: float,
+        *,
+        clean: set[PartitionKey] | None = None,
+    ) -> bool:
+        """:meth:`OffsetCommits.commit`; a fenced member's commit fences this client."""
+        try:
+            return self.commits.commit(client, offsets, timeout, clean=clean or set())
+        except kafka_errors.FencedInstanceIdError:
+            self.fence()
+            return False
+
     @property
     def client(self) -> Any:
         """The kafka-python ``KafkaConsumer`` (opened on first use)."""
@@ -171,10 +186,7 @@ class KafkaClient:
                 assigned = {partition_key(tp) for tp in client.assignment() or ()}
                 offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
                 clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in assigned}
-                try:
-                    self.commits.commit(client, {**clean, **offsets}, timeout, clean=set(clean))
-                except kafka_errors.FencedInstanceIdError:
-                    self.fence()
+                self._commit(client, {**clean, **offsets}, timeout, clean=set(clean))
             try:
                 client.close(autocommit=False, timeout_ms=int(timeout * 1000))
             except Exception as error:
@@ -306,12 +318,7 @@ class KafkaClient:
         client = self.client
         if not stopped_cleanly(client, topic_partition, self.settings.commit_timeout):
             return  # the previous owner may have died on these records (or unknown)
-        try:
-            committed = self.commits.commit(client, {key: start}, self.settings.commit_timeout)
-        except kafka_errors.FencedInstanceIdError:
-            self.fence()
-            return
-        if committed:
+        if self._commit(client, {key: start}, self.settings.commit_timeout):
             self.tracker.expect_clean(key)
 
     def current(self, deliveries: Iterable[Delivery[KafkaToken]]) -> list[Delivery[KafkaToken]]:
@@ -359,13 +366,11 @@ class KafkaClient:
         offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
         if not offsets:
             return True
-        try:
-            ok = self.commits.commit(
-                self._client, offsets, self.settings.commit_timeout if timeout is None else timeout
-            )
-        except kafka_errors.FencedInstanceIdError:
-            self.fence()
-            return True
+        ok = self._commit(
+            self._client, offsets, self.settings.commit_timeout if timeout is None else timeout
+        )
+        if self.fenced is not None:
+            return True  # nothing more will be committed
         self._next_commit_attempt = time.monotonic() + (
             self.settings.commit_interval if ok else max(1.0, self.settings.commit_interval)
         )
