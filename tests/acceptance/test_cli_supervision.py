@@ -8,7 +8,8 @@ refused in one line. Its children are frozen (SIGSTOP), the supervisor is killed
 lock). Thawed (SIGCONT), the orphans notice their supervisor is gone and stop cleanly
 within 2 s: none is alive, the relay's shard locks are released (``pg_locks``). A new
 supervisor then runs alone and finishes the work; SIGHUP stops it cleanly (exit 0, a
-log line, no child left). Every message's effects happened once (rows in PostgreSQL), and
+log line, no child left). A last one is killed with a plain ``kill -9``: its children are
+gone within 2 s. Every message's effects happened once (rows in PostgreSQL), and
 every outbox row reached the topic.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -193,7 +195,23 @@ def run_scenario(daemon: Daemon, tmp: Path) -> dict[str, float]:
         assert code == exitcodes.OK, last.output()[-3000:]
         assert "SIGHUP" in last.output() and "stopping cleanly" in last.output()
         assert not any(alive(pid) for pid in survivors), "a child outlived SIGHUP"
-        assert "Traceback" not in first.output() + last.output()
+
+        # A plain kill -9 of a running supervisor: its children are gone within 2 s.
+        third = Supervisor(daemon, tmp, "killed")
+        supervisors.append(third)
+        orphans = third.children()
+        wait_for(
+            lambda: len(re.findall(r"(worker|relay) started", third.output())) == 2,
+            90,
+            "both children to have started",
+        )
+        killed = time.monotonic()
+        third.process.kill()
+        wait_for(lambda: not any(alive(pid) for pid in orphans), 60, "the orphans to stop")
+        figures["kill_9_orphans_gone_s"] = time.monotonic() - killed
+        assert figures["kill_9_orphans_gone_s"] <= ORPHAN_BOUND, figures
+        outputs = "".join(supervisor.output() for supervisor in supervisors)
+        assert "Traceback" not in outputs
     finally:
         for supervisor in supervisors:
             supervisor.close()
