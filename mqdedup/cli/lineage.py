@@ -72,19 +72,27 @@ class Slot:
 
 
 def lock_slots(slots: Sequence[Slot]) -> list[int]:
-    """Take the lock of every slot (their open file descriptors) or refuse, in one line."""
+    """Take the lock of every slot (their open file descriptors) or refuse, in one line.
+
+    A runtime directory that cannot be written (a read-only file system) is a WARNING,
+    not a refusal: the supervisor then runs without the lock (its children still never
+    outlive it).
+    """
     directory = runtime_dir()
-    try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RefusedError(
-            f"cannot create the runtime directory {directory} for the supervisor's lock: "
-            f"{exc.strerror or exc} (set {RUNTIME_DIR_VARIABLE})"
-        ) from None
     held: list[int] = []
     try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         for slot in slots:
             held.append(_lock(slot, slot.path(directory)))
+    except OSError as exc:
+        for fd in held:
+            os.close(fd)
+        log.warning(
+            "cannot lock the supervisor's slots; a second supervisor would not be refused "
+            f"(set {RUNTIME_DIR_VARIABLE} to a writable directory)",
+            extra={"directory": str(directory), "error": exc.strerror or str(exc)},
+        )
+        return []
     except BaseException:
         for fd in held:
             os.close(fd)
