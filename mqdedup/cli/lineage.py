@@ -149,19 +149,20 @@ class Lifeline:
     """The supervisor's side: a pipe it alone holds the write end of, for its lifetime."""
 
     def __init__(self, locks: Sequence[int] = ()) -> None:
-        self._read, self._write = os.pipe()
+        self._read, write = os.pipe()
         self._locks = tuple(locks)
+        self._fds = (self._read, write, *self._locks)  # what close() releases
 
     def bond(self) -> Bond:
         """What to pass to a child process (spawned) as an argument."""
         return Bond(InheritedFd(self._read), tuple(InheritedFd(fd) for fd in self._locks))
 
     def close(self) -> None:
-        """Release the pipe and the slot locks (the children are gone)."""
-        for fd in (self._read, self._write, *self._locks):
+        """Release the pipe and the slot locks (the children are gone); once."""
+        fds, self._fds = self._fds, ()
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._locks = ()
 
 
 def watch_supervisor(bond: Bond, on_death: Callable[[], None]) -> threading.Thread:
