@@ -25,7 +25,7 @@ from mqdedup.cli.lineage import Slot, lock_slots
 from mqdedup.cli.loading import create_consumer
 from mqdedup.cli.reachability import check_relay_brokers, connect_broker
 from mqdedup.cli.runners import _export_environment, create_publishers
-from mqdedup.cli.supervisor import STOP_SIGNALS, ChildSpec, Supervisor
+from mqdedup.cli.supervisor import ChildSpec, Supervisor, stop_signals
 from mqdedup.db.engine import check_connection, create_engine
 from mqdedup.db.replication import replication_warning
 from mqdedup.errors import (
@@ -136,7 +136,7 @@ def _stop_signals_end_the_wait() -> Iterator[None]:
     def _stop(_signum: int, _frame: FrameType | None) -> None:
         raise _StoppedWhileWaitingError
 
-    previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, _stop) for sig in stop_signals()}
     try:
         yield
     finally:

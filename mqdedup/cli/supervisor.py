@@ -37,6 +37,17 @@ log = logging.getLogger(__name__)
 
 #: The signals that stop the supervisor cleanly (a second one of any: at once).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """:data:`STOP_SIGNALS`, without SIGHUP when it is ignored (``nohup``: keep it so)."""
+    return tuple(
+        sig
+        for sig in STOP_SIGNALS
+        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN
+    )
+
+
 METRICS_INTERVAL = 1.0
 RESTART_BACKOFF_INITIAL = 0.5
 RESTART_BACKOFF_MAX = 30.0
@@ -121,7 +132,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Start the children, supervise them, drain on a signal; return an exit code."""
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in stop_signals()}
         try:
             self._start_health()
             for child in self.children:

@@ -52,6 +52,7 @@ from tests.services import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
+RABBIT_CONSUMER = "tests.integration.rabbitmq.cli_consumer:CliOrders"
 #: The issue's bound: no child alive this long after its supervisor died.
 ORPHAN_BOUND = 2.0
 
@@ -278,7 +279,7 @@ def test_rabbitmq_worker_supervisor_never_orphans_its_children(
         "MQDEDUP_RABBITMQ_URL": rabbit.url,
     }
     daemon = Daemon(
-        ["worker", "tests.integration.rabbitmq.cli_consumer:CliOrders"],
+        ["worker", RABBIT_CONSUMER],
         env,
         done=lambda: len(row_counts(db.engine, db.prefix)),
         total=len(ids),
@@ -385,3 +386,43 @@ def test_a_fenced_kafka_member_goes_not_ready_and_says_why(
 def metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         return str(reply.read().decode())
+
+
+def test_sighup_ignored_by_nohup_stays_ignored(
+    rabbit: RabbitAdmin, db: TestDatabase, base_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Under ``nohup`` (SIGHUP ignored when the command starts) a hangup changes nothing:
+    the supervisor and its children keep consuming; SIGTERM still stops them (exit 0)."""
+    queue = rabbit.queue("nohup")
+    rabbit.declare(make_consumer(queue, db.prefix, rabbit.url)())
+    env = {
+        **base_env,
+        "MQDEDUP_TEST_RABBIT_QUEUE": queue,
+        "MQDEDUP_TEST_RABBIT_PREFIX": db.prefix,
+        "MQDEDUP_RABBITMQ_URL": rabbit.url,
+    }
+    log = (tmp_path / "nohup.log").open("wb")
+    worker = subprocess.Popen(
+        ["nohup", MQDEDUP, "--log-level", "INFO", "worker", RABBIT_CONSUMER],
+        env=env,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        rabbit.publish(queue, ["n-1"], wait=False)
+        wait_for(lambda: len(row_counts(db.engine, db.prefix)) == 1, 90, "the first message")
+        worker.send_signal(signal.SIGHUP)
+        rabbit.publish(queue, ["n-2"], wait=False)
+        wait_for(lambda: len(row_counts(db.engine, db.prefix)) == 2, 90, "a message after SIGHUP")
+        assert worker.poll() is None
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == exitcodes.OK
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(30)
+        log.close()
+    output = (tmp_path / "nohup.log").read_text()
+    assert "SIGHUP" not in output and "Traceback" not in output
