@@ -4,6 +4,10 @@ Each message id is claimed in a dedup table inside the same database transaction
 the handler's business writes and outbox rows; the broker is settled only after commit.
 """
 
+# First: a Ctrl-C while the `mqdedup` command imports the rest ends it quietly.
+from mqdedup import interrupts as _interrupts  # noqa: F401
+
+# isort: split
 from mqdedup import ids
 from mqdedup.consumers import (
     AsyncConsumer,

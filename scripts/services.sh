@@ -8,12 +8,14 @@
 #   scripts/services.sh status  [SERVICE...]   # one line per service: "NAME: up|down (...)"
 #   scripts/services.sh env                    # `export VAR=value` lines for the tests
 #   scripts/services.sh logs    SERVICE        # where the logs are + their last lines
+#   scripts/services.sh dist-port [AMQP_PORT [TAKEN...]]  # the Erlang dist port a node would get
 #
 # SERVICE is one of: postgres rabbitmq redis kafka mariadb (mariadb is optional, never a default).
 #
 # Knobs (environment): MQDEDUP_STATE_DIR (data root, default /var/tmp/mqdedup-services),
 # MQDEDUP_CACHE_DIR (downloads, default /var/cache/mqdedup), PG_PORT (5432),
-# RABBITMQ_PORT (5672; node rabbit-<port>@localhost, Erlang dist port <port>+20000 if free),
+# RABBITMQ_PORT (5672; node rabbit-<port>@localhost, Erlang dist port <port>+20000 if free
+# and outside the ephemeral port range, else another such port; RABBITMQ_DIST_PORT forces one),
 # REDIS_PORT (6379), KAFKA_PORT (9092; controller KAFKA_PORT+1 or next free), MARIADB_PORT (3306),
 # KAFKA_VERSION (4.1.1), KAFKA_HEAP_OPTS ("-Xmx512m -Xms256m"), MQDEDUP_START_TIMEOUT (120 s),
 # KAFKA_AUTO_CREATE_TOPICS (true; "false" starts the broker with auto.create.topics.enable=false).
@@ -456,22 +458,50 @@ EOF
 # Erlang distribution port: RABBITMQ_DIST_PORT, else <port>+20000 (RabbitMQ's convention), else
 # <port>-20000, else the next free port above <port>. It need not be stable across restarts
 # (rabbitmqctl finds the node through epmd), only free.
+# port_bindable PORT: nothing uses PORT on $HOST, neither a listener nor an outgoing
+# connection's local end (a test bind; without python3, only "nobody listens").
+port_bindable() {
+    if command -v python3 >/dev/null 2>&1; then
+        python3 -c 'import socket, sys
+socket.socket().bind((sys.argv[1], int(sys.argv[2])))' "$HOST" "$1" 2>/dev/null
+    else
+        ! port_open "$1"
+    fi
+}
+
+# rmq_free_dist_port PREFERRED [TAKEN...]: a port for a RabbitMQ node's Erlang distribution listener,
+# outside the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range): a port in
+# it can be taken by any outgoing connection before the node binds it, and the node then
+# fails to start (dist_port_already_used). PREFERRED (the AMQP port + 20000) when it is
+# outside the range and bindable, else a bindable port between 25672 and the range, then
+# above it; a bindable port inside the range only if nothing else is left.
+# TAKEN: ports already promised to nodes that have not bound them yet (a cluster's).
+rmq_free_dist_port() {
+    local preferred=$1 lo=32768 hi=60999 c
+    shift
+    local taken=" $* "
+    [[ -r /proc/sys/net/ipv4/ip_local_port_range ]] && read -r lo hi </proc/sys/net/ipv4/ip_local_port_range
+    local low=25672 span i below=()
+    span=$((lo - low))
+    # Below the range, starting at an offset of PREFERRED: nodes starting at once rarely meet.
+    for ((i = 0; i < span; i++)); do below+=($((low + (preferred + i) % span))); done
+    for c in "$preferred" "${below[@]}" $(seq $((hi + 1)) 65535); do
+        ((c >= 1024 && c <= 65535)) || continue
+        ((c >= lo && c <= hi)) && continue
+        [[ $taken == *" $c "* ]] && continue
+        port_bindable "$c" && echo "$c" && return 0
+    done
+    for ((c = preferred; c <= 65535; c++)); do
+        [[ $taken == *" $c "* ]] && continue
+        port_bindable "$c" && echo "$c" && return 0
+    done
+    return 1
+}
+
 rmq_pick_dist_port() {
-    local c
     [[ -n $RABBIT_DIST_PORT ]] && return 0
-    for c in $((RABBITMQ_PORT + 20000)) $((RABBITMQ_PORT - 20000)); do
-        if ((c >= 1024 && c <= 65535)) && ! port_open "$c"; then
-            RABBIT_DIST_PORT=$c
-            return 0
-        fi
-    done
-    for ((c = RABBITMQ_PORT + 1; c <= 65535; c++)); do
-        if ! port_open "$c"; then
-            RABBIT_DIST_PORT=$c
-            return 0
-        fi
-    done
-    die "rabbitmq: no free Erlang distribution port found"
+    RABBIT_DIST_PORT=$(rmq_free_dist_port $((RABBITMQ_PORT + 20000))) ||
+        die "rabbitmq: no free Erlang distribution port found"
 }
 
 rmq_launch() { # NODE INSTANCE_DIR AMQP_PORT DIST_PORT LOGFILE OUTFILE [EXTRA_ERL_ARGS]
@@ -1215,6 +1245,7 @@ main() {
         for s in "${services[@]}"; do "$(svc_fn "$s" status)"; done
         ;;
     env) cmd_env ;;
+    dist-port) rmq_free_dist_port $((${1:-$RABBITMQ_PORT} + 20000)) "${@:2}" ;;
     logs) cmd_logs "${services[@]}" ;;
     -h | --help | help) usage ;;
     *)

@@ -572,13 +572,14 @@ def _port_free(port: int) -> bool:
 
 
 def _free_amqp_port() -> int:
-    """A free AMQP port whose Erlang distribution port (+20000) is free too."""
+    """A free AMQP port for a private node (its Erlang distribution port is chosen by the
+    services script: ``rmq_free_dist_port``, outside the ephemeral port range)."""
     rng = Random()
     for _ in range(200):
         port = rng.randint(21000, 29999)
-        if _port_free(port) and _port_free(port + 20000):
+        if _port_free(port):
             return port
-    raise RuntimeError("no free port pair for a private RabbitMQ node")
+    raise RuntimeError("no free port for a private RabbitMQ node")
 
 
 @dataclass

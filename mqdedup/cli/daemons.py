@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import signal
 import threading
 import time
@@ -20,10 +21,11 @@ from sqlalchemy import Engine
 from mqdedup.cli import exitcodes
 from mqdedup.cli.admin import require_current_schema
 from mqdedup.cli.config import consumer_prefix, resolve_settings
+from mqdedup.cli.lineage import Slot, lock_slots
 from mqdedup.cli.loading import create_consumer
 from mqdedup.cli.reachability import check_relay_brokers, connect_broker
 from mqdedup.cli.runners import _export_environment, create_publishers
-from mqdedup.cli.supervisor import ChildSpec, Supervisor
+from mqdedup.cli.supervisor import ChildSpec, Supervisor, stop_signals
 from mqdedup.db.engine import check_connection, create_engine
 from mqdedup.db.replication import replication_warning
 from mqdedup.errors import (
@@ -51,6 +53,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
     if settings["processes"] < 1:
         raise ConfigurationError("--processes must be at least 1")
+    _check_shutdown_timeout(settings)
     _export_environment(settings)
     consumers = [create_consumer(reference) for reference in args.consumers]
     # Consumers whose claims live outside the database (RedisDedup) need none.
@@ -62,6 +65,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
     }
     for consumer in consumers:
         consumer.validate()
+    # Before anything waits: a second supervisor of these consumers is refused at once.
+    locks = lock_slots(
+        [
+            Slot(
+                "worker",
+                consumer.consumer_name,
+                settings["database_url"],
+                prefixes.get(reference, settings["table_prefix"]),
+            )
+            for reference, consumer in zip(args.consumers, consumers, strict=True)
+        ]
+    )
+    for consumer in consumers:
         consumer.dedup.check()  # e.g. Redis unreachable: one line, exit code 5
     if database_consumers:
         engine = create_engine(settings["database_url"])
@@ -100,6 +116,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return _supervise(
         specs,
         settings,
+        locks,
         outbox_gauges=bool(database_consumers),
         prefix=shared.pop() if len(shared) == 1 else None,
     )
@@ -111,7 +128,7 @@ class _StoppedWhileWaitingError(Exception):
 
 @contextlib.contextmanager
 def _stop_signals_end_the_wait() -> Iterator[None]:
-    """Within the block, SIGTERM/SIGINT end the wait for the broker (then exit 0)."""
+    """Within the block, SIGTERM/SIGINT/SIGHUP end the wait for the broker (then exit 0)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -119,7 +136,7 @@ def _stop_signals_end_the_wait() -> Iterator[None]:
     def _stop(_signum: int, _frame: FrameType | None) -> None:
         raise _StoppedWhileWaitingError
 
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, _stop) for sig in stop_signals()}
     try:
         yield
     finally:
@@ -146,6 +163,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
     )
     if settings["relay_processes"] < 1:
         raise ConfigurationError("--processes must be at least 1")
+    _check_shutdown_timeout(settings)
+    table = OutboxStore(settings["table_prefix"]).table.name
+    locks = lock_slots([Slot("relay", table, settings["database_url"], settings["table_prefix"])])
     engine = create_engine(settings["database_url"])
     check_connection(engine)
     require_current_schema(engine, settings["table_prefix"])
@@ -167,7 +187,15 @@ def cmd_relay(args: argparse.Namespace) -> int:
         )
         for index in range(settings["relay_processes"])
     ]
-    return _supervise(specs, settings)
+    return _supervise(specs, settings, locks)
+
+
+def _check_shutdown_timeout(settings: dict[str, Any]) -> None:
+    timeout = settings["shutdown_timeout"]
+    if not math.isfinite(timeout) or timeout < 0:
+        raise ConfigurationError(
+            f"--shutdown-timeout must be a number of seconds, 0 or more; got {timeout}"
+        )
 
 
 def _check_relay_coordination(engine: Engine, settings: dict[str, Any]) -> None:
@@ -191,6 +219,7 @@ def _check_relay_coordination(engine: Engine, settings: dict[str, Any]) -> None:
 def _supervise(
     specs: list[Any],
     settings: dict[str, Any],
+    locks: list[int],
     *,
     outbox_gauges: bool = True,
     prefix: str | None = None,
@@ -199,6 +228,7 @@ def _supervise(
 
     ``outbox_gauges``: report the outbox backlog on /metrics (not for Redis-only workers,
     which have no database). ``prefix``: the outbox's table prefix (default: the setting).
+    ``locks``: the slot locks, which the children hold too (:mod:`mqdedup.cli.lineage`).
     """
 
     gauges = OutboxGauges(settings["database_url"], prefix or settings["table_prefix"])
@@ -208,6 +238,7 @@ def _supervise(
         health_port=settings["health_port"],
         health_host=settings["health_host"],
         shared_metrics=gauges if outbox_gauges else None,
+        locks=locks,
     )
     return supervisor.run()
 

@@ -46,12 +46,13 @@ def snapshot_ready(snapshot: Mapping[str, Any]) -> bool:
     (``outage``: the database or Redis unreachable, see :mod:`mqdedup.outages`) is not
     ready either, nor one whose pool gave no connection (``connection_shortage``: a pool
     or a pooler too small for the worker, see ``docs/operations.md``) until it commits
-    processed messages again.
+    processed messages again, nor a consumer the broker fenced (``fenced``: its reason).
     """
     return (
         snapshot.get("consumer_attached") is not False
         and not snapshot.get("outage")
         and not snapshot.get("connection_shortage")
+        and not snapshot.get("fenced")
     )
 
 

@@ -9,6 +9,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from mqdedup import interrupts
 from mqdedup.cli import exitcodes
 from mqdedup.cli.config import resolve_settings
 from mqdedup.cli.parser import build_parser, parse_log_level
@@ -24,7 +25,13 @@ log = logging.getLogger("mqdedup.cli")
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
-    return run_parsed(build_parser().parse_args(argv))
+    try:
+        interrupts.restore()  # from here on, Ctrl-C is caught below and in run_parsed
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("mqdedup: interrupted", file=sys.stderr)
+        return exitcodes.INTERRUPTED
+    return run_parsed(args)
 
 
 def run_parsed(args: argparse.Namespace) -> int:

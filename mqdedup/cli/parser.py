@@ -35,6 +35,8 @@ from mqdedup.cli.status import cmd_status
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+#: The longest duration accepted: a horizon this far back is still a date.
+MAX_DURATION = timedelta(days=36_500)
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -279,7 +281,14 @@ def parse_duration(text: str) -> Duration:
     match = _DURATION.match(text.strip())
     if not match:
         raise argparse.ArgumentTypeError(f"invalid duration {text!r} (examples: 90s, 15m, 12h, 7d)")
-    duration = Duration(**{_UNITS[match.group(2)]: float(match.group(1))})
+    try:
+        duration = Duration(**{_UNITS[match.group(2)]: float(match.group(1))})
+    except OverflowError:
+        duration = None
+    if duration is None or duration > MAX_DURATION:
+        raise argparse.ArgumentTypeError(
+            f"duration {text.strip()!r} is too long (at most {MAX_DURATION.days}d, 100 years)"
+        )
     duration.text = text.strip()
     return duration
 

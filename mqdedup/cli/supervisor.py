@@ -1,10 +1,12 @@
 """The process supervisor behind ``mqdedup worker`` and ``mqdedup relay``: it starts N
 child processes per target (spawned, not forked, so no lock or connection of the parent
 leaks into a child), restarts a child that dies with exponential backoff, forwards
-SIGTERM/SIGINT to the children for a graceful drain within the shutdown timeout, and
-kills them on a second signal or when the timeout passes; children send their metrics
+SIGTERM/SIGINT/SIGHUP to the children for a graceful drain within the shutdown timeout,
+and kills them on a second signal or when the timeout passes; children send their metrics
 over a pipe, and the supervisor serves them on ``/metrics`` and the children's state on
-``/healthz``."""
+``/healthz``. SIGHUP is a clean stop: there is nothing to reload (logs go to stderr,
+settings are read at start). No child outlives its supervisor and no second supervisor
+runs beside them (:mod:`mqdedup.cli.lineage`)."""
 
 from __future__ import annotations
 
@@ -25,12 +27,26 @@ from typing import Any
 
 from mqdedup.cli import exitcodes
 from mqdedup.cli.health import HealthServer, process_stats, snapshot_ready
+from mqdedup.cli.lineage import Bond, Lifeline, watch_supervisor
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import ConfigurationError, MqdedupError
 from mqdedup.logs import configure
 from mqdedup.stopping import ImmediateStop, StopToken
 
 log = logging.getLogger(__name__)
+
+#: The signals that stop the supervisor cleanly (a second one of any: at once).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """:data:`STOP_SIGNALS`, without SIGHUP when it is ignored (``nohup``: keep it so)."""
+    return tuple(
+        sig
+        for sig in STOP_SIGNALS
+        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN
+    )
+
 
 METRICS_INTERVAL = 1.0
 RESTART_BACKOFF_INITIAL = 0.5
@@ -95,7 +111,10 @@ class Supervisor:
         health_port: int | None = None,
         health_host: str = "0.0.0.0",  # noqa: S104 - probes come from outside the pod
         shared_metrics: Callable[[], Mapping[str, float]] | None = None,
+        locks: list[int] | None = None,
     ) -> None:
+        """``locks``: the slot locks taken (:func:`mqdedup.cli.lineage.lock_slots`); the
+        children hold them too, and they are released when the last of them is gone."""
         self._context = multiprocessing.get_context("spawn")
         self.children = [_Child(spec) for spec in specs]
         self.shutdown_timeout = shutdown_timeout
@@ -106,15 +125,14 @@ class Supervisor:
         self._kill_now = False
         self._fatal_code: int | None = None
         self._lock = threading.Lock()
+        self._lifeline = Lifeline(locks or ())
         self.health: Any = None
 
     # -- public ------------------------------------------------------------------------
 
     def run(self) -> int:
         """Start the children, supervise them, drain on a signal; return an exit code."""
-        previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
-        }
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in stop_signals()}
         try:
             self._start_health()
             for child in self.children:
@@ -125,6 +143,7 @@ class Supervisor:
                 signal.signal(sig, handler)
             if self.health is not None:
                 self.health.stop()
+            self._lifeline.close()
 
     def status(self) -> tuple[bool, bool, dict[str, Any]]:
         """(live, ready, details) for ``/healthz``: ready when every child runs (and
@@ -135,6 +154,12 @@ class Supervisor:
                 1 for c in self.children if c.process is not None and c.process.is_alive()
             )
             detached = [c.spec.label for c in self.children if not snapshot_ready(c.snapshot)]
+            # Why a child is not ready, where it says (fenced, an outage).
+            reasons = {
+                c.spec.label: c.snapshot.get("fenced") or c.snapshot.get("outage")
+                for c in self.children
+                if c.snapshot.get("fenced") or c.snapshot.get("outage")
+            }
             details = {
                 "children": len(self.children),
                 "running": running,
@@ -146,6 +171,7 @@ class Supervisor:
                 "restarts": sum(c.restarts for c in self.children),
                 "draining": self._draining_since is not None,
                 "detached": detached,
+                "reasons": reasons,
             }
         ready = running == len(self.children) and self._draining_since is None and not detached
         return True, ready, details
@@ -262,7 +288,10 @@ class Supervisor:
     def _start(self, child: _Child) -> None:
         parent_end, child_end = self._context.Pipe(duplex=False)
         process = self._context.Process(
-            target=child_main, args=(child.spec, child_end), name=child.spec.label, daemon=False
+            target=child_main,
+            args=(child.spec, child_end, self._lifeline.bond()),
+            name=child.spec.label,
+            daemon=False,
         )
         process.start()
         child_end.close()
@@ -300,7 +329,15 @@ class Supervisor:
             log.warning("second stop signal: killing children")
             self._kill_now = True
             return
-        log.info("stop signal: draining children", extra={"signal": signal.Signals(signum).name})
+        name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            log.warning(
+                "SIGHUP: nothing to reload (logs go to stderr, settings are read at start); "
+                "stopping cleanly",
+                extra={"signal": name},
+            )
+        else:
+            log.info("stop signal: draining children", extra={"signal": name})
         self._draining_since = time.monotonic()
         self._terminate_all()
 
@@ -328,13 +365,15 @@ class Supervisor:
 # -- in the child ---------------------------------------------------------------------
 
 
-def child_main(spec: ChildSpec, connection: Connection) -> None:
-    """Entry point of a child process: run ``spec.runner`` until SIGTERM, then exit."""
+def child_main(spec: ChildSpec, connection: Connection, bond: Bond) -> None:
+    """Entry point of a child process: run ``spec.runner`` until SIGTERM (or until its
+    supervisor is gone), then exit."""
 
     configure(spec.log_level, spec.log_format)
-    # The supervisor forwards signals; a terminal's SIGINT to the whole group is ignored
-    # so that it does not count as a second (immediate) stop.
+    # The supervisor forwards signals; a terminal's SIGINT or SIGHUP to the whole group is
+    # ignored so that it does not count as a second (immediate) stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     stop = StopToken()
     metrics = MetricsHolder(Metrics())
 
@@ -344,6 +383,7 @@ def child_main(spec: ChildSpec, connection: Connection) -> None:
         stop.request()
 
     signal.signal(signal.SIGTERM, _on_term)
+    watch_supervisor(bond, lambda: _orphaned(spec, stop))
     reporter = threading.Thread(
         target=_report_metrics, args=(connection, metrics, stop), daemon=True, name="metrics"
     )
@@ -365,6 +405,20 @@ def child_main(spec: ChildSpec, connection: Connection) -> None:
             connection.send(metrics.snapshot())
             connection.close()
     os._exit(code)  # skip atexit handlers of libraries that might block on exit
+
+
+def _orphaned(spec: ChildSpec, stop: StopToken) -> None:
+    """The supervisor is gone: stop as on SIGTERM; exit at the shutdown timeout at the
+    latest (nobody is left to kill this process)."""
+    timeout = float(spec.options.get("shutdown_timeout", 30.0))
+    log.error(
+        "the supervisor is gone; stopping cleanly",
+        extra={"child": spec.label, "shutdown_timeout": timeout},
+    )
+    stop.request()
+    time.sleep(timeout)  # a daemon thread: the process exits first when the stop ends
+    log.error("did not stop within the shutdown timeout; exiting", extra={"child": spec.label})
+    os._exit(exitcodes.SHUTDOWN_TIMEOUT)
 
 
 def _report_metrics(connection: Connection, metrics: Any, stop: Any) -> None:

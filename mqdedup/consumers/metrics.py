@@ -39,6 +39,9 @@ class Metrics:
     #: True while the transport has a consumer attached to the broker, False while it is
     #: detached (reconnecting, channel closed by the broker); None: not reported.
     consumer_attached: bool | None = None
+    #: Why the broker fenced this consumer (Kafka static membership: another member took
+    #: its instance id); None: not fenced. ``/healthz`` is not ready meanwhile.
+    fenced: str | None = None
     #: How often the consuming channel was opened again after the broker closed it or the
     #: connection was lost.
     channel_reopens: int = 0

@@ -86,8 +86,14 @@ log = logging.getLogger(__name__)
 _PENDING = "mqdedup.idempotency"
 #: Set by the route: the dependency refuses to run without it (nothing would be stored).
 _ROUTED = "mqdedup.idempotent_route"
+#: The problem ``type`` of an endpoint response that cannot be stored (a streaming one).
+RESPONSE_NOT_STORABLE = "urn:mqdedup:problem:response-not-storable"
 
 Caller = Callable[..., Awaitable[str | None] | str | None]
+
+
+class UnstorableResponseError(ConfigurationError):
+    """The endpoint returned a response whose body cannot be stored (a streaming one)."""
 
 
 class _Answer(Exception):  # noqa: N818  (control flow: the response to send instead)
@@ -113,7 +119,7 @@ class _Pending:
         try:
             body = body_bytes(getattr(response, "body", None))
         except TypeError:
-            raise ConfigurationError(
+            raise UnstorableResponseError(
                 f"an endpoint with an {HEADER} must return a complete response (a Pydantic "
                 "model, a dict or list, or a Response whose body is bytes, bytearray or "
                 f"memoryview), not a {type(response).__name__} (its body cannot be stored)"
@@ -311,7 +317,16 @@ class IdempotentRoute(APIRoute):
                 )
             pending: _Pending | None = request.scope.pop(_PENDING, None)
             if pending is not None:
-                await pending.finish(response)
+                try:
+                    await pending.finish(response)
+                except UnstorableResponseError as unstorable:
+                    # The dependency rolls back when this returns: nothing stored, key free.
+                    pending.failed = True
+                    detail = f"{request.method} {request.url.path}: {unstorable}"
+                    log.error(detail)
+                    return _to_response(
+                        problem(500, "Response cannot be stored", detail, RESPONSE_NOT_STORABLE)
+                    )
             return response
 
         return keyed_handler

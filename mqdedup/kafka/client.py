@@ -49,6 +49,7 @@ from mqdedup.kafka.assignment import Assignment
 from mqdedup.kafka.clean_stop import stopped_cleanly
 from mqdedup.kafka.dead_letters import KafkaDeadLetters
 from mqdedup.kafka.group_join import JoinWatch
+from mqdedup.kafka.membership import fenced_reason
 from mqdedup.kafka.offset_commits import OffsetCommits
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
 from mqdedup.kafka.partition_lag import PartitionLag
@@ -100,6 +101,8 @@ class KafkaClient:
         )
         self._closed = False
         self._lag = PartitionLag()
+        #: Why the broker fenced this static member (None: it is not fenced).
+        self.fenced: str | None = None
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -131,6 +134,40 @@ class KafkaClient:
             },
         )
 
+    def fence(self) -> None:
+        """The broker fenced this static member (another one joined under its instance
+        id): consume and commit nothing more, never join again (that would fence the other
+        back), report not ready with the reason, and say so once."""
+        if self.fenced is not None:
+            return
+        instance_id = self.settings.consumer_config.get("group_instance_id")
+        self.fenced = fenced_reason(self.settings.group_id, instance_id)
+        self.metrics.fenced = self.fenced
+        self.metrics.consumer_attached = False
+        log.error(
+            self.fenced,
+            extra={
+                "consumer": self.settings.consumer_name,
+                "group_id": self.settings.group_id,
+                "instance_id": instance_id,
+            },
+        )
+
+    def _commit(
+        self,
+        client: Any,
+        offsets: dict[PartitionKey, int],
+        timeout: float,
+        *,
+        clean: set[PartitionKey] | None = None,
+    ) -> bool:
+        """:meth:`OffsetCommits.commit`; a fenced member's commit fences this client."""
+        try:
+            return self.commits.commit(client, offsets, timeout, clean=clean or set())
+        except kafka_errors.FencedInstanceIdError:
+            self.fence()
+            return False
+
     @property
     def client(self) -> Any:
         """The kafka-python ``KafkaConsumer`` (opened on first use)."""
@@ -145,11 +182,11 @@ class KafkaClient:
         self._closed = True
         client, self._client = self._client, None
         if client is not None:
-            if commit:
+            if commit and self.fenced is None:
                 assigned = {partition_key(tp) for tp in client.assignment() or ()}
                 offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
                 clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in assigned}
-                self.commits.commit(client, {**clean, **offsets}, timeout, clean=set(clean))
+                self._commit(client, {**clean, **offsets}, timeout, clean=set(clean))
             try:
                 client.close(autocommit=False, timeout_ms=int(timeout * 1000))
             except Exception as error:
@@ -221,12 +258,19 @@ class KafkaClient:
 
         While the group is (re)joining, the poll waits at least
         :data:`~mqdedup.kafka.group_join.REBALANCE_POLL` seconds so the join can complete
-        inside the call (see :class:`~mqdedup.kafka.group_join.JoinWatch`).
+        inside the call (see :class:`~mqdedup.kafka.group_join.JoinWatch`). A fenced
+        member polls nothing: it waits ``timeout`` and returns nothing.
         """
+        if self.fenced is not None:
+            time.sleep(timeout)
+            return []
         client = self.client
         timeout = self._join.poll_timeout(client, timeout)
         try:
             batches = client.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
+        except kafka_errors.FencedInstanceIdError:
+            self.fence()
+            return []
         except kafka_errors.CommitFailedError as error:
             log.warning(
                 "offset commit failed during a rebalance; redeliveries will be deduplicated",
@@ -274,7 +318,7 @@ class KafkaClient:
         client = self.client
         if not stopped_cleanly(client, topic_partition, self.settings.commit_timeout):
             return  # the previous owner may have died on these records (or unknown)
-        if self.commits.commit(client, {key: start}, self.settings.commit_timeout):
+        if self._commit(client, {key: start}, self.settings.commit_timeout):
             self.tracker.expect_clean(key)
 
     def current(self, deliveries: Iterable[Delivery[KafkaToken]]) -> list[Delivery[KafkaToken]]:
@@ -314,17 +358,19 @@ class KafkaClient:
         and retried on a later call (after a short back-off). Neither is a risk: an
         offset not committed yet only means its messages may come again, deduplicated.
         """
-        if self._client is None:
-            return True
+        if self._client is None or self.fenced is not None:
+            return True  # fenced: its offsets are the new member's to commit
         if not force and time.monotonic() < self._next_commit_attempt:
             return False
         assigned = self._assigned_keys()
         offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
         if not offsets:
             return True
-        ok = self.commits.commit(
+        ok = self._commit(
             self._client, offsets, self.settings.commit_timeout if timeout is None else timeout
         )
+        if self.fenced is not None:
+            return True  # nothing more will be committed
         self._next_commit_attempt = time.monotonic() + (
             self.settings.commit_interval if ok else max(1.0, self.settings.commit_interval)
         )

@@ -10,13 +10,22 @@ process-killing message) keeps its partitions until the broker notices: for
   ``MQDEDUP_WORKER_SLOT`` and its supervisor's pid from ``MQDEDUP_WORKER_SUPERVISOR``).
   The restarted child rejoins under the same id, and the broker hands it the dead
   member's partitions at once, without a rebalance of the group and without waiting for
-  the session to expire. The supervisor's pid keeps two supervisors of one group on one
-  host apart (a second member with the same id would fence the first). A deployment that
+  the session to expire. The supervisor's pid is part of the id; a second supervisor of
+  the same consumer on one host is refused unless it has its own
+  ``MQDEDUP_INSTANCE_HOST`` (:mod:`mqdedup.cli.lineage`). A deployment that
   gives each supervisor a stable name of its own (a StatefulSet pod, a systemd unit
   instance) sets ``MQDEDUP_INSTANCE_HOST`` to it: the id is then
   ``<group>.<MQDEDUP_INSTANCE_HOST>.<slot>``, the same across supervisor restarts, so a
   restarted supervisor also takes its partitions back at once; two supervisors must then
   never share the value. ``static_membership = False`` on the class turns it off.
+* **Fenced.** When a second member joins the group under the same instance id (two
+  supervisors sharing ``MQDEDUP_INSTANCE_HOST``, on two hosts: on one host the second
+  supervisor is refused, :mod:`mqdedup.cli.lineage`), the broker fences the first one:
+  its offset commits fail with ``FencedInstanceIdError``. The fenced member stops
+  consuming (it never joins again, which would fence the other back), reports
+  ``consumer_attached = 0`` and its reason (``fenced``) in its metrics, so ``/healthz``
+  answers 503 naming the cause, and logs one ERROR line (:func:`fenced_reason`). It keeps
+  running until it is stopped: the newer member consumes, the operator fixes the names.
 * A **session timeout of 10 s** (kafka-python's own default is 45 s; aiokafka's is 10 s),
   heartbeats every 3 s: a dead member that does not come back (scale-down, a crashed
   host, a static member stopped for good: static members do not leave the group on a
@@ -67,3 +76,21 @@ def static_instance_id(group_id: str, environ: Mapping[str, str] | None = None) 
     if len(cleaned) > _MAX_LENGTH:  # keep the distinguishing end (host and slot)
         cleaned = cleaned[-_MAX_LENGTH:]
     return cleaned or None
+
+
+def fenced_reason(
+    group_id: str, instance_id: str | None, environ: Mapping[str, str] | None = None
+) -> str:
+    """What a fenced member says (log line, ``/healthz``): who fenced it, and the fix."""
+    env = os.environ if environ is None else environ
+    named = env.get(HOST_VARIABLE)
+    cause = (
+        f"two supervisors share {HOST_VARIABLE}={named}"
+        if named
+        else "two consumers use the same group_instance_id"
+    )
+    return (
+        f"fenced: another member of group {group_id!r} joined with this member's static id "
+        f"{instance_id!r} ({cause}); this one stopped consuming: stop it, or give each "
+        f"supervisor its own {HOST_VARIABLE}"
+    )

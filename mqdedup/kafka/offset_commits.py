@@ -22,6 +22,8 @@ class OffsetCommits:
     A failed commit is logged and never fatal: an offset not committed yet only means its
     messages may come again, deduplicated. Commits failing through an outage are one
     WARNING when they start failing and one INFO when one succeeds again (DEBUG between).
+    A fenced member's commit raises ``FencedInstanceIdError`` for the client to handle
+    (:meth:`~mqdedup.kafka.client.KafkaClient.fence`).
     """
 
     def __init__(self, consumer_name: str, tracker: OffsetTracker) -> None:
@@ -45,6 +47,8 @@ class OffsetCommits:
         request = commit_request(offsets, clean)
         try:
             client.commit(request, timeout_ms=int(timeout * 1000))
+        except kafka_errors.FencedInstanceIdError:
+            raise  # not a failure to retry: the client stops consuming (KafkaClient.fence)
         except (
             kafka_errors.CommitFailedError,
             kafka_errors.RebalanceInProgressError,

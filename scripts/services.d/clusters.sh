@@ -13,7 +13,8 @@
 #
 # Knobs: KAFKA_CLUSTER_PORT (19092: brokers on 19092/19094/19096, controllers on the port + 1),
 # KAFKA_CLUSTER_HEAP_OPTS ("-Xmx384m -Xms128m"), RABBITMQ_CLUSTER_PORT (5681: AMQP on
-# 5681/5682/5683, nodes rabbit-<port>@localhost, Erlang distribution on <port>+20000).
+# 5681/5682/5683, nodes rabbit-<port>@localhost, Erlang distribution on <port>+20000 unless
+# taken or in the ephemeral port range: rmq_free_dist_port in scripts/services.sh).
 # Data: "$MQDEDUP_STATE_DIR/kafka-cluster-<port>/node<N>" and "$MQDEDUP_STATE_DIR/rabbitmq-cluster-<port>/node<N>".
 # The single-node services (kafka on 9092, rabbitmq on 5672) are never touched.
 
@@ -250,7 +251,7 @@ done
 # ----------------------------------------------------------------------------- rabbitmq cluster
 
 rc_port() { echo $((RC_BASE + $1 - 1)); }
-rc_dist() { echo $(($(rc_port "$1") + 20000)); }
+rc_dist() { cat "$(rc_inst "$1")/dist.port"; } # picked by rc_write_conf (rmq_free_dist_port)
 rc_node() { echo "rabbit-$(rc_port "$1")@localhost"; }
 rc_inst() { echo "$RC_DIR/node$1"; }
 rc_beam_pid() { read_pid "$(rc_inst "$1")/rabbitmq.pid"; }
@@ -271,6 +272,12 @@ rc_write_conf() { # NODE
     local n=$1 inst
     inst=$(rc_inst "$n")
     mkdir -p "$inst/log" "$inst/mnesia"
+    local other taken=()
+    for other in 1 2 3; do # ports promised to the other nodes (maybe not bound yet)
+        ((other != n)) && [[ -r $(rc_inst "$other")/dist.port ]] && taken+=("$(rc_dist "$other")")
+    done
+    rmq_free_dist_port $(($(rc_port "$n") + 20000)) "${taken[@]}" >"$inst/dist.port" ||
+        die "rabbitmq-cluster-$n: no free Erlang distribution port found"
     cat >"$inst/rabbitmq.conf" <<EOF
 # Written by scripts/services.d/clusters.sh on every start; edits are lost.
 listeners.tcp.1 = $HOST:$(rc_port "$n")
