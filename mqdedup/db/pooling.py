@@ -95,15 +95,7 @@ def behind_pooler(dbapi_connection: Any, driver_connection: Any | None = None) -
     """
     driver = dbapi_connection if driver_connection is None else driver_connection
     announced = int(driver.info.backend_pid)
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute("SELECT pg_backend_pid()")
-        row = cursor.fetchone()
-    finally:
-        cursor.close()
-    if not driver.autocommit:
-        dbapi_connection.rollback()
-    return row is None or int(row[0]) != announced
+    return _server_pid(dbapi_connection, driver, end=True) != announced
 
 
 def configure_pooling(engine: Engine) -> None:
