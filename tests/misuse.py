@@ -332,6 +332,8 @@ class Outcome:
     crash: str | None
     unsettled: int
     dialect: str
+    #: Connections the run left checked out of the engine's pool (a leak: none).
+    leaked: int
     notes: list[str] = field(default_factory=list)
 
 
@@ -347,6 +349,7 @@ def run(engine: Engine, tables: Tables, name: str, scenario: Scenario) -> Outcom
     timer = threading.Timer(RUN_TIMEOUT, stop.request)
     worker = Worker(consumer_type(), broker.transport(QUEUE), engine, stop=stop)
     crash: str | None = None
+    checked_out = engine.pool.checkedout()  # type: ignore[attr-defined]
     started = time.monotonic()
     timer.start()
     try:
@@ -356,6 +359,7 @@ def run(engine: Engine, tables: Tables, name: str, scenario: Scenario) -> Outcom
     finally:
         timer.cancel()
     seconds = time.monotonic() - started
+    leaked = engine.pool.checkedout() - checked_out  # type: ignore[attr-defined]
     if stop.requested:
         crash = f"not idle after {RUN_TIMEOUT:.0f} s" + (f" ({crash})" if crash else "")
     claims_table = schema(tables.prefix).processed
@@ -387,6 +391,7 @@ def run(engine: Engine, tables: Tables, name: str, scenario: Scenario) -> Outcom
         crash=crash,
         unsettled=broker.pending(QUEUE),
         dialect=engine.dialect.name,
+        leaked=leaked,
     )
 
 
@@ -399,8 +404,16 @@ def violations(scenario: Scenario, outcome: Outcome) -> list[str]:
         found.append(f"{outcome.unsettled} deliveries left unsettled")
     if outcome.settled != outcome.published:
         found.append(f"{outcome.settled} of {outcome.published} copies settled")
+    if outcome.leaked:
+        found.append(f"{outcome.leaked} connections left checked out of the pool")
     if outcome.database_retries:
         found.append(f"the healthy database was waited out {outcome.database_retries} times")
+    # A handle_batch call that ended the transaction is the culprit as a whole: what it
+    # committed for a message before that is there, and the message runs again alone
+    # (at least once; documented in docs/guide.md).
+    batch_call_ended = scenario.batch_handler and any(
+        ends_transaction(behaviour, outcome.dialect) for behaviour in scenario.behaviours
+    )
     for message_id, behaviour in zip(scenario.ids(), scenario.behaviours, strict=True):
         processed = message_id in outcome.claims
         dead = message_id in outcome.dead
@@ -418,7 +431,9 @@ def violations(scenario: Scenario, outcome: Outcome) -> list[str]:
             found.append(f"{message_id}: expected dead-lettered, got processed")
         if not ends_transaction(behaviour, outcome.dialect):
             count = outcome.effects.get(message_id, 0)
-            if processed and count != 1:
+            if processed and count > 1 and batch_call_ended:
+                pass  # committed by the batch call, then run again through handle
+            elif processed and count != 1:
                 found.append(f"{message_id}: processed with its effect {count} times")
             if not processed and count:
                 found.append(f"{message_id}: not processed, yet its effect is there")

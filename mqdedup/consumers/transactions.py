@@ -616,6 +616,11 @@ def discard(session: Session, watch: TransactionWatch) -> None:
                 log.debug("rollback after a broken transaction failed", exc_info=True)
         if session.in_transaction():
             session.rollback()
+        if session.bind is not watch.connection:
+            # The session gives its connection back when its transaction ends; when the
+            # handler ended it (the root transaction's commit()), the guard refused that
+            # close(), so the connection would stay checked out until garbage collection.
+            watch.connection.close()
 
 
 def _blamed(owner: Delivery[Any] | None, error: Exception) -> _RolledBack:
