@@ -60,7 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         def soak(scenario: misuse.Scenario) -> None:
             nonlocal count
             count += 1
-            outcome = misuse.run(engine, tables, f"soak-{count}", scenario)
+            try:
+                outcome = misuse.run(engine, tables, f"soak-{count}", scenario)
+            except Exception as error:  # the run itself failed (a pool exhausted, say)
+                broken.append(f"{misuse.describe(scenario)}\n  the run raised {error!r}")
+                if args.stop_at_first:
+                    raise AssertionError(broken[-1]) from error
+                return
             seconds.append(outcome.seconds)
             for message_id, behaviour in zip(scenario.ids(), scenario.behaviours, strict=True):
                 fate = (
