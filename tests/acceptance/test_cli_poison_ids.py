@@ -98,11 +98,9 @@ def test_kafka_worker_dead_letters_a_nul_id_and_keeps_going(
 
 
 def test_rabbitmq_worker_dead_letters_a_nul_id_and_keeps_going(
-    tables: tuple[Engine, str], pg_url: str
+    tables: tuple[Engine, str], pg_url: str, rabbitmq_url: str
 ) -> None:
-    url = os.environ.get("MQDEDUP_RABBITMQ_URL")
-    if not url:
-        pytest.skip("MQDEDUP_RABBITMQ_URL is not set")
+    url = rabbitmq_url  # skips locally, fails in CI when RabbitMQ is missing
     engine, prefix = tables
     queue = f"poison-id-{uuid.uuid4().hex[:8]}"
     connection = pika.BlockingConnection(pika.URLParameters(url))
