@@ -1,7 +1,7 @@
 """Mutation run over the modules that decide a message's fate (issue #39).
 
-``python -m bench.mutation [--max N] [--max-for MODULE=N ...] [--jobs J] [--only MODULE ...] [--json FILE]
-[--survivors-of FILE] [--exclude-test PATH ...]``
+``python -m bench.mutation [--max N] [--max-for MODULE=N ...] [--jobs J]
+[--only MODULE ...] [--json FILE] [--survivors-of FILE] [--exclude-test PATH ...]``
 
 Not part of CI: a review tool. For each target module it parses the source with
 :mod:`ast`, lists mutation sites (the fate-deciding functions first, then a seeded sample
@@ -226,9 +226,13 @@ def _docstring_ids(tree: ast.Module) -> set[int]:
     ids = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
-            if isinstance(body[0].value, ast.Constant):
-                ids.add(id(body[0]))
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+        ):
+            ids.add(id(body[0]))
     return ids
 
 
@@ -372,7 +376,13 @@ def _pytest(workdir: Path, target: Target, excluded: Sequence[str], timeout: flo
     env = {**os.environ, "PYTHONPATH": str(workdir), "PYTHONDONTWRITEBYTECODE": "1"}
     try:
         result = subprocess.run(
-            command, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
+            command,
+            cwd=workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return "timeout"
@@ -441,7 +451,10 @@ def run(
 
 def summary(mutants: list[Mutant]) -> str:
     """Counts per module and the survivors, as Markdown."""
-    lines = ["| module | mutants | killed | survived | equivalent |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| module | mutants | killed | survived | equivalent |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     totals = [0, 0, 0, 0]
     for module in dict.fromkeys(m.module for m in mutants):
         mine = [m for m in mutants if m.module == module]

@@ -84,7 +84,7 @@ def require_module(name: str) -> Any:
     try:
         return importlib.import_module(name)
     except ImportError as error:
-        root = name.split(".")[0]
+        root = name.split(".", maxsplit=1)[0]
         if IN_CI and root not in CI_OPTIONAL_MODULES:
             pytest.fail(f"{name} is required in CI but cannot be imported: {error}")
         reason = CI_OPTIONAL_MODULES.get(root, "an extra that is not installed")
