@@ -67,8 +67,8 @@ TARGETS = (
         "mqdedup/consumers/processor.py",
         (
             "Processor._settle_committed",
-            "Processor._retry",
             "Processor._careful_one",
+            "Processor._retry",
             "Processor._careful",
             "Processor._skip_processed",
             "Processor._first",
@@ -80,7 +80,6 @@ TARGETS = (
             RARE,
             "tests/unit/test_processor.py",
             "tests/unit/test_careful_mode.py",
-            "tests/unit/test_give_back.py",
         ),
     ),
     Target(
@@ -400,6 +399,7 @@ def run(
     jobs: int,
     timeout: float,
     excluded: Sequence[str],
+    progress: Path | None = None,
 ) -> None:
     """Run every mutant (``jobs`` copies of the repository side by side)."""
     with tempfile.TemporaryDirectory(prefix="mqdedup-mutation-") as scratch:
@@ -439,6 +439,8 @@ def run(
                 with lock:
                     free.append(workdir)
                     done[0] += 1
+                    if progress is not None:  # what ran so far survives an interrupted run
+                        progress.write_text(json.dumps([asdict(m) for m in mutants], indent=1))
                     print(
                         f"[{done[0]}/{len(mutants)}] {mutant.status:9} {mutant.path}:"
                         f"{mutant.line} {mutant.function} {mutant.kind}: {mutant.description}",
@@ -512,7 +514,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{m.path}:{m.line} {m.function} {m.kind}: {m.description}")
         return 0
     started = time.monotonic()
-    run(mutants, targets, jobs=args.jobs, timeout=args.timeout, excluded=args.exclude_test)
+    run(
+        mutants,
+        targets,
+        jobs=args.jobs,
+        timeout=args.timeout,
+        excluded=args.exclude_test,
+        progress=args.json,
+    )
     if previous:  # the earlier run's killed mutants stay killed (tests were only added)
         rerun = {m.key: m for m in mutants}
         mutants = [rerun.get(m.key, m) for m in previous]
