@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
 from mqdedup.consumers.context import Context
 from mqdedup.consumers.memory import MemoryTransport
-from mqdedup.consumers.processor import Processor
+from mqdedup.consumers.processor import BatchAbandonedError, Processor
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.engine import session_factory
@@ -97,6 +97,70 @@ def test_a_stop_during_an_outage_settles_what_committed_but_no_unsent_dead_lette
     assert "message id" in dead[0].record.reason
     assert sorted(order_counts(sqlite_engine).values()) == [1] * 10
     assert broker.pending("orders") == 0
+
+
+def test_a_stop_while_the_database_is_down_never_acks_what_was_left_for_the_next_owner(
+    sqlite_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mutation caught: ``Processor._settle_committed`` settling ``report.unsettled``
+    (or ``report.settled``) when a batch is abandoned: the messages a stop left unrun
+    would be acked with no effect."""
+
+    class StopAtM1(OrderConsumer):
+        failure_isolation = "transaction"
+        retry_policy = FAST_RETRY
+
+        def handle(self, message: Message, ctx: Context) -> Any:
+            if message.id == "m1":
+                processor.stop.request()  # m2..m4 are left unrun for the next owner
+                raise RuntimeError("m1 failed")
+            return super().handle(message, ctx)
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 5)
+    transport = broker.transport("orders")
+    processor = Processor(StopAtM1(), session_factory(sqlite_engine), transport)
+
+    def database_down(*args: Any) -> int:
+        raise DisconnectionError("database went away")  # counting m1's failure: an outage
+
+    monkeypatch.setattr(processor.store, "record_failure", database_down)
+    with pytest.raises(BatchAbandonedError):
+        processor.process(transport.fetch(10, 0.1))
+
+    assert order_counts(sqlite_engine) == {"m0": 1}
+    assert settled(broker) == 1 and transport.in_flight == 4  # m1..m4 stay with the broker
+    transport.close()
+    monkeypatch.undo()
+    run_until_idle(OrderConsumer(), broker.transport("orders"), sqlite_engine)
+    assert order_counts(sqlite_engine) == {f"m{n}": 1 for n in range(5)}
+
+
+def test_careful_mode_dead_letters_a_malformed_message_at_its_first_failure(
+    sqlite_engine: Engine,
+) -> None:
+    """Mutation caught: careful mode (``Processor._careful_one``) retrying a message
+    error (a body that is not JSON) like a handler error: the message's own failure is
+    final, its handler does not run again."""
+    runs: list[str] = []
+
+    class Counting(OrderConsumer):
+        retry_policy = FAST_RETRY
+
+        def handle(self, message: Message, ctx: Context) -> Any:
+            runs.append(str(message.id))
+            return super().handle(message, ctx)
+
+    broker = InMemoryBroker()
+    broker.publish("orders", b"not json", message_id="bad")
+    publish_orders(broker, 2)
+    redeliver_all(broker)
+    run_until_idle(Counting(), broker.transport("orders"), sqlite_engine)
+
+    assert runs.count("bad") == 1
+    (dead,) = broker.dead_letters["orders"]
+    assert dead.record.attempts == 1 and "invalid JSON" in dead.record.reason
+    assert order_counts(sqlite_engine) == {"m0": 1, "m1": 1}
 
 
 # -- the Processor: a stop during a retry back-off -----------------------------------------
