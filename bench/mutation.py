@@ -290,6 +290,10 @@ class _Apply(ast.NodeTransformer):
             new = self._mutate(node)
             self.after = ast.unparse(node.test)
             return new
+        if isinstance(node, ast.Dict):  # show the key only
+            self.before = ast.unparse(node.keys[self.mutant.choice] or node)
+            self.after = "(key dropped)"
+            return self._mutate(node)
         self.before = ast.unparse(node)
         new = self._mutate(node)
         self.after = ast.unparse(new) if new is not None else "(removed)"

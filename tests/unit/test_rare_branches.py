@@ -23,16 +23,21 @@ from sqlalchemy.orm import Session
 
 from mqdedup import InMemoryBroker, Message, RetryPolicy, run_until_idle
 from mqdedup.consumers.context import Context
+from mqdedup.consumers.dead_lettering import DeadLettering
 from mqdedup.consumers.memory import MemoryTransport
+from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchAbandonedError, Processor
+from mqdedup.consumers.report import BatchReport
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.engine import session_factory
 from mqdedup.db.schema import schema
 from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.errors import DeadLetterRefusedError
+from mqdedup.outages import Outages
 from mqdedup.outbox import MemoryPublisher, OutboxWriter, Relay, RelayConfig
 from mqdedup.outbox.publishers import OutboxRecord, PublishResult
+from mqdedup.stopping import StopToken
 from tests.support import OrderConsumer, order_counts
 
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.001, max_backoff=0.01)
@@ -262,6 +267,29 @@ def test_a_refused_dead_letter_that_cannot_be_parked_stays_unsettled(
     assert parked_rows(sqlite_engine) == 1 and settled(broker) == 3
 
 
+def test_a_refused_dead_letter_of_a_consumer_without_a_database_stays_unsettled() -> None:
+    """Mutation caught: ``DeadLettering._park`` returning True for a consumer whose
+    claims live in Redis (no database to park in): its refused dead letter would be
+    acked and stored nowhere."""
+    broker = InMemoryBroker()
+    broker.publish("orders", b"{}", message_id="bad")
+    transport = RefusedDeadLetters(broker, "orders")
+    metrics = Metrics()
+    letters = DeadLettering(
+        OrderConsumer(), transport, metrics, None, Outages(stop=StopToken(), is_transient=bool)
+    )
+    (delivery,) = transport.fetch(1, 0.1)
+    report = BatchReport(
+        dead_lettered=[(delivery, DeadLetter(reason="bad", consumer="orders", attempts=1))]
+    )
+
+    letters.send(report)
+
+    assert report.dead_lettered == [] and report.unsettled == [delivery]
+    assert (metrics.dead_letter_failures, metrics.dead_letters_parked) == (1, 0)
+    assert report.settled == [] and transport.in_flight == 1
+
+
 # -- the relay: a batch that did not publish completely ends the burst ----------------------
 
 
@@ -333,6 +361,15 @@ def test_the_relays_kafka_producer_is_idempotent_with_acks_all() -> None:
     publisher: Any = create_publishers(kafka_bootstrap="127.0.0.1:1")["kafka"]
     assert publisher.config["acks"] == "all"  # explicit: never left to the library's default
     assert publisher.config["enable_idempotence"] is True
+    # The bounds that make a broker that is down UNAVAILABLE within the timeouts (the
+    # publisher's defaults: flush 30 s, metadata 10 s, connect 5 s), never a hung relay.
+    expected_bounds = {
+        "bootstrap_servers": ["127.0.0.1:1"],
+        "max_block_ms": 10_000,
+        "bootstrap_timeout_ms": 5_000,
+        "request_timeout_ms": 30_000,
+        "delivery_timeout_ms": 60_000,
+    }
 
     built: list[Any] = []
 
@@ -347,6 +384,7 @@ def test_the_relays_kafka_producer_is_idempotent_with_acks_all() -> None:
         producer = publisher._producer.get()
         assert producer.config["acks"] == -1  # kafka-python's spelling of "all"
         assert producer.config["enable_idempotence"] is True
+        assert {name: producer.config[name] for name in expected_bounds} == expected_bounds
     finally:
         publisher.close()
     assert len(built) == 1
