@@ -349,7 +349,45 @@ def test_a_keys_rows_stay_in_order_when_a_batch_did_not_publish_completely(
     assert published.count(ids[1]) == 1
 
 
+def test_a_burst_that_reaches_its_maintenance_time_ends_after_its_batch(
+    sqlite_engine: Engine,
+) -> None:
+    """Mutation caught: the burst going on without a batch claimed ahead (none is claimed
+    once maintenance is due): the relay would crash in the middle of its burst."""
+    with Session(sqlite_engine) as session, session.begin():
+        writer = OutboxWriter(session)
+        ids = [writer.publish(f"{n}".encode(), topic="t", key="A") for n in range(5)]
+    publisher = MemoryPublisher()
+    relay = Relay(
+        sqlite_engine,
+        {"kafka": publisher},
+        config=RelayConfig(batch_size=2, poll_interval=0.01, purge_interval=0.0),
+    )
+
+    metrics = relay.run(until_idle=True)  # maintenance is due after every batch
+
+    assert publisher.published_ids() == ids
+    assert (metrics.published, metrics.batches) == (5, 3)
+
+
 # -- the relay's Kafka producer ------------------------------------------------------------
+
+
+def built_producer(publisher: Any) -> Any:
+    """The real ``KafkaProducer`` a Kafka publisher makes (the broker's version pinned:
+    it is built without connecting), closed again."""
+    built: list[Any] = []
+
+    def real_producer(**config: Any) -> Any:
+        built.append(kafka.KafkaProducer(**config, api_version=(4, 0)))
+        return built[-1]
+
+    publisher._producer.factory = real_producer
+    try:
+        assert publisher._producer.get() is built[0]
+    finally:
+        publisher.close()
+    return built[0]
 
 
 def test_the_relays_kafka_producer_is_idempotent_with_acks_all() -> None:
@@ -357,34 +395,28 @@ def test_the_relays_kafka_producer_is_idempotent_with_acks_all() -> None:
     On a single broker nothing shows it (the leader is every replica), so the settings
     are checked where they take effect: on the real ``KafkaProducer`` the relay builds."""
     from mqdedup.cli.runners import create_publishers
+    from mqdedup.kafka.publisher import KafkaPublisher
 
     publisher: Any = create_publishers(kafka_bootstrap="127.0.0.1:1")["kafka"]
     assert publisher.config["acks"] == "all"  # explicit: never left to the library's default
     assert publisher.config["enable_idempotence"] is True
-    # The bounds that make a broker that is down UNAVAILABLE within the timeouts (the
-    # publisher's defaults: flush 30 s, metadata 10 s, connect 5 s), never a hung relay.
-    expected_bounds = {
-        "bootstrap_servers": ["127.0.0.1:1"],
-        "max_block_ms": 10_000,
-        "bootstrap_timeout_ms": 5_000,
-        "request_timeout_ms": 30_000,
-        "delivery_timeout_ms": 60_000,
-    }
+    producer = built_producer(publisher)
+    assert producer.config["acks"] == -1  # kafka-python's spelling of "all"
+    assert producer.config["enable_idempotence"] is True
 
-    built: list[Any] = []
-
-    def real_producer(**config: Any) -> Any:
-        # The broker's version pinned: the producer is built without connecting.
-        producer = kafka.KafkaProducer(**config, api_version=(4, 0))
-        built.append(producer)
-        return producer
-
-    publisher._producer.factory = real_producer
-    try:
-        producer = publisher._producer.get()
-        assert producer.config["acks"] == -1  # kafka-python's spelling of "all"
-        assert producer.config["enable_idempotence"] is True
-        assert {name: producer.config[name] for name in expected_bounds} == expected_bounds
-    finally:
-        publisher.close()
-    assert len(built) == 1
+    # The bounds that make a broker that is down UNAVAILABLE within the publisher's
+    # timeouts, never a hung relay: the defaults (flush 30 s, metadata 10 s, connect 5 s)
+    # and others.
+    for timeouts, expected in [
+        ({}, (10_000, 5_000, 30_000, 60_000)),
+        (
+            {"flush_timeout": 5.0, "metadata_timeout": 2.0, "connect_timeout": 1.0},
+            (2_000, 1_000, 5_000, 30_000),
+        ),
+    ]:
+        producer = built_producer(KafkaPublisher("127.0.0.1:1", **timeouts))
+        assert producer.config["bootstrap_servers"] == ["127.0.0.1:1"]
+        bounds = ("max_block_ms", "bootstrap_timeout_ms", "request_timeout_ms")
+        assert tuple(producer.config[name] for name in (*bounds, "delivery_timeout_ms")) == (
+            expected
+        ), timeouts
