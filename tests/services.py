@@ -88,7 +88,7 @@ def require_module(name: str) -> Any:
         if IN_CI and root not in CI_OPTIONAL_MODULES:
             pytest.fail(f"{name} is required in CI but cannot be imported: {error}")
         reason = CI_OPTIONAL_MODULES.get(root, "an extra that is not installed")
-        pytest.skip(f"{name} cannot be imported ({reason}): {error}")
+        pytest.skip(f"{name} cannot be imported ({reason}): {error}", allow_module_level=True)
 
 
 def service_env(variable: str, name: str) -> str:
