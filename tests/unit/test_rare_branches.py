@@ -11,6 +11,7 @@ publisher, which a real broker cannot do on demand.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -232,7 +233,10 @@ def parked_rows(engine: Engine) -> int:
 
 @pytest.mark.parametrize("failure", ["error", "outage-then-stop"])
 def test_a_refused_dead_letter_that_cannot_be_parked_stays_unsettled(
-    sqlite_engine: Engine, monkeypatch: pytest.MonkeyPatch, failure: str
+    sqlite_engine: Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    failure: str,
 ) -> None:
     """Mutation caught: ``DeadLettering._park`` returning True when keeping the refused
     dead letter in the database failed (an error, or a stop while the database was
@@ -250,11 +254,15 @@ def test_a_refused_dead_letter_that_cannot_be_parked_stays_unsettled(
         raise DisconnectionError("database went away")
 
     monkeypatch.setattr(DeadLetterTable, "park", park_fails)
-    report = processor.process(transport.fetch(10, 0.1))
+    with caplog.at_level(logging.ERROR, logger="mqdedup.consumers.dead_lettering"):
+        report = processor.process(transport.fetch(10, 0.1))
 
     assert [d.message.id for d in report.unsettled] == ["bad"]
     assert report.dead_lettered == []
     assert processor.metrics.dead_letters_parked == 0
+    if failure == "error":  # the operator is told, with the message's coordinates
+        (line,) = [r for r in caplog.records if "could not keep" in r.getMessage()]
+        assert line.__dict__["consumer"] == "orders" and line.__dict__["coordinates"]
     assert settled(broker) == 2 and transport.in_flight == 1  # only m0, m1 were acked
     monkeypatch.undo()
     assert parked_rows(sqlite_engine) == 0
@@ -267,7 +275,9 @@ def test_a_refused_dead_letter_that_cannot_be_parked_stays_unsettled(
     assert parked_rows(sqlite_engine) == 1 and settled(broker) == 3
 
 
-def test_a_refused_dead_letter_of_a_consumer_without_a_database_stays_unsettled() -> None:
+def test_a_refused_dead_letter_of_a_consumer_without_a_database_stays_unsettled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Mutation caught: ``DeadLettering._park`` returning True for a consumer whose
     claims live in Redis (no database to park in): its refused dead letter would be
     acked and stored nowhere."""
@@ -283,9 +293,17 @@ def test_a_refused_dead_letter_of_a_consumer_without_a_database_stays_unsettled(
         dead_lettered=[(delivery, DeadLetter(reason="bad", consumer="orders", attempts=1))]
     )
 
-    letters.send(report)
+    with caplog.at_level(logging.ERROR, logger="mqdedup.consumers.dead_lettering"):
+        letters.send(report)
 
     assert report.dead_lettered == [] and report.unsettled == [delivery]
+    (line,) = [r for r in caplog.records if "no database" in r.getMessage()]
+    assert {k: line.__dict__.get(k) for k in ("consumer", "reason", "refusal")} == {
+        "consumer": "orders",
+        "reason": "bad",
+        "refusal": "record too large for the dead-letter queue",
+    }
+    assert line.__dict__["coordinates"]
     assert (metrics.dead_letter_failures, metrics.dead_letters_parked) == (1, 0)
     assert report.settled == [] and transport.in_flight == 1
 
@@ -352,8 +370,10 @@ def test_a_keys_rows_stay_in_order_when_a_batch_did_not_publish_completely(
 def test_a_burst_that_reaches_its_maintenance_time_ends_after_its_batch(
     sqlite_engine: Engine,
 ) -> None:
-    """Mutation caught: the burst going on without a batch claimed ahead (none is claimed
-    once maintenance is due): the relay would crash in the middle of its burst."""
+    """Mutations caught: the burst going on without a batch claimed ahead (none is
+    claimed once maintenance is due): the relay would crash in the middle of its burst;
+    and the burst going on past its maintenance time (claiming ahead anyway, or no purge
+    due): shards would move and rows be purged only when the outbox runs dry."""
     with Session(sqlite_engine) as session, session.begin():
         writer = OutboxWriter(session)
         ids = [writer.publish(f"{n}".encode(), topic="t", key="A") for n in range(5)]
@@ -364,10 +384,19 @@ def test_a_burst_that_reaches_its_maintenance_time_ends_after_its_batch(
         config=RelayConfig(batch_size=2, poll_interval=0.01, purge_interval=0.0),
     )
 
+    purges: list[int] = []
+    purge = relay.purge
+
+    def counted_purge() -> int:
+        purges.append(len(publisher.published))
+        return purge()
+
+    relay.purge = counted_purge  # type: ignore[method-assign]
     metrics = relay.run(until_idle=True)  # maintenance is due after every batch
 
     assert publisher.published_ids() == ids
     assert (metrics.published, metrics.batches) == (5, 3)
+    assert purges[:4] == [0, 2, 4, 5], "maintenance ran between the batches"
 
 
 # -- the relay's Kafka producer ------------------------------------------------------------
