@@ -1,7 +1,8 @@
 """Mutation run over the modules that decide a message's fate (issue #39).
 
 ``python -m bench.mutation [--max N] [--max-for MODULE=N ...] [--jobs J]
-[--only MODULE ...] [--json FILE] [--survivors-of FILE] [--exclude-test PATH ...]``
+[--only MODULE ...] [--function NAME ...] [--json FILE] [--survivors-of FILE]
+[--exclude-test PATH ...]``
 
 Not part of CI: a review tool. For each target module it parses the source with
 :mod:`ast`, lists mutation sites (the fate-deciding functions first, then a seeded sample
@@ -493,6 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=39, help="sampling seed")
     parser.add_argument("--only", nargs="*", default=None, help="module names (see TARGETS)")
     parser.add_argument("--exclude-test", nargs="*", default=[], help="test files left out")
+    parser.add_argument(
+        "--function", nargs="*", default=None, help="only these functions (Class.method)"
+    )
     parser.add_argument("--survivors-of", type=Path, help="re-run the survivors of this JSON")
     parser.add_argument("--json", type=Path, help="write every mutant's result here")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
@@ -511,7 +515,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         limits = {k: int(v) for k, v in (item.split("=", 1) for item in args.max_for)}
         for target in targets.values():
             limit = limits.get(target.name, args.max)
-            mutants += select(target, sites(target, ROOT), limit, args.seed)
+            found = sites(target, ROOT)
+            if args.function:
+                found = [m for m in found if _in(m.function, args.function)]
+            mutants += select(target, found, limit, args.seed)
     if args.list:
         for m in mutants:
             mutate((ROOT / m.path).read_text(), m)
