@@ -216,6 +216,39 @@ def test_a_message_stopped_in_its_retry_backoff_stays_unsettled_and_runs_again(
     assert broker.pending("orders") == 0 and "orders" not in broker.dead_letters
 
 
+def test_a_message_that_recovers_on_its_retry_is_settled_with_its_batch(
+    sqlite_engine: Engine,
+) -> None:
+    """Mutation caught: the retry loop (``Processor._retry``) not reporting the retry
+    that committed: the message would be processed and never acked (its offset or its
+    delivery held until the connection closes, then a redelivery)."""
+    committed: list[str] = []
+
+    class FailsOnce(OrderConsumer):
+        retry_policy = FAST_RETRY
+
+        def handle(self, message: Message, ctx: Context) -> Any:
+            result = super().handle(message, ctx)
+            if message.id == "m1" and "m1-failed" not in committed:
+                committed.append("m1-failed")
+                raise RuntimeError("m1 fails once")
+            return result
+
+        def after_commit(self, messages: Sequence[Message]) -> None:
+            committed.extend(str(m.id) for m in messages)
+
+    broker = InMemoryBroker()
+    publish_orders(broker, 3)
+    transport = broker.transport("orders")
+    processor = Processor(FailsOnce(), session_factory(sqlite_engine), transport)
+    report = processor.process(transport.fetch(10, 0.1))
+
+    assert sorted(str(d.message.id) for d in report.processed) == ["m0", "m1", "m2"]
+    assert settled(broker) == 3 and transport.in_flight == 0
+    assert sorted(committed) == ["m0", "m1", "m1-failed", "m2"]  # after_commit saw m1
+    assert order_counts(sqlite_engine) == {"m0": 1, "m1": 1, "m2": 1}
+
+
 # -- dead lettering: a refused dead letter that cannot be parked ---------------------------
 
 
