@@ -352,8 +352,9 @@ def mutate(source: str, mutant: Mutant) -> str | None:
     tree = ast.parse(source)
     nodes = list(ast.walk(tree))
     applier = _Apply(mutant, nodes)
-    mutated = ast.fix_missing_locations(applier.visit(tree))
-    text = ast.unparse(mutated)
+    mutated = applier.visit(tree)
+    assert mutated is not None  # the module node itself is never mutated
+    text = ast.unparse(ast.fix_missing_locations(mutated))
     mutant.description = f"{applier.before}  ->  {applier.after}"
     if text == ast.unparse(ast.parse(source)):
         return None

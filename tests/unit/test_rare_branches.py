@@ -469,13 +469,14 @@ def test_the_relays_kafka_producer_is_idempotent_with_acks_all() -> None:
     # The bounds that make a broker that is down UNAVAILABLE within the publisher's
     # timeouts, never a hung relay: the defaults (flush 30 s, metadata 10 s, connect 5 s)
     # and others.
-    for timeouts, expected in [
+    cases: list[tuple[dict[str, Any], tuple[int, ...]]] = [
         ({}, (10_000, 5_000, 30_000, 60_000)),
         (
             {"flush_timeout": 5.0, "metadata_timeout": 2.0, "connect_timeout": 1.0},
             (2_000, 1_000, 5_000, 30_000),
         ),
-    ]:
+    ]
+    for timeouts, expected in cases:
         producer = built_producer(KafkaPublisher("127.0.0.1:1", **timeouts))
         assert producer.config["bootstrap_servers"] == ["127.0.0.1:1"]
         bounds = ("max_block_ms", "bootstrap_timeout_ms", "request_timeout_ms")
