@@ -127,6 +127,7 @@ TARGETS = (
             "RabbitMQPublisher._on_return",
         ),
         (
+            RARE,
             "tests/contract/test_publisher.py",
             "tests/unit/test_rabbitmq_pika_internals.py",
             "tests/unit/test_rabbitmq_publish_frames.py",

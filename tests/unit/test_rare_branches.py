@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import kafka
@@ -37,7 +38,7 @@ from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.errors import DeadLetterRefusedError
 from mqdedup.outages import Outages
 from mqdedup.outbox import MemoryPublisher, OutboxWriter, Relay, RelayConfig
-from mqdedup.outbox.publishers import OutboxRecord, PublishResult
+from mqdedup.outbox.publishers import OutboxRecord, Outcome, PublishResult
 from mqdedup.stopping import StopToken
 from tests.support import OrderConsumer, order_counts
 
@@ -483,3 +484,40 @@ def test_the_relays_kafka_producer_is_idempotent_with_acks_all() -> None:
         assert tuple(producer.config[name] for name in (*bounds, "delivery_timeout_ms")) == (
             expected
         ), timeouts
+
+
+# -- the relay's RabbitMQ publisher --------------------------------------------------------
+
+
+def test_rows_published_during_a_rabbitmq_resource_alarm_are_unavailable_not_refused() -> None:
+    """Mutation caught: ``RabbitMQPublisher.publish_batch`` reporting the records of a
+    blocked connection (a memory or disk alarm) as refused: the relay would count
+    attempts against them and mark them ``failed`` during a long alarm, instead of
+    pausing the broker (promise 6). The alarm is announced as pika announces it, through
+    the ``Connection.Blocked`` callback."""
+    from mqdedup.rabbitmq.publisher import RabbitMQPublisher
+
+    publisher = RabbitMQPublisher("amqp://guest:guest@127.0.0.1:1/%2F", connect_timeout=0.1)
+    records = [
+        OutboxRecord(
+            id=n,
+            message_id=f"m{n}",
+            broker="rabbitmq",
+            destination="",
+            routing_key="orders",
+            key=None,
+            headers={},
+            properties=None,
+            payload=b"{}",
+            attempts=0,
+            created_at=datetime.now(UTC),
+        )
+        for n in range(3)
+    ]
+    publisher._on_blocked(None, None)
+    try:
+        results = publisher.publish_batch(records)
+    finally:
+        publisher.close()
+    assert [r.outcome for r in results] == [Outcome.UNAVAILABLE] * 3
+    assert all("resource alarm" in (r.error or "") for r in results)
