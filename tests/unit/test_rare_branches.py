@@ -489,16 +489,8 @@ def test_the_relays_kafka_producer_is_idempotent_with_acks_all() -> None:
 # -- the relay's RabbitMQ publisher --------------------------------------------------------
 
 
-def test_rows_published_during_a_rabbitmq_resource_alarm_are_unavailable_not_refused() -> None:
-    """Mutation caught: ``RabbitMQPublisher.publish_batch`` reporting the records of a
-    blocked connection (a memory or disk alarm) as refused: the relay would count
-    attempts against them and mark them ``failed`` during a long alarm, instead of
-    pausing the broker (promise 6). The alarm is announced as pika announces it, through
-    the ``Connection.Blocked`` callback."""
-    from mqdedup.rabbitmq.publisher import RabbitMQPublisher
-
-    publisher = RabbitMQPublisher("amqp://guest:guest@127.0.0.1:1/%2F", connect_timeout=0.1)
-    records = [
+def rabbitmq_records(count: int) -> list[OutboxRecord]:
+    return [
         OutboxRecord(
             id=n,
             message_id=f"m{n}",
@@ -512,8 +504,43 @@ def test_rows_published_during_a_rabbitmq_resource_alarm_are_unavailable_not_ref
             attempts=0,
             created_at=datetime.now(UTC),
         )
-        for n in range(3)
+        for n in range(count)
     ]
+
+
+def test_only_the_records_rabbitmq_confirmed_late_count_as_published_without_a_publish() -> None:
+    """Mutation caught: ``RabbitMQPublisher.publish_batch`` taking the wrong records for
+    late-confirmed ones (a confirm that came after its batch had ended, during an
+    alarm): records the broker never took would be reported published, and their rows
+    deleted."""
+    from mqdedup.rabbitmq.publisher import RabbitMQPublisher
+
+    publisher = RabbitMQPublisher("amqp://guest:guest@127.0.0.1:1/%2F", connect_timeout=0.1)
+    # m1 was in flight when its batch ended (blocked); its confirm arrives afterwards, as
+    # pika delivers it: through the confirm callback of the channel.
+    publisher._orphans[7] = "m1"
+    publisher._late_confirms(7, False, True)
+    try:
+        results = publisher.publish_batch(rabbitmq_records(3))  # the broker is unreachable
+    finally:
+        publisher.close()
+    assert [r.outcome for r in results] == [
+        Outcome.UNAVAILABLE,
+        Outcome.PUBLISHED,
+        Outcome.UNAVAILABLE,
+    ]
+
+
+def test_rows_published_during_a_rabbitmq_resource_alarm_are_unavailable_not_refused() -> None:
+    """Mutation caught: ``RabbitMQPublisher.publish_batch`` reporting the records of a
+    blocked connection (a memory or disk alarm) as refused: the relay would count
+    attempts against them and mark them ``failed`` during a long alarm, instead of
+    pausing the broker (promise 6). The alarm is announced as pika announces it, through
+    the ``Connection.Blocked`` callback."""
+    from mqdedup.rabbitmq.publisher import RabbitMQPublisher
+
+    publisher = RabbitMQPublisher("amqp://guest:guest@127.0.0.1:1/%2F", connect_timeout=0.1)
+    records = rabbitmq_records(3)
     publisher._on_blocked(None, None)
     try:
         results = publisher.publish_batch(records)
