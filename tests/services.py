@@ -4,7 +4,8 @@ Every suite (unit, contract, integration, acceptance) reaches PostgreSQL, MariaD
 Redis, Kafka and RabbitMQ through this module and the fixtures of ``tests/conftest.py``:
 
 * ``require_service`` skips a test locally when a service is missing, and fails it in
-  CI (a missing service must never pass silently there);
+  CI (a missing service must never pass silently there); ``require_module`` does the
+  same for a module of an installed extra (``scripts/test.sh`` installs every extra);
 * ``unique_name`` / ``table_prefix`` give each test its own topics, queues and tables,
   so parallel runs (other engineers, other sessions) on the shared services never
   collide;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import socket
@@ -60,6 +62,33 @@ def require_service(name: str, reason: str) -> NoReturn:
     if IN_CI:
         pytest.fail(f"{name} is required in CI but unavailable: {reason}")
     pytest.skip(f"{name} unavailable: {reason}")
+
+
+#: Modules a CI run may lack, and why: their tests skip there too (the only skips allowed
+#: under ``CI=true`` besides the documentation blocks of ``test_docs_commands.ALLOWED_SKIPS``).
+CI_OPTIONAL_MODULES: dict[str, str] = {
+    "grimp": (
+        "import-linter's dependency (the dev extra): the minimum-versions run "
+        "(scripts/min_versions.sh) installs no linters; scripts/test.sh runs lint-imports"
+    ),
+}
+
+
+def require_module(name: str) -> Any:
+    """Import ``name``; if it is missing, skip locally and fail in CI.
+
+    ``pytest.importorskip`` would skip in CI too, and hide a promise's test behind an
+    extra that failed to install. Only the modules of :data:`CI_OPTIONAL_MODULES` skip
+    there, with their reason.
+    """
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        root = name.split(".", maxsplit=1)[0]
+        if IN_CI and root not in CI_OPTIONAL_MODULES:
+            pytest.fail(f"{name} is required in CI but cannot be imported: {error}")
+        reason = CI_OPTIONAL_MODULES.get(root, "an extra that is not installed")
+        pytest.skip(f"{name} cannot be imported ({reason}): {error}", allow_module_level=True)
 
 
 def service_env(variable: str, name: str) -> str:

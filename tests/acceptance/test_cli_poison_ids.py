@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 
 from mqdedup.db import create_engine, init_schema
 from mqdedup.db.schema import schema
-from tests.acceptance.test_cli_operations import MQDEDUP, healthz
+from tests.acceptance.test_cli_operations import MQDEDUP, health_answer
 from tests.integration.kafka.helpers import row_counts
 from tests.services import REPO, KafkaHelper, Outgoing, free_port, wait_for
 from tests.support import orders_table
@@ -90,7 +90,7 @@ def test_kafka_worker_dead_letters_a_nul_id_and_keeps_going(
         headers = {name: value.decode() for name, value in dead[0].headers}
         assert "NUL" in headers["x-mqdedup-reason"], headers
         wait_for(lambda: kafka.committed(f"group-{topic}", topic) == {0: 5}, 30, "offsets")
-        assert healthz(port)["restarts"] == 0
+        assert health_answer(port)["restarts"] == 0
     finally:
         code, stderr = _stop(worker)
     assert code == 0, stderr[-3000:]
@@ -98,11 +98,9 @@ def test_kafka_worker_dead_letters_a_nul_id_and_keeps_going(
 
 
 def test_rabbitmq_worker_dead_letters_a_nul_id_and_keeps_going(
-    tables: tuple[Engine, str], pg_url: str
+    tables: tuple[Engine, str], pg_url: str, rabbitmq_url: str
 ) -> None:
-    url = os.environ.get("MQDEDUP_RABBITMQ_URL")
-    if not url:
-        pytest.skip("MQDEDUP_RABBITMQ_URL is not set")
+    url = rabbitmq_url  # skips locally, fails in CI when RabbitMQ is missing
     engine, prefix = tables
     queue = f"poison-id-{uuid.uuid4().hex[:8]}"
     connection = pika.BlockingConnection(pika.URLParameters(url))
@@ -134,7 +132,7 @@ def test_rabbitmq_worker_dead_letters_a_nul_id_and_keeps_going(
                 30,
                 "an empty queue",
             )
-            assert healthz(port)["restarts"] == 0
+            assert health_answer(port)["restarts"] == 0
         finally:
             code, stderr = _stop(worker)
         assert code == 0, stderr[-3000:]

@@ -16,7 +16,13 @@ import redis
 
 from mqdedup.cli import exitcodes
 from tests.acceptance.redis_consumers import SendSms
-from tests.acceptance.test_cli_operations import MQDEDUP, cli, healthz, metrics_text
+from tests.acceptance.test_cli_operations import (
+    MQDEDUP,
+    cli,
+    health_answer,
+    healthz,
+    metrics_text,
+)
 from tests.integration.rabbitmq.support import rabbitmqctl, rabbitmqctl_command
 from tests.services import (
     REPO,
@@ -119,7 +125,7 @@ def test_worker_runs_a_redis_consumer_through_a_kill_and_drains_on_sigterm(
     try:
         wait_for(lambda: healthz(port).get("running") == 2, 60, "two worker processes")
         wait_for(lambda: len(effects(setup)) >= 200, 90, "the first effects")
-        victim = healthz(port)["pids"][0]
+        victim = health_answer(port)["pids"][0]
         assert len(set(effects(setup))) < len(ids), "the kill must land mid-run"
         os.kill(victim, signal.SIGKILL)
         wait_for(

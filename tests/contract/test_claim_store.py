@@ -29,7 +29,7 @@ from mqdedup.db.schema import schema
 from mqdedup.dedup.claims import AttemptLog, ClaimStore
 from mqdedup.dedup.sql_claims import SqlClaimStore
 from mqdedup.errors import DatabaseUnavailableError
-from tests.services import require_service, wait_for
+from tests.services import require_module, require_service, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +84,7 @@ def _sql_harness(kind: str, engine: Engine) -> Iterator[Harness]:
 
 
 def _redis_harness() -> Iterator[Harness]:
-    redis = pytest.importorskip("redis")
+    redis = require_module("redis")
     from mqdedup.dedup.redis_claims import RedisClaimStore
 
     url = os.environ.get("MQDEDUP_REDIS_URL")

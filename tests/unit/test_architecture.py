@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import pytest
+from tests.services import require_module
 
 #: import-linter's own dependency (the dev extra); the minimum-versions run has no linters
-grimp = pytest.importorskip("grimp")
+#: (the one module allowed to be missing in CI: ``tests.services.CI_OPTIONAL_MODULES``)
+grimp = require_module("grimp")
 
 
 def _sibling_graphs() -> dict[str, dict[str, set[str]]]:

@@ -19,6 +19,7 @@ from mqdedup import InMemoryBroker, RetryPolicy, StopToken, Worker
 from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.transport import DeadLetter, Delivery
 from mqdedup.errors import BrokerUnavailableError
+from tests.services import wait_for
 from tests.support import OrderConsumer, order_counts
 
 FAST = RetryPolicy(max_attempts=2, initial_backoff=0.001, max_backoff=0.01)
@@ -41,6 +42,7 @@ class FlakyDeadLetters(MemoryTransport):
     def __init__(self, broker: InMemoryBroker, queue: str) -> None:
         super().__init__(broker, queue)
         self.given_back: list[list[str | None]] = []
+        self.given_back_at: list[float] = []  # time.monotonic() of each give_back
 
     def dead_letter(self, delivery: Delivery[int], record: DeadLetter) -> None:
         if self.outages > 0:
@@ -50,6 +52,7 @@ class FlakyDeadLetters(MemoryTransport):
 
     def give_back(self, deliveries: Sequence[Delivery[int]]) -> None:
         self.given_back.append(ids(deliveries))
+        self.given_back_at.append(time.monotonic())
         super().give_back(deliveries)
 
 
@@ -103,12 +106,15 @@ def test_a_batch_that_only_gives_back_backs_off_instead_of_spinning(
     worker = Worker(Orders(), transport, sqlite_engine, stop=stop)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    time.sleep(1.2)  # observing the worker: back-offs of 0.5 s, then 1 s
+    wait_for(lambda: len(transport.given_back) >= 3, 30, "three give-backs")
     stop.request()
     thread.join(10)
     assert not thread.is_alive()
     # Batch 1 made progress (m0, m1): no wait. Then only m2 comes back, each time
-    # after a longer back-off; without it this would be thousands of rounds.
-    assert 2 <= len(transport.given_back) <= 3, transport.given_back
+    # after a longer back-off (0.5 s, then 1 s); without it this would be thousands of
+    # rounds. Lower bounds only: a loaded machine makes the gaps longer, never shorter.
+    assert transport.given_back[:3] == [["m2"], ["m2"], ["m2"]]
+    _, second, third = transport.given_back_at[:3]
+    assert third - second >= 0.45, f"gave back again after {third - second:.3f} s"
     assert order_counts(sqlite_engine) == {"m0": 1, "m1": 1}
     assert broker.pending("orders") == 1  # m2: returned on close, nothing lost

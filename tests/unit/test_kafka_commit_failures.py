@@ -13,6 +13,7 @@ import pytest
 
 from mqdedup.kafka.offset_commits import OffsetCommits
 from mqdedup.kafka.offsets import OffsetTracker
+from tests.services import require_module
 
 
 class FlakyClient:
@@ -54,7 +55,7 @@ def test_kafka_python_commits_failing_through_an_outage_log_two_lines(
 def test_aiokafka_commits_failing_through_an_outage_log_two_lines(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    pytest.importorskip("aiokafka")
+    require_module("aiokafka")
     import aiokafka.errors as aio_errors  # type: ignore[import-untyped]
 
     from mqdedup.kafka.aio_commits import AioOffsetCommits

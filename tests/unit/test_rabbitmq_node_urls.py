@@ -12,6 +12,7 @@ from mqdedup.rabbitmq.topology import (
     mask_amqp_url,
     split_urls,
 )
+from tests.services import require_module
 
 NODES = "amqp://u:p,w@n1:5672/%2F, amqp://u:s@n2:5672/%2F,amqps://u:s@n3:5671/%2F"
 
@@ -69,7 +70,7 @@ def test_reconnecting_clients_move_one_node_a_try() -> None:
 
 
 def test_the_async_consumer_takes_a_node_list_with_the_same_checks() -> None:
-    pytest.importorskip("aio_pika")
+    require_module("aio_pika")
     from mqdedup.rabbitmq import AsyncRabbitMQConsumer
     from mqdedup.rabbitmq.aio_transport import AioPikaTransport
     from mqdedup.rabbitmq.topology import Topology
@@ -107,7 +108,7 @@ def test_the_async_consumer_takes_a_node_list_with_the_same_checks() -> None:
 def test_the_async_consumer_reconnects_to_the_next_nodes_in_turn() -> None:
     """aio-pika's robust connection retries ``connection.url``: while it is down, each
     attempt is pointed at the next node (the lost one last), until it is back."""
-    pytest.importorskip("aio_pika")
+    require_module("aio_pika")
     import asyncio
     from types import SimpleNamespace
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from tests.integration.outbox.helpers import OutboxDb
-from tests.services import REPO, KafkaHelper, RabbitAdmin
+from tests.services import REPO, KafkaHelper, RabbitAdmin, require_module
 
 pytestmark = pytest.mark.integration
-pytest.importorskip("opentelemetry.sdk.trace")
+require_module("opentelemetry.sdk.trace")
 
 
 def test_one_trace_from_the_producer_through_the_outbox_to_the_next_consumer(

@@ -13,10 +13,10 @@ from sqlalchemy import Engine, inspect
 from mqdedup.db.engine import check_schema, create_engine
 from mqdedup.db.migrations import schema_drift
 from mqdedup.db.schema import schema
-from tests.services import checked_engine
+from tests.services import checked_engine, require_module
 
-alembic_command = pytest.importorskip("alembic.command")
-alembic_config = pytest.importorskip("alembic.config")
+alembic_command = require_module("alembic.command")
+alembic_config = require_module("alembic.config")
 
 ENV_PY = """
 from alembic import context
