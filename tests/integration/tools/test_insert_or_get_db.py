@@ -304,14 +304,13 @@ def test_a_row_committed_after_the_snapshot_is_found_under_repeatable_read(
     assert len(attempts) == (2 if database.engine.dialect.name == "postgresql" else 1)
 
 
+@pytest.mark.parametrize("database", ["mariadb"], indirect=True)
 def test_mysql_without_returning_reads_its_own_insert_back(
     own: tuple[Database, Table, Table], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """MySQL has no ``INSERT … RETURNING``: the inserted row is read back (MariaDB here,
     made to take MySQL's path)."""
     database, customers, _ = own
-    if database.engine.dialect.name == "postgresql":
-        pytest.skip("the MySQL path")
     monkeypatch.setattr(unique_keys, "mysql_supports_returning", lambda _dialect: False)
     unique_keys._statements.cache_clear()
     try:
