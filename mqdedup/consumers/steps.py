@@ -74,7 +74,7 @@ from mqdedup.dedup.steps import (
     idempotency_key,
     serialize,
 )
-from mqdedup.stopping import abandoned_on_stop
+from mqdedup.stopping import abandon_on_stop, abandoned_on_stop
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -154,9 +154,7 @@ class StepRunner:
         check_step_name(name)
         check_step_function(fn)
         key = self.key(name)
-        recorded = await self._in_own_transaction_async(
-            proxy, lambda connection: self._start(connection, name)
-        )
+        recorded = await self._starting_async(proxy, name)
         if recorded is not None:
             log.info("step already done", extra=self._extra(name))
             return recorded.result
@@ -176,6 +174,15 @@ class StepRunner:
             raise
         log.debug("step recorded", extra=self._extra(name))
         return json.loads(text)
+
+    async def _starting_async(self, proxy: AsyncSession, name: str) -> Recorded | None:
+        """:meth:`_starting` on an ``AsyncEngine``: the start's wait happens in the event
+        loop, which a signal does not interrupt; a stop requested during it cancels it
+        (:func:`~mqdedup.stopping.abandon_on_stop`). Nothing was called yet."""
+        start = self._in_own_transaction_async(proxy, lambda connection: self._start(connection, name))
+        if self.engine is None or not self.engine.dialect.is_async:
+            return await start
+        return await abandon_on_stop(start, f"step {name!r} waited for a connection")
 
     def _finish(self, name: str, value: Any) -> Any:
         """Record the call's ``value``; return it as the record holds it (the value a
