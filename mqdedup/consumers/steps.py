@@ -38,7 +38,8 @@ calls again with the same key.
 queue) longer than the worker's shutdown timeout. A stop signal arriving during that
 wait abandons it: nothing was called, the message's transaction rolls back and its
 batch goes back to the broker unsettled, to be redelivered (see
-:func:`mqdedup.stopping.abandoned_on_stop`).
+:func:`mqdedup.stopping.abandoned_on_stop`; on an ``AsyncEngine``, whose wait is in the
+event loop, :func:`mqdedup.stopping.abandon_on_stop`).
 
 SQLite allows one writer per file and the message's transaction holds it while the
 handler runs, so there the record is written in the message's transaction instead (in
@@ -63,7 +64,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from mqdedup.bridge import in_bridge
+from mqdedup.bridge import in_bridge, wait_for
 from mqdedup.db.dialects import is_transient
 from mqdedup.dedup.steps import (
     Recorded,
@@ -140,8 +141,13 @@ class StepRunner:
         outlast a shutdown (the pool's ``pool_timeout``, a pooler's
         ``query_wait_timeout``). A stop signal during it abandons it
         (:class:`~mqdedup.stopping.StopWhileWaiting`): nothing was called yet, the
-        message goes back unsettled. Not inside the asyncio bridge, whose event loop a
-        signal must not interrupt."""
+        message goes back unsettled. Inside the asyncio bridge (a consumer on an
+        ``AsyncEngine``) the wait is in the event loop, which a signal must not
+        interrupt: the start is awaited under
+        :func:`~mqdedup.stopping.abandon_on_stop` instead."""
+        if self.engine is not None and in_bridge() and self.engine.dialect.is_async:
+            start = self._own_transaction_async(lambda connection: self._start(connection, name))
+            return wait_for(abandon_on_stop(start, f"step {name!r} waited for a connection"))
         if self.engine is None or in_bridge():
             return self._in_own_transaction(lambda connection: self._start(connection, name))
         with abandoned_on_stop(f"step {name!r} waited for a connection"):
@@ -179,7 +185,9 @@ class StepRunner:
         """:meth:`_starting` on an ``AsyncEngine``: the start's wait happens in the event
         loop, which a signal does not interrupt; a stop requested during it cancels it
         (:func:`~mqdedup.stopping.abandon_on_stop`). Nothing was called yet."""
-        start = self._in_own_transaction_async(proxy, lambda connection: self._start(connection, name))
+        start = self._in_own_transaction_async(
+            proxy, lambda connection: self._start(connection, name)
+        )
         if self.engine is None or not self.engine.dialect.is_async:
             return await start
         return await abandon_on_stop(start, f"step {name!r} waited for a connection")
@@ -234,8 +242,13 @@ class StepRunner:
             return await proxy.run_sync(_in_savepoint, work)
         if not self.engine.dialect.is_async:  # a recorder's engine (record_steps_with)
             return self._in_own_transaction(work)
+        return await self._own_transaction_async(work)
+
+    async def _own_transaction_async(self, work: Callable[[Connection], T]) -> T:
+        """``work`` in a transaction of its own on the (async) :attr:`engine`."""
         from sqlalchemy.ext.asyncio import AsyncEngine  # the asyncio extra (greenlet)
 
+        assert self.engine is not None
         async with AsyncEngine(self.engine).begin() as connection:
             return await connection.run_sync(work)
 

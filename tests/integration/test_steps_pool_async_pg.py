@@ -1,7 +1,8 @@
-"""A stop signal ends an *async* step's wait for a connection (issue 40), on the shared
-PostgreSQL through an ``AsyncEngine`` (``postgresql+psycopg``, asyncio).
+"""A stop signal ends a step's wait for a connection in the event loop (issue 40), on the
+shared PostgreSQL through an ``AsyncEngine`` (``postgresql+psycopg``, asyncio).
 
-An ``AsyncConsumer`` whose ``await ctx.step(...)`` waits in the async pool's checkout
+An ``AsyncConsumer`` whose ``await ctx.step(...)`` (or a synchronous consumer on the
+``AsyncEngine`` whose ``ctx.step(...)``) waits in the async pool's checkout
 (one connection, held by the message's transaction; ``pool_timeout`` 60 s): SIGTERM ends
 the wait at once, though it happens in the event loop, which the signal handler does not
 interrupt. The message goes back unsettled (not dead-lettered, not acked, the external
@@ -22,7 +23,15 @@ from typing import Any
 import pytest
 from sqlalchemy import insert, select
 
-from mqdedup import AsyncConsumer, AsyncContext, InMemoryBroker, Message, RetryPolicy
+from mqdedup import (
+    AsyncConsumer,
+    AsyncContext,
+    Consumer,
+    Context,
+    InMemoryBroker,
+    Message,
+    RetryPolicy,
+)
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.async_engine import create_async_engine
 from mqdedup.stopping import StopToken, graceful_signals
@@ -34,20 +43,22 @@ pytestmark = pytest.mark.integration
 QUEUE = "charges"
 
 
-def charging(prefix: str, calls: list[str], loops: list[asyncio.AbstractEventLoop]) -> Any:
-    """An async consumer writing the order, then charging through ``await ctx.step``
-    (m-0 has no step); ``loops`` gets the event loop it runs on."""
+def charging(kind: str, prefix: str, calls: list[str], reached: list[str]) -> Any:
+    """A consumer (``kind``: an ``AsyncConsumer``, or a synchronous one on the
+    AsyncEngine) writing the order, then charging through its step (m-0 has none);
+    ``reached`` gets the event loop it runs on and the messages that reached the step."""
+    table = orders_table(prefix)
+    attributes = {
+        "name": f"{kind}-charging",
+        "table_prefix": prefix,
+        "batch_size": 5,
+        "poll_timeout": 0.02,
+        "retry_policy": RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.05),
+    }
 
     class AsyncCharging(AsyncConsumer):
-        name = "async-charging"
-        table_prefix = prefix
-        batch_size = 5
-        poll_timeout = 0.02
-        retry_policy = RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.05)
-
         async def handle(self, message: Message, ctx: AsyncContext) -> Any:
-            loops.append(asyncio.get_running_loop())
-            table = orders_table(prefix)
+            reached.append(asyncio.get_running_loop())
             await ctx.session.execute(insert(table).values(message_id=message.id, body="a"))
             if message.id == "m-0":
                 return None
@@ -56,9 +67,20 @@ def charging(prefix: str, calls: list[str], loops: list[asyncio.AbstractEventLoo
                 calls.append(key)
                 return "charged"
 
+            reached.append(message.id)
             return await ctx.step("charge", charge)
 
-    return AsyncCharging()
+    class Charging(Consumer):
+        def handle(self, message: Message, ctx: Context) -> Any:
+            reached.append(asyncio.get_running_loop())
+            ctx.session.execute(insert(table).values(message_id=message.id, body="s"))
+            if message.id == "m-0":
+                return None
+            reached.append(message.id)
+            return ctx.step("charge", lambda key: calls.append(key) or "charged")
+
+    base = AsyncCharging if kind == "async" else Charging
+    return type(base.__name__, (base,), attributes)()
 
 
 def _awaits(awaitable: Any) -> list[str]:
@@ -79,21 +101,17 @@ def _awaits(awaitable: Any) -> list[str]:
     return names
 
 
-async def _a_step_waits_for_the_pool() -> bool:
-    """A task of the loop is inside a step's start, waiting in the pool's checkout
-    (SQLAlchemy's ``wait_for`` on its queue): true with or without the fix."""
-    for task in asyncio.all_tasks():
-        names = _awaits(task.get_coro())
-        if "_in_own_transaction_async" in names and "wait_for" in names:
-            return True
-    return False
+async def _awaiting_a_wait_for() -> bool:
+    """A task of the loop awaits a ``wait_for`` (SQLAlchemy's, on the async pool's queue)."""
+    return any("wait_for" in _awaits(task.get_coro()) for task in asyncio.all_tasks())
 
 
-def _waiting(loops: list[asyncio.AbstractEventLoop]) -> bool:
-    if not loops:
+def _waiting(reached: list[Any]) -> bool:
+    """m-1 reached its step, which waits in the pool's checkout (with or without the fix)."""
+    if "m-1" not in reached:
         return False
-    probe: Coroutine[Any, Any, bool] = _a_step_waits_for_the_pool()
-    return asyncio.run_coroutine_threadsafe(probe, loops[0]).result(timeout=10)
+    probe: Coroutine[Any, Any, bool] = _awaiting_a_wait_for()
+    return asyncio.run_coroutine_threadsafe(probe, reached[0]).result(timeout=10)
 
 
 def order_ids(db: TestDatabase) -> list[str]:
@@ -102,21 +120,23 @@ def order_ids(db: TestDatabase) -> list[str]:
         return sorted(connection.execute(select(table.c.message_id)).scalars())
 
 
-@pytest.mark.parametrize("isolation", ["auto", "transaction"])
-def test_sigterm_ends_an_async_step_waiting_for_the_pools_checkout(
-    db: TestDatabase, isolation: str
+@pytest.mark.parametrize(
+    ("kind", "isolation"), [("async", "auto"), ("async", "transaction"), ("sync", "auto")]
+)
+def test_sigterm_ends_a_step_waiting_for_the_async_pools_checkout(
+    db: TestDatabase, kind: str, isolation: str
 ) -> None:
     broker = InMemoryBroker()
     for message_id in ("m-0", "m-1"):
         broker.publish(QUEUE, json.dumps({"id": message_id}), message_id=message_id)
     calls: list[str] = []
-    loops: list[asyncio.AbstractEventLoop] = []
-    consumer = charging(db.prefix, calls, loops)
+    reached: list[Any] = []
+    consumer = charging(kind, db.prefix, calls, reached)
     consumer.failure_isolation = isolation
     signalled: list[float] = []
 
     def terminate_once_waiting() -> None:
-        wait_for(lambda: _waiting(loops), 30, "the async step waiting for the pool")
+        wait_for(lambda: _waiting(reached), 30, "the async step waiting for the pool")
         signalled.append(time.monotonic())
         os.kill(os.getpid(), signal.SIGTERM)
 
