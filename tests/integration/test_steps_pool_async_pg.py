@@ -35,7 +35,7 @@ from mqdedup import (
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.async_engine import create_async_engine
 from mqdedup.stopping import StopToken, graceful_signals
-from tests.services import TestDatabase, wait_for
+from tests.services import TestDatabase, wait_for, wait_for_on_loop
 from tests.support import orders_table
 
 pytestmark = pytest.mark.integration
@@ -103,7 +103,7 @@ def _awaits(awaitable: Any) -> list[str]:
 
 async def _awaiting_a_wait_for() -> bool:
     """A task of the loop awaits a ``wait_for`` (SQLAlchemy's, on the async pool's queue)."""
-    return any("wait_for" in _awaits(task.get_coro()) for task in asyncio.all_tasks())
+    return _awaiting_a_wait_for_now()
 
 
 def _waiting(reached: list[Any]) -> bool:
@@ -180,3 +180,46 @@ def test_sigterm_ends_a_step_waiting_for_the_async_pools_checkout(
     assert order_ids(db) == ["m-0", "m-1"]
     assert len(calls) == 1 and not broker.dead_letters.get(QUEUE)
     assert broker.pending(QUEUE) == 0
+
+
+def test_cancelling_run_async_ends_an_async_step_waiting_for_the_pools_checkout(
+    db: TestDatabase,
+) -> None:
+    """Cancelling the task running ``Worker.run_async`` (a graceful stop) ends the wait
+    too: the batch goes back unsettled."""
+    broker = InMemoryBroker()
+    for message_id in ("m-0", "m-1"):
+        broker.publish(QUEUE, json.dumps({"id": message_id}), message_id=message_id)
+    calls: list[str] = []
+    reached: list[Any] = []
+    consumer = charging("async", db.prefix, calls, reached)
+    stop = StopToken()
+
+    async def scenario() -> float:
+        engine = create_async_engine(db.url, pool_size=1, max_overflow=0, pool_timeout=60)
+        worker = Worker(consumer, broker.transport(QUEUE), engine, stop=stop)
+        task = asyncio.ensure_future(worker.run_async())
+        try:
+            await wait_for_on_loop(
+                lambda: task.done() or ("m-1" in reached and _awaiting_a_wait_for_now()),
+                30,
+                "the async step waiting for the pool",
+            )
+            assert not task.done()
+            cancelled = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return time.monotonic() - cancelled
+        finally:
+            await engine.dispose()
+
+    took = asyncio.run(scenario())
+    assert stop.requested and took < 30, took  # the pool's timeout is 60 s
+    assert calls == [] and order_ids(db) == []
+    assert not broker.dead_letters.get(QUEUE) and broker.pending(QUEUE) == 2
+
+
+def _awaiting_a_wait_for_now() -> bool:
+    """:func:`_awaiting_a_wait_for`, called on the loop itself."""
+    return any("wait_for" in _awaits(task.get_coro()) for task in asyncio.all_tasks())
