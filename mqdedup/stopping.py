@@ -7,7 +7,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, TypeVar
@@ -32,8 +32,12 @@ class StopWhileWaiting(BaseException):
     SQLAlchemy invalidates a connection whose statement it interrupted."""
 
 
-#: Per thread: how many :func:`abandoned_on_stop` blocks it is in.
+#: Per thread: how many :func:`abandoned_on_stop` blocks it is in (``depth``), and how
+#: many stops were requested in it (``requests``, for :func:`abandon_on_stop`).
 _waiting = threading.local()
+
+#: How often :func:`abandon_on_stop` looks for a stop while its awaitable runs.
+STOP_CHECK_SECONDS = 0.05
 
 
 @contextmanager
@@ -51,6 +55,38 @@ def abandoned_on_stop(what: str) -> Iterator[None]:
         yield
     finally:
         _waiting.depth = depth
+
+
+def _stops_here() -> int:
+    return int(getattr(_waiting, "requests", 0))
+
+
+async def abandon_on_stop(awaitable: Awaitable[T], what: str) -> T:
+    """Await ``awaitable``; a stop requested in this thread while it runs (a signal
+    handler, in the event loop's thread; a cancelled :func:`run_stoppable`) cancels it
+    and raises :class:`StopWhileWaiting`.
+
+    :func:`abandoned_on_stop` for the event loop, which a signal handler must not
+    interrupt: the awaitable runs as a task, the stop is looked for every
+    ``STOP_CHECK_SECONDS``. A stop requested before, or from another thread, does not
+    end it. For waits that may outlast a shutdown timeout (an async pool's checkout, a
+    pooler's queue).
+    """
+    task = asyncio.ensure_future(awaitable)
+    seen = _stops_here()
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=STOP_CHECK_SECONDS)
+            if not task.done() and _stops_here() != seen:
+                task.cancel()
+                await asyncio.wait({task})
+                if not task.cancelled():
+                    task.exception()  # retrieved: what it raised meanwhile is moot
+                raise StopWhileWaiting(f"stop requested while {what}")
+    finally:
+        if not task.done():  # we were cancelled: so is the wait
+            task.cancel()
+    return task.result()
 
 
 class StopToken:
@@ -71,6 +107,7 @@ class StopToken:
         handler interrupting it), it raises :class:`StopWhileWaiting` to end that wait.
         """
         self._event.set()
+        _waiting.requests = _stops_here() + 1
         if getattr(_waiting, "depth", 0):
             raise StopWhileWaiting(f"stop requested while {_waiting.what}")
 

@@ -38,7 +38,8 @@ calls again with the same key.
 queue) longer than the worker's shutdown timeout. A stop signal arriving during that
 wait abandons it: nothing was called, the message's transaction rolls back and its
 batch goes back to the broker unsettled, to be redelivered (see
-:func:`mqdedup.stopping.abandoned_on_stop`).
+:func:`mqdedup.stopping.abandoned_on_stop`; on an ``AsyncEngine``, whose wait is in the
+event loop, :func:`mqdedup.stopping.abandon_on_stop`).
 
 SQLite allows one writer per file and the message's transaction holds it while the
 handler runs, so there the record is written in the message's transaction instead (in
@@ -63,7 +64,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from mqdedup.bridge import in_bridge
+from mqdedup.bridge import in_bridge, wait_for
 from mqdedup.db.dialects import is_transient
 from mqdedup.dedup.steps import (
     Recorded,
@@ -74,7 +75,7 @@ from mqdedup.dedup.steps import (
     idempotency_key,
     serialize,
 )
-from mqdedup.stopping import abandoned_on_stop
+from mqdedup.stopping import abandon_on_stop, abandoned_on_stop
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -140,8 +141,13 @@ class StepRunner:
         outlast a shutdown (the pool's ``pool_timeout``, a pooler's
         ``query_wait_timeout``). A stop signal during it abandons it
         (:class:`~mqdedup.stopping.StopWhileWaiting`): nothing was called yet, the
-        message goes back unsettled. Not inside the asyncio bridge, whose event loop a
-        signal must not interrupt."""
+        message goes back unsettled. Inside the asyncio bridge (a consumer on an
+        ``AsyncEngine``) the wait is in the event loop, which a signal must not
+        interrupt: the start is awaited under
+        :func:`~mqdedup.stopping.abandon_on_stop` instead."""
+        if self.engine is not None and in_bridge() and self.engine.dialect.is_async:
+            start = self._own_transaction_async(lambda connection: self._start(connection, name))
+            return wait_for(abandon_on_stop(start, f"step {name!r} waited for a connection"))
         if self.engine is None or in_bridge():
             return self._in_own_transaction(lambda connection: self._start(connection, name))
         with abandoned_on_stop(f"step {name!r} waited for a connection"):
@@ -154,9 +160,7 @@ class StepRunner:
         check_step_name(name)
         check_step_function(fn)
         key = self.key(name)
-        recorded = await self._in_own_transaction_async(
-            proxy, lambda connection: self._start(connection, name)
-        )
+        recorded = await self._starting_async(proxy, name)
         if recorded is not None:
             log.info("step already done", extra=self._extra(name))
             return recorded.result
@@ -176,6 +180,17 @@ class StepRunner:
             raise
         log.debug("step recorded", extra=self._extra(name))
         return json.loads(text)
+
+    async def _starting_async(self, proxy: AsyncSession, name: str) -> Recorded | None:
+        """:meth:`_starting` on an ``AsyncEngine``: the start's wait happens in the event
+        loop, which a signal does not interrupt; a stop requested during it cancels it
+        (:func:`~mqdedup.stopping.abandon_on_stop`). Nothing was called yet."""
+        start = self._in_own_transaction_async(
+            proxy, lambda connection: self._start(connection, name)
+        )
+        if self.engine is None or not self.engine.dialect.is_async:
+            return await start
+        return await abandon_on_stop(start, f"step {name!r} waited for a connection")
 
     def _finish(self, name: str, value: Any) -> Any:
         """Record the call's ``value``; return it as the record holds it (the value a
@@ -227,8 +242,13 @@ class StepRunner:
             return await proxy.run_sync(_in_savepoint, work)
         if not self.engine.dialect.is_async:  # a recorder's engine (record_steps_with)
             return self._in_own_transaction(work)
+        return await self._own_transaction_async(work)
+
+    async def _own_transaction_async(self, work: Callable[[Connection], T]) -> T:
+        """``work`` in a transaction of its own on the (async) :attr:`engine`."""
         from sqlalchemy.ext.asyncio import AsyncEngine  # the asyncio extra (greenlet)
 
+        assert self.engine is not None
         async with AsyncEngine(self.engine).begin() as connection:
             return await connection.run_sync(work)
 
