@@ -524,6 +524,13 @@ class RabbitAdmin:
 # -- private instances -----------------------------------------------------------------------
 
 
+#: A command prefix that starts a CLI subprocess with SIGINT and SIGHUP at their defaults,
+#: as a terminal gives them, for tests that check the command's signal handling. A test run
+#: started in the background (``cmd &`` in a script, ``nohup``) passes them on ignored, and
+#: a command that starts with a signal ignored keeps it ignored (as documented).
+TERMINAL_SIGNALS = ["env", "--default-signal=INT,HUP"]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

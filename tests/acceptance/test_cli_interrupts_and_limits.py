@@ -23,7 +23,7 @@ import pytest
 
 from mqdedup.cli import exitcodes
 from mqdedup.db import create_engine, init_schema
-from tests.services import REPO
+from tests.services import REPO, TERMINAL_SIGNALS
 
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 RABBIT = "tests.acceptance.edge_consumers:Rabbit"
@@ -91,7 +91,7 @@ def test_a_negative_or_infinite_shutdown_timeout_is_refused(
 def test_ctrl_c_during_start_up_prints_no_traceback(tmp_path: Path, after: float) -> None:
     env = environment(tmp_path)
     worker = subprocess.Popen(
-        [MQDEDUP, "worker", RABBIT],
+        [*TERMINAL_SIGNALS, MQDEDUP, "worker", RABBIT],
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,

@@ -40,6 +40,7 @@ from tests.integration.rabbitmq.support import make_consumer
 from tests.services import (
     KAFKA_SESSION_TIMEOUT_ENV,
     REPO,
+    TERMINAL_SIGNALS,
     KafkaHelper,
     Outgoing,
     RabbitAdmin,
@@ -100,6 +101,7 @@ class Supervisor:
         self._out = self.log.open("wb")
         self.process = subprocess.Popen(
             [
+                *TERMINAL_SIGNALS,
                 MQDEDUP,
                 "--log-level",
                 "INFO",

@@ -238,10 +238,14 @@ def test_failed_handlers_leave_no_row_no_claim_no_outbox_row(isolation: str) -> 
     assert sorted(shipments(run)) == good
     assert _claimed(run) == set(good)  # no claim of a failed message
     assert _outbox_causes(run) == dict.fromkeys(good, 1)  # no outbox row of one
-    reasons = sorted(letter.record.reason for letter in broker.dead_letters["fates"])
+    reasons = [letter.record.reason for letter in broker.dead_letters["fates"]]
     assert len(reasons) == 2
-    assert "label printer on fire" in reasons[0]
-    assert "marked it for rollback" in reasons[1]
+    raised = [reason for reason in reasons if "label printer on fire" in reason]
+    swallowed = [reason for reason in reasons if reason not in raised]
+    assert len(raised) == 1, reasons
+    # PostgreSQL: the aborted transaction is found first (the cause and the fix named);
+    # MariaDB fails only the statement, and Django's mark for rollback is the reason.
+    assert "without a savepoint" in swallowed[0] or "marked it for rollback" in swallowed[0]
 
 
 def json_bytes(body: dict[str, Any]) -> bytes:
