@@ -98,7 +98,9 @@ _MYSQL_IN_TRANS = 1
 
 
 def _psycopg(driver: Any, _cursor: Any) -> State:
-    status = driver.info.transaction_status
+    # ``pgconn`` (psycopg's documented libpq wrapper) gives libpq's status as an int;
+    # ``info.transaction_status`` builds a ConnectionInfo and an enum on every read.
+    status = driver.pgconn.transaction_status
     if status == _PG_INTRANS:
         return State.OPEN
     if status == _PG_INERROR:
