@@ -386,9 +386,14 @@ class KafkaHelper:
             while len(records) < expected and time.monotonic() < deadline:
                 for batch in consumer.poll(timeout_ms=200).values():
                     records.extend(batch)
-            # Anything beyond the expected count must show up too.
-            for batch in consumer.poll(timeout_ms=500).values():
-                records.extend(batch)
+            # Anything beyond the expected count must show up too: read to the end offsets
+            # (one more poll returns at most a poll's worth of them).
+            ends = consumer.end_offsets(partitions)
+            while time.monotonic() < deadline and any(
+                consumer.position(partition) < end for partition, end in ends.items()
+            ):
+                for batch in consumer.poll(timeout_ms=200).values():
+                    records.extend(batch)
             return records
         finally:
             consumer.close()
