@@ -49,6 +49,7 @@ from mqdedup.consumers.worker import Worker
 from mqdedup.db import init_schema
 from mqdedup.db.schema import KeyString, schema
 from mqdedup.errors import MessageError
+from tests.differential import ISOLATIONS
 
 QUEUE = "misuse"
 MAX_ATTEMPTS = 2
@@ -59,7 +60,6 @@ RETRY = RetryPolicy(
     jitter=0.0,
     infrastructure_backoff_max=0.2,
 )
-ISOLATIONS = ("auto", "savepoint", "rerun", "transaction")
 #: Seconds one run may take before it is stopped and reported as stuck.
 RUN_TIMEOUT = 60.0
 #: The seed row every ``catch:*`` behaviour collides with.
