@@ -66,6 +66,7 @@ _CONSUMER_HEADER = "x-mqdedup-consumer"
 _REASON_HEADER = "x-mqdedup-reason"
 _ATTEMPTS_HEADER = "x-mqdedup-attempts"
 _ERROR_CLASS_HEADER = "x-mqdedup-error-class"
+_ERROR_MESSAGE_HEADER = "x-mqdedup-error-message"
 
 
 class KafkaDeadLetterTopics:
@@ -408,7 +409,9 @@ def record_of(raw: Any) -> DeadLetterRecord:
         consumer=headers.get(_CONSUMER_HEADER),
         source=message.coordinates,
         message_id=headers.get(DEFAULT_HEADER),
-        error=error_key(headers.get(_ERROR_CLASS_HEADER), reason),
+        error=error_key(
+            headers.get(_ERROR_CLASS_HEADER), reason, headers.get(_ERROR_MESSAGE_HEADER)
+        ),
         reason=reason,
         attempts=header_int(headers, _ATTEMPTS_HEADER),
         headers=headers,

@@ -67,6 +67,7 @@ _CONSUMER_HEADER = "x-mqdedup-consumer"
 _REASON_HEADER = "x-mqdedup-reason"
 _ATTEMPTS_HEADER = "x-mqdedup-attempts"
 _ERROR_CLASS_HEADER = "x-mqdedup-error-class"
+_ERROR_MESSAGE_HEADER = "x-mqdedup-error-message"
 
 _Records = list[DeadLetterRecord]  # (``list`` is a method's name in the class)
 
@@ -300,7 +301,7 @@ def record_of(queue: str, properties: Any, body: bytes) -> DeadLetterRecord:
         consumer=shown.get(_CONSUMER_HEADER),
         source=source,
         message_id=message_id,
-        error=error_key(shown.get(_ERROR_CLASS_HEADER), reason),
+        error=error_key(shown.get(_ERROR_CLASS_HEADER), reason, shown.get(_ERROR_MESSAGE_HEADER)),
         reason=reason,
         attempts=header_int(shown, _ATTEMPTS_HEADER),
         headers=shown,
