@@ -43,9 +43,7 @@ from mqdedup.deadletters import (
 from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import ConfigurationError
-from mqdedup.kafka.dead_letter_topic import KafkaDeadLetterTopics
 from mqdedup.masking import mask_text
-from mqdedup.rabbitmq.dead_letter_queue import RabbitDeadLetterQueues
 from mqdedup.stopping import ImmediateStop, StopToken, graceful_signals
 
 __all__ = [
@@ -108,6 +106,10 @@ def open_place(
     name = place_name(args)
     if name == "database":
         return DatabaseDeadLetters(engine, prefix)
+    # The adapters (and their client libraries) only when a broker place is asked for.
+    from mqdedup.kafka.dead_letter_topic import KafkaDeadLetterTopics
+    from mqdedup.rabbitmq.dead_letter_queue import RabbitDeadLetterQueues
+
     settings = resolve_settings(args, "kafka_bootstrap", "rabbitmq_url")
     if name == "kafka":
         if consumer is not None and not args.topics and hasattr(consumer, "kafka_settings"):

@@ -178,7 +178,8 @@ class KafkaDeadLetterTopics:
 
     def depths(self) -> dict[str, int]:
         """Unhandled dead letters per dead-letter topic (records minus handled marks)."""
-        depths: dict[str, int] = {}
+        # A named topic not created yet (no dead letter so far) holds none.
+        depths: dict[str, int] = dict.fromkeys(self._topics or (), 0)
         topics = self.topics()
         if not topics:
             return depths
