@@ -23,7 +23,7 @@ from tests.integration.kafka.helpers import row_counts
 from tests.services import REPO, KafkaHelper, Outgoing, RabbitAdmin, unique_name, wait_for
 from tests.support import orders_table
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MQDEDUP = str(Path(sys.executable).parent / "mqdedup")
 CONSUMER = "tests.acceptance.cli_consumers:DeadLetterOrders"
 
