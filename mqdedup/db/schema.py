@@ -40,7 +40,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from mqdedup.errors import ConfigurationError
 
 DEFAULT_PREFIX = "mqdedup_"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _PREFIX_PATTERN = re.compile(r"^[a-z_][a-z0-9_]*$")
 #: The longest identifier every supported database accepts: PostgreSQL's 63 bytes
 #: (MySQL/MariaDB allow 64; SQLite has no limit). Longer PostgreSQL names are silently
