@@ -329,7 +329,7 @@ def record_text(record: DeadLetterRecord, body_limit: int = BODY_LIMIT) -> str:
     """``show``: every field, the headers, the body (cut at ``body_limit`` bytes)."""
     data = record_data(record, body_limit)
     lines = [
-        f"{label}: {data[name] if data[name] is not None else '-'}"
+        f"{label}: {_printable(str(data[name])) if data[name] is not None else '-'}"
         for label, name in (
             ("place", "place"),
             ("key", "key"),
@@ -345,12 +345,23 @@ def record_text(record: DeadLetterRecord, body_limit: int = BODY_LIMIT) -> str:
         if name != "refusal" or data[name] is not None
     ]
     lines.append("headers:" if data["headers"] else "headers: none")
-    lines.extend(f"  {name}: {value}" for name, value in sorted(data["headers"].items()))
+    lines.extend(
+        f"  {_printable(name)}: {_printable(value)}"
+        for name, value in sorted(data["headers"].items())
+    )
     lines.append(f"body ({data['size']} bytes):")
-    lines.append(data["body"])
+    lines.append(_printable(data["body"], keep="\n\t"))
     if data["body_truncated"]:
         lines.append(f"… truncated: {body_limit} of {data['size']} bytes shown (--body-limit)")
     return "\n".join(lines)
+
+
+def _printable(text: str, keep: str = "") -> str:
+    """``text`` with control characters escaped (``\\x1b``): a body or header can never
+    move the cursor or recolour the operator's terminal."""
+    return "".join(
+        char if char.isprintable() or char in keep else repr(char)[1:-1] for char in text
+    )
 
 
 def _none(place: str, consumer: str | None) -> str:

@@ -157,3 +157,29 @@ def test_a_replay_refuses_another_consumers_dead_letters(sqlite_engine: Engine) 
     with pytest.raises(ConfigurationError, match="billing"):
         replay(place.list(), Orders(), sqlite_engine, place)
     assert place.depth() == 1
+
+
+def test_show_escapes_control_characters_and_cuts_the_body() -> None:
+    from mqdedup.cli.dead_letters import record_data, record_text
+
+    message = Message(b"\x1b[31mred\x1b[0m\nline two" + b"x" * 100, id="m1")
+    record = DeadLetterRecord(
+        place="rabbitmq",
+        key="orders.dlq:m1",
+        consumer="orders",
+        source="orders",
+        message_id="m1",
+        error="ValueError: \x1b[2J",
+        reason="r",
+        attempts=None,
+        headers={"trace": "\x07bell"},
+        body=message.body,
+        dead_lettered_at=None,
+        message=message,
+    )
+    text = record_text(record, body_limit=21)
+    assert "\x1b" not in text and "\x07" not in text
+    assert "\\x1b[31mred\\x1b[0m\nline two" in text and "trace: \\x07bell" in text
+    assert "truncated: 21 of 121 bytes shown" in text
+    data = record_data(record, body_limit=5)
+    assert data["body"] == "\x1b[31m" and data["body_truncated"] and data["size"] == 121
