@@ -40,7 +40,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from mqdedup.errors import ConfigurationError
 
 DEFAULT_PREFIX = "mqdedup_"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _PREFIX_PATTERN = re.compile(r"^[a-z_][a-z0-9_]*$")
 #: The longest identifier every supported database accepts: PostgreSQL's 63 bytes
 #: (MySQL/MariaDB allow 64; SQLite has no limit). Longer PostgreSQL names are silently
@@ -118,6 +118,7 @@ class Schema:
     dead_letters: Table
     steps: Table
     locks: Table
+    handled_dead_letters: Table
 
 
 def validate_prefix(prefix: str) -> str:
@@ -253,6 +254,18 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         PrimaryKeyConstraint("name", name=f"{prefix}locks_pk"),
         **MYSQL_TABLE_OPTIONS,
     )
+    # Dead letters in a Kafka dead-letter topic that were deleted, replayed or requeued
+    # (mqdedup.deadletters.handled): a topic cannot drop one record, so they are marked.
+    handled_dead_letters = Table(
+        f"{prefix}handled_dead_letters",
+        metadata,
+        Column("place", KeyString(32), nullable=False),
+        Column("dead_letter_key", KeyString(255), nullable=False),
+        Column("action", String(32), nullable=False),
+        Column("handled_at", PreciseDateTime, nullable=False),
+        PrimaryKeyConstraint("place", "dead_letter_key", name=f"{prefix}handled_dl_pk"),
+        **MYSQL_TABLE_OPTIONS,
+    )
     _check_identifier_lengths(prefix, metadata)
     return Schema(
         prefix=prefix,
@@ -267,6 +280,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         dead_letters=dead_letters,
         steps=steps,
         locks=locks,
+        handled_dead_letters=handled_dead_letters,
     )
 
 
