@@ -40,7 +40,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from mqdedup.errors import ConfigurationError
 
 DEFAULT_PREFIX = "mqdedup_"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _PREFIX_PATTERN = re.compile(r"^[a-z_][a-z0-9_]*$")
 #: The longest identifier every supported database accepts: PostgreSQL's 63 bytes
 #: (MySQL/MariaDB allow 64; SQLite has no limit). Longer PostgreSQL names are silently
@@ -118,6 +118,7 @@ class Schema:
     dead_letters: Table
     steps: Table
     locks: Table
+    audit: Table
 
 
 def validate_prefix(prefix: str) -> str:
@@ -253,6 +254,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         PrimaryKeyConstraint("name", name=f"{prefix}locks_pk"),
         **MYSQL_TABLE_OPTIONS,
     )
+    audit = _audit_table(prefix, metadata)
     _check_identifier_lengths(prefix, metadata)
     return Schema(
         prefix=prefix,
@@ -267,6 +269,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         dead_letters=dead_letters,
         steps=steps,
         locks=locks,
+        audit=audit,
     )
 
 
@@ -321,6 +324,27 @@ def _steps_table(prefix: str, metadata: MetaData) -> Table:
         Column("completed_at", PreciseDateTime, nullable=True),
         PrimaryKeyConstraint("consumer_name", "message_id", "name", name=f"{prefix}steps_pk"),
         Index(f"{prefix}steps_started_idx", "started_at"),
+        **MYSQL_TABLE_OPTIONS,
+    )
+
+
+def _audit_table(prefix: str, metadata: MetaData) -> Table:
+    """``<prefix>audit`` (schema 5): every action taken in ``mqdedup console``.
+
+    One row per action: who (``actor``), what (``action`` and its ``target``), when
+    (``at``), how many messages it touched and how it ended (``outcome``).
+    """
+    return Table(
+        f"{prefix}audit",
+        metadata,
+        Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+        Column("at", PreciseDateTime, nullable=False),
+        Column("actor", String(255), nullable=False),
+        Column("action", String(64), nullable=False),
+        Column("target", Text, nullable=False),
+        Column("messages", Integer, nullable=False),
+        Column("outcome", Text, nullable=False),
+        Index(f"{prefix}audit_at_idx", "at"),
         **MYSQL_TABLE_OPTIONS,
     )
 
