@@ -119,6 +119,7 @@ class Schema:
     steps: Table
     locks: Table
     audit: Table
+    handled_dead_letters: Table
 
 
 def validate_prefix(prefix: str) -> str:
@@ -255,6 +256,18 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         **MYSQL_TABLE_OPTIONS,
     )
     audit = _audit_table(prefix, metadata)
+    # Dead letters in a Kafka dead-letter topic that were deleted, replayed or requeued
+    # (mqdedup.deadletters.handled): a topic cannot drop one record, so they are marked.
+    handled_dead_letters = Table(
+        f"{prefix}handled_dead_letters",
+        metadata,
+        Column("place", KeyString(32), nullable=False),
+        Column("dead_letter_key", KeyString(255), nullable=False),
+        Column("action", String(32), nullable=False),
+        Column("handled_at", PreciseDateTime, nullable=False),
+        PrimaryKeyConstraint("place", "dead_letter_key", name=f"{prefix}handled_dl_pk"),
+        **MYSQL_TABLE_OPTIONS,
+    )
     _check_identifier_lengths(prefix, metadata)
     return Schema(
         prefix=prefix,
@@ -270,6 +283,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         steps=steps,
         locks=locks,
         audit=audit,
+        handled_dead_letters=handled_dead_letters,
     )
 
 

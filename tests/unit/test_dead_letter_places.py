@@ -1,0 +1,154 @@
+"""The dead-letter places library: keys, grouping, body limits, and the database place
+(on SQLite here; the same place against PostgreSQL is in tests/integration/tools)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+from sqlalchemy import Engine, func, select
+from sqlalchemy.orm import Session
+
+from mqdedup import RetryPolicy
+from mqdedup.deadletters import (
+    DatabaseDeadLetters,
+    DeadLetterKeyError,
+    DeadLetterPlace,
+    DeadLetterRecord,
+    body_preview,
+    error_key,
+    group,
+    replay,
+)
+from mqdedup.dedup.dead_letters import DeadLetterCause, DeadLetterTable
+from mqdedup.errors import ConfigurationError
+from mqdedup.message import Message
+from tests.support import OrderConsumer, orders
+
+FAST = RetryPolicy(max_attempts=2, initial_backoff=0.001, max_backoff=0.01)
+
+
+def _record(consumer: str | None, error: str, key: str = "1") -> DeadLetterRecord:
+    message = Message(b"{}", id=key)
+    return DeadLetterRecord(
+        place="kafka",
+        key=key,
+        consumer=consumer,
+        source="orders",
+        message_id=key,
+        error=error,
+        reason=error,
+        attempts=3,
+        headers={},
+        body=b"{}",
+        dead_lettered_at=datetime.now(UTC),
+        message=message,
+    )
+
+
+def test_error_key_is_the_class_and_the_reasons_first_line_cut_short() -> None:
+    assert error_key("ValueError", "bad amount\ntraceback...") == "ValueError: bad amount"
+    assert error_key("ValueError", "ValueError: bad amount") == "ValueError: bad amount"
+    assert error_key(None, "  missing   message id ") == "missing message id"
+    assert error_key(None, "") == "(no reason)"
+    long = error_key("E", "x" * 500)
+    assert len(long) == 120 and long.endswith("…")
+
+
+def test_group_by_consumer_and_error_keeps_first_seen_order() -> None:
+    records = [
+        _record("orders", "ValueError: a", "1"),
+        _record("billing", "ValueError: a", "2"),
+        _record("orders", "KeyError: b", "3"),
+        _record("orders", "ValueError: a", "4"),
+    ]
+    groups = group(records)
+    assert list(groups) == [
+        ("orders", "ValueError: a"),
+        ("billing", "ValueError: a"),
+        ("orders", "KeyError: b"),
+    ]
+    assert [r.key for r in groups[("orders", "ValueError: a")]] == ["1", "4"]
+
+
+def test_body_preview_cuts_at_the_limit_and_says_so() -> None:
+    whole = body_preview(b"<script>alert(1)</script>", limit=100)
+    assert whole.text == "<script>alert(1)</script>" and not whole.truncated
+    cut = body_preview(b"a" * 5000, limit=10)
+    assert cut.text == "a" * 10 and cut.truncated and cut.size == 5000
+    binary = body_preview(b"\xff\x00ok", limit=100)
+    assert binary.text == "\\xff\x00ok" and not binary.truncated
+    with pytest.raises(ValueError):
+        body_preview(b"", limit=-1)
+
+
+class Orders(OrderConsumer):
+    retry_policy = FAST
+
+
+def _park(engine: Engine, consumer: str, number: int, reason: str = "ValueError: no") -> None:
+    body = json.dumps({"order": number, "amount": number}).encode()
+    message = Message(body, id=f"m{number}", headers={"message-id": f"m{number}"}, source="orders")
+    cause = DeadLetterCause(
+        reason=reason, attempts=2, refusal="MessageSizeTooLargeError", error_class="ValueError"
+    )
+    with Session(engine) as session, session.begin():
+        DeadLetterTable().park(session, consumer, message, cause)
+
+
+def _order_rows(engine: Engine) -> int:
+    with engine.connect() as connection:
+        return int(connection.execute(select(func.count()).select_from(orders)).scalar_one())
+
+
+def test_the_database_place_lists_gets_counts_and_deletes_by_row_id(sqlite_engine: Engine) -> None:
+    for number in range(3):
+        _park(sqlite_engine, "orders", number)
+    _park(sqlite_engine, "billing", 9, reason="KeyError: x")
+    place = DatabaseDeadLetters(sqlite_engine)
+    assert isinstance(place, DeadLetterPlace)
+
+    listed = place.list()
+    assert [r.message_id for r in listed] == ["m0", "m1", "m2", "m9"]
+    assert place.depth() == 4
+    assert [r.key for r in place.list(consumer="billing")] == [listed[3].key]
+    first = place.get(listed[0].key)
+    assert first is not None and first.place == "database" and first.consumer == "orders"
+    assert first.error == "ValueError: no" and first.attempts == 2
+    assert first.refusal == "MessageSizeTooLargeError" and first.body == listed[0].body
+    assert place.get("999999") is None
+    with pytest.raises(DeadLetterKeyError):
+        place.get("orders.DLT:0:1")
+
+    assert place.delete([listed[0].key, listed[0].key, "424242"]) == 1
+    assert place.depth() == 3 and place.get(listed[0].key) is None
+    with pytest.raises(ConfigurationError, match="replay"):
+        place.requeue([listed[1].key])
+
+
+def test_replaying_database_dead_letters_twice_runs_effects_once(sqlite_engine: Engine) -> None:
+    for number in range(3):
+        _park(sqlite_engine, "orders", number)
+    place = DatabaseDeadLetters(sqlite_engine)
+    chosen = place.list()[:2]
+
+    outcome = replay(chosen, Orders(), sqlite_engine, place)
+    assert (outcome.processed, outcome.duplicates, outcome.removed) == (2, 0, 2)
+    assert _order_rows(sqlite_engine) == 2 and place.depth() == 1
+
+    again = replay(chosen, Orders(), sqlite_engine, place)  # rows gone: nothing to hand out
+    assert again.handed_out == 0 and _order_rows(sqlite_engine) == 2
+
+    _park(sqlite_engine, "orders", 0)  # kept again (as if the drop after the commit was lost)
+    third = replay(place.list(), Orders(), sqlite_engine, place)
+    assert (third.processed, third.duplicates, third.removed) == (1, 1, 2)  # m2 new, m0 dup
+    assert _order_rows(sqlite_engine) == 3 and place.depth() == 0
+
+
+def test_a_replay_refuses_another_consumers_dead_letters(sqlite_engine: Engine) -> None:
+    _park(sqlite_engine, "billing", 1)
+    place = DatabaseDeadLetters(sqlite_engine)
+    with pytest.raises(ConfigurationError, match="billing"):
+        replay(place.list(), Orders(), sqlite_engine, place)
+    assert place.depth() == 1
