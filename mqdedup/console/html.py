@@ -41,16 +41,16 @@ def join(parts: Iterable[Any], separator: str = "") -> Html:
     return Html(separator.join(h(part) for part in parts))
 
 
-def tag(name: str, *children: Any, **attributes: Any) -> Html:
+def tag(element: str, /, *children: Any, **attributes: Any) -> Html:
     """``<name attr="…">children</name>``; attribute names end in ``_`` to dodge keywords."""
     attrs = "".join(
         f' {key.rstrip("_").replace("_", "-")}="{h(value)}"'
         for key, value in attributes.items()
         if value is not None and value is not False
     )
-    if name in ("input", "br", "meta", "link"):
-        return Html(f"<{name}{attrs}>")
-    return Html(f"<{name}{attrs}>{join(children)}</{name}>")
+    if element in ("input", "br", "meta", "link"):
+        return Html(f"<{element}{attrs}>")
+    return Html(f"<{element}{attrs}>{join(children)}</{element}>")
 
 
 def link(text: Any, path: str, **query: Any) -> Html:
