@@ -32,7 +32,7 @@ from mqdedup.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "MQDEDUP_CONSOLE_TOKEN"
+TOKEN_ENV = "MQDEDUP_CONSOLE_TOKEN"  # noqa: S105 - the variable's name, not a secret
 BASIC_AUTH_ENV = "MQDEDUP_CONSOLE_BASIC_AUTH"
 DEFAULT_PORT = 8470
 
@@ -77,7 +77,9 @@ def cmd_console(args: argparse.Namespace) -> int:
     try:
         server = ConsoleServer(app, args.host, args.port)
     except OSError as exc:
-        raise ConfigurationError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+        raise ConfigurationError(
+            f"cannot listen on {args.host}:{args.port}: {exc.strerror}"
+        ) from None
     where = f"http://{_host_for_url(args.host)}:{server.port}/"
     mode = "read-only" if args.read_only else "actions allowed"
     auth = "token" if token else "basic auth" if basic else "no sign-in (loopback only)"

@@ -280,7 +280,9 @@ def console_command(commands: Any) -> None:
         "shop.consumers:Orders --database postgresql://app@db/app --port 8470",
     )
     console.add_argument(
-        "consumers", nargs="*", metavar="CONSUMER",
+        "consumers",
+        nargs="*",
+        metavar="CONSUMER",
         help="module.path:ConsumerClass the console may replay dead letters through",
     )
     console.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
@@ -289,14 +291,19 @@ def console_command(commands: Any) -> None:
         "--token", default=None, help="access token to sign in with (env MQDEDUP_CONSOLE_TOKEN)"
     )
     console.add_argument(
-        "--basic-auth", metavar="USER:PASSWORD", default=None,
+        "--basic-auth",
+        metavar="USER:PASSWORD",
+        default=None,
         help="basic-auth credentials (env MQDEDUP_CONSOLE_BASIC_AUTH)",
     )
     console.add_argument(
         "--read-only", action="store_true", help="show no action and refuse every POST"
     )
     console.add_argument(
-        "--body-limit", type=int, default=64 * 1024, metavar="BYTES",
+        "--body-limit",
+        type=int,
+        default=64 * 1024,
+        metavar="BYTES",
         help="most bytes of a message body shown (65536); longer bodies are truncated",
     )
     console.add_argument(

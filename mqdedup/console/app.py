@@ -28,7 +28,7 @@ from mqdedup.console.static import STYLESHEET
 from mqdedup.console.web import (
     ConsoleSettings,
     Context,
-    Forbidden,
+    ForbiddenError,
     Request,
     Response,
     document,
@@ -48,7 +48,7 @@ class ConsoleApp:
     def __init__(self, settings: ConsoleSettings) -> None:
         self.settings = settings
         self.sessions = Sessions()
-        
+
     # -- entry -------------------------------------------------------------------------------
 
     def handle(self, request: Request) -> Response:
@@ -60,8 +60,8 @@ class ConsoleApp:
                 response.headers["Set-Cookie"] = cookie_header(
                     context.session, secure=self.settings.secure_cookie
                 )
-        except Forbidden as refused:
-            response = self.html(403, "Forbidden", tag("p", str(refused), class_="error"))
+        except ForbiddenError as refused:
+            response = self.html(403, "ForbiddenError", tag("p", str(refused), class_="error"))
         except MqdedupError as exc:
             response = self.html(
                 400, "Cannot do that", tag("p", mask_text(str(exc)), class_="error")
@@ -109,7 +109,7 @@ class ConsoleApp:
 
     def _unauthenticated(self, context: Context) -> Response:
         if context.request.method == "POST":
-            raise Forbidden("sign in first: this action needs the console's token or password")
+            raise ForbiddenError("sign in first: this action needs the console's token or password")
         if self.settings.access.token:
             return pages.login_form(self.settings, context, status=401)
         return Response(
@@ -122,18 +122,18 @@ class ConsoleApp:
     def _check_action(self, context: Context) -> None:
         request = context.request
         if self.settings.read_only:
-            raise Forbidden("the console runs with --read-only: no action is allowed")
+            raise ForbiddenError("the console runs with --read-only: no action is allowed")
         if not csrf_ok(context.session, request.arg("csrf")):
-            raise Forbidden(
+            raise ForbiddenError(
                 "the form's CSRF token is missing or not this session's: reload the page "
                 "and try again"
             )
         if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
-            raise Forbidden("cross-site request refused")
+            raise ForbiddenError("cross-site request refused")
         origin = request.headers.get("origin")
         host = request.headers.get("host")
         if origin and origin != "null" and host and urlsplit(origin).netloc != host:
-            raise Forbidden("cross-origin request refused")
+            raise ForbiddenError("cross-origin request refused")
 
     def html(self, status: int, title: str, body: Html) -> Response:
         """A whole page."""

@@ -62,7 +62,8 @@ def line_chart(
     for number, (name, counts) in enumerate(series.items()):
         colour = COLOURS[number % len(COLOURS)]
         points = " ".join(
-            f"{_LEFT + i * step:.1f},{y(counts.get(minute, 0)):.1f}" for i, minute in enumerate(axis)
+            f"{_LEFT + i * step:.1f},{y(counts.get(minute, 0)):.1f}"
+            for i, minute in enumerate(axis)
         )
         parts.append(tag("polyline", points=points, fill="none", stroke=colour, stroke_width=1.5))
         legend.append(

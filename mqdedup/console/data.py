@@ -128,8 +128,15 @@ def failed_outbox_rows(engine: Engine, prefix: str, limit: int = 200) -> list[Fa
             .limit(limit)
         ).all()
     return [
-        FailedRow(r.id, r.message_id, r.broker, r.destination, r.attempts, r.last_error or "",
-                  aware(r.created_at))
+        FailedRow(
+            r.id,
+            r.message_id,
+            r.broker,
+            r.destination,
+            r.attempts,
+            r.last_error or "",
+            aware(r.created_at),
+        )
         for r in rows
     ]
 
@@ -207,7 +214,9 @@ def consumer_names(engine: Engine, prefix: str) -> list[str]:
     table = schema(prefix).processed
     with engine.connect() as connection:
         return list(
-            connection.execute(select(table.c.consumer_name).distinct().order_by(table.c.consumer_name))
+            connection.execute(
+                select(table.c.consumer_name).distinct().order_by(table.c.consumer_name)
+            )
             .scalars()
             .all()
         )

@@ -22,9 +22,7 @@ LIST_LIMIT = 5000
 ACTIONS = ("replay", "requeue", "delete")
 
 #: ``replay(consumer, place, records)`` -> (messages replayed, one line saying what happened).
-Replayer = Callable[
-    ["Consumer", "DeadLetterPlace", Sequence["DeadLetterRecord"]], tuple[int, str]
-]
+Replayer = Callable[["Consumer", "DeadLetterPlace", Sequence["DeadLetterRecord"]], tuple[int, str]]
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,12 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, klass: str =
 
 
 def post_form(
-    action: str, csrf: str, label: str, fields: Mapping[str, Any] | None = None, *, danger: bool = False
+    action: str,
+    csrf: str,
+    label: str,
+    fields: Mapping[str, Any] | None = None,
+    *,
+    danger: bool = False,
 ) -> Html:
     """A form that POSTs ``fields`` and the session's CSRF token to ``action``."""
     hidden = [tag("input", type="hidden", name="csrf", value=csrf)]
@@ -146,7 +151,9 @@ def mask_headers(headers: Iterable[tuple[str, Any]]) -> list[tuple[str, str]]:
     return shown
 
 
-def page(title: str, body: Html, *, nav: Sequence[tuple[str, str]], current: str, note: str = "") -> Html:
+def page(
+    title: str, body: Html, *, nav: Sequence[tuple[str, str]], current: str, note: str = ""
+) -> Html:
     """The whole HTML document: head, navigation, ``body``."""
     links = [
         tag("a", label, href=path, class_="current" if path == current else None)

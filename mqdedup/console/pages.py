@@ -33,7 +33,7 @@ from mqdedup.console.security import Sessions, cookie_header, csrf_ok
 from mqdedup.console.web import (
     ConsoleSettings,
     Context,
-    Forbidden,
+    ForbiddenError,
     Response,
     document,
     record,
@@ -69,10 +69,12 @@ def login(settings: ConsoleSettings, sessions: Sessions, context: Context) -> Re
         if context.actor is not None:
             return redirect("/")
         response = login_form(settings, context)
-        response.headers["Set-Cookie"] = cookie_header(context.session, secure=settings.secure_cookie)
+        response.headers["Set-Cookie"] = cookie_header(
+            context.session, secure=settings.secure_cookie
+        )
         return response
     if not csrf_ok(context.session, request.arg("csrf")):
-        raise Forbidden("the sign-in form's CSRF token is missing or stale: reload the page")
+        raise ForbiddenError("the sign-in form's CSRF token is missing or stale: reload the page")
     if not settings.access.check_token(request.arg("token")):
         return login_form(settings, context, status=403, error="wrong token")
     fresh = sessions.rotate(context.session, "token")
@@ -99,7 +101,9 @@ def overview(settings: ConsoleSettings, context: Context) -> Response:
     for name in names:
         counts = per_minute.get(name, {})
         parts.append(
-            line_chart(axis, {"processed": counts}, title=f"{name}: {sum(counts.values())} processed")
+            line_chart(
+                axis, {"processed": counts}, title=f"{name}: {sum(counts.values())} processed"
+            )
         )
     parts.append(tag("h2", "Consumers"))
     parts.append(
@@ -127,12 +131,18 @@ def overview(settings: ConsoleSettings, context: Context) -> Response:
 
 def _lag_table(settings: ConsoleSettings) -> Html:
     if not settings.consumers or settings.lags is None:
-        return tag("p", "start the console with consumer classes (MODULE:CLASS) to see lag", class_="empty")
+        return tag(
+            "p", "start the console with consumer classes (MODULE:CLASS) to see lag", class_="empty"
+        )
     entries = settings.lags(settings.consumers)
     return table(
         ["consumer", "partition / queue", "lag"],
         [
-            (e["consumer"], e["where"] or "-", e["lag"] if e["error"] is None else mask_text(e["error"]))
+            (
+                e["consumer"],
+                e["where"] or "-",
+                e["lag"] if e["error"] is None else mask_text(e["error"]),
+            )
             for e in entries
         ],
     )
@@ -161,16 +171,33 @@ def _outbox_summary(settings: ConsoleSettings, now: datetime) -> Html:
     per_destination = table(
         ["broker", "destination", "pending", "failed", "published", "oldest due"],
         [
-            (d.broker, d.destination or "(default exchange)", d.pending, d.failed, d.published,
-             age(d.oldest_pending_age))
+            (
+                d.broker,
+                d.destination or "(default exchange)",
+                d.pending,
+                d.failed,
+                d.published,
+                age(d.oldest_pending_age),
+            )
             for d in status.destinations
         ],
     )
     lease_rows = table(
         ["relay", "shards", "lease ends in"],
-        [(lease.relay_id, lease.shards, age((lease.locked_until - now).total_seconds())) for lease in leases],
+        [
+            (lease.relay_id, lease.shards, age((lease.locked_until - now).total_seconds()))
+            for lease in leases
+        ],
     )
-    return join([summary, tag("h3", "Per destination"), per_destination, tag("h3", "Relay leases"), lease_rows])
+    return join(
+        [
+            summary,
+            tag("h3", "Per destination"),
+            per_destination,
+            tag("h3", "Relay leases"),
+            lease_rows,
+        ]
+    )
 
 
 # -- claims ----------------------------------------------------------------------------------
@@ -184,7 +211,11 @@ def claims(settings: ConsoleSettings, context: Context) -> Response:
     options = [tag("option", name, value=name, selected=name == consumer) for name in known]
     form = tag(
         "form",
-        tag("label", "Consumer ", tag("input", type="text", name="consumer", value=consumer, list="consumers")),
+        tag(
+            "label",
+            "Consumer ",
+            tag("input", type="text", name="consumer", value=consumer, list="consumers"),
+        ),
         tag("datalist", *options, id="consumers"),
         " ",
         tag("label", "Message id ", tag("input", type="text", name="id", value=message_id)),
@@ -202,24 +233,51 @@ def claims(settings: ConsoleSettings, context: Context) -> Response:
 
 def _claim_details(settings: ConsoleSettings, claim: data.Claim) -> Html:
     if not claim.found:
-        return tag("p", f"no claim for message id {claim.message_id!r} of {claim.consumer}", class_="empty")
+        return tag(
+            "p", f"no claim for message id {claim.message_id!r} of {claim.consumer}", class_="empty"
+        )
     facts = table(
         ["consumer", "message id", "processed at", "attempts", "last error"],
-        [(claim.consumer, claim.message_id, when(claim.processed_at),
-          "-" if claim.attempts is None else claim.attempts, claim.last_error or "-")],
+        [
+            (
+                claim.consumer,
+                claim.message_id,
+                when(claim.processed_at),
+                "-" if claim.attempts is None else claim.attempts,
+                claim.last_error or "-",
+            )
+        ],
     )
     result = tag("pre", as_json(claim.result), class_="body") if claim.processed_at else Html("")
     steps = table(
         ["step", "state", "attempts", "result", "started", "completed"],
-        [(s["name"], s["state"], s["attempts"], as_json(s["result"]), when(s["started_at"]),
-          when(s["completed_at"])) for s in claim.steps],
+        [
+            (
+                s["name"],
+                s["state"],
+                s["attempts"],
+                as_json(s["result"]),
+                when(s["started_at"]),
+                when(s["completed_at"]),
+            )
+            for s in claim.steps
+        ],
     )
-    parts = [facts, tag("h2", "Stored result"), result or tag("p", "none", class_="empty"),
-             tag("h2", "Steps"), steps]
+    parts = [
+        facts,
+        tag("h2", "Stored result"),
+        result or tag("p", "none", class_="empty"),
+        tag("h2", "Steps"),
+        steps,
+    ]
     if settings.read_only is False and claim.processed_at is not None:
         parts.append(
-            tag("a", "Forget this claim…", class_="button",
-                href=url("/claims/forget", consumer=claim.consumer, id=claim.message_id))
+            tag(
+                "a",
+                "Forget this claim…",
+                class_="button",
+                href=url("/claims/forget", consumer=claim.consumer, id=claim.message_id),
+            )
         )
     return join(parts)
 
@@ -233,9 +291,22 @@ def confirm_forget(settings: ConsoleSettings, context: Context) -> Response:
         "delivery or replay of this message runs its handler again (its effects can happen a "
         "second time). Recorded steps stay, so their calls are not made again."
     )
-    body = join([tag("p", text), _confirm_form(settings, context, "/claims/forget", "Forget the claim",
-                                               {"consumer": consumer, "id": message_id}, danger=True)])
-    return document(settings, 200, "Forget a claim?", tag("div", body, class_="confirm"), current="/claims")
+    body = join(
+        [
+            tag("p", text),
+            _confirm_form(
+                settings,
+                context,
+                "/claims/forget",
+                "Forget the claim",
+                {"consumer": consumer, "id": message_id},
+                danger=True,
+            ),
+        ]
+    )
+    return document(
+        settings, 200, "Forget a claim?", tag("div", body, class_="confirm"), current="/claims"
+    )
 
 
 def forget(settings: ConsoleSettings, context: Context) -> Response:
@@ -245,7 +316,9 @@ def forget(settings: ConsoleSettings, context: Context) -> Response:
     removed = data.forget_claim(settings.engine, settings.prefix, consumer, message_id)
     outcome = f"forgot {removed} claim(s)"
     record(settings, context, "forget-claim", f"{consumer}/{message_id}", removed, outcome)
-    return _done(settings, context, outcome, url("/claims", consumer=consumer, id=message_id), "/claims")
+    return _done(
+        settings, context, outcome, url("/claims", consumer=consumer, id=message_id), "/claims"
+    )
 
 
 # -- outbox ----------------------------------------------------------------------------------
@@ -256,14 +329,30 @@ def outbox(settings: ConsoleSettings, context: Context) -> Response:
     rows = data.failed_outbox_rows(settings.engine, settings.prefix)
     actions = settings.read_only is False
     body_rows = [
-        (r.id, r.message_id, r.broker, r.destination or "(default exchange)", r.attempts,
-         tag("pre", r.last_error), when(r.created_at),
-         tag("a", "Retry…", class_="button", href=url("/outbox/retry", id=r.id)) if actions else "")
+        (
+            r.id,
+            r.message_id,
+            r.broker,
+            r.destination or "(default exchange)",
+            r.attempts,
+            tag("pre", r.last_error),
+            when(r.created_at),
+            tag("a", "Retry…", class_="button", href=url("/outbox/retry", id=r.id))
+            if actions
+            else "",
+        )
         for r in rows
     ]
-    parts = [table(["id", "message id", "broker", "destination", "attempts", "error", "created", ""], body_rows)]
+    parts = [
+        table(
+            ["id", "message id", "broker", "destination", "attempts", "error", "created", ""],
+            body_rows,
+        )
+    ]
     if rows and actions:
-        parts.append(tag("a", f"Retry all {len(rows)} failed rows…", class_="button", href="/outbox/retry"))
+        parts.append(
+            tag("a", f"Retry all {len(rows)} failed rows…", class_="button", href="/outbox/retry")
+        )
     return document(settings, 200, "Outbox: failed rows", join(parts), current="/outbox")
 
 
@@ -276,8 +365,13 @@ def confirm_retry(settings: ConsoleSettings, context: Context) -> Response:
         "(with the same message id, so consumers' claims skip a copy already processed)."
     )
     form = _confirm_form(settings, context, "/outbox/retry", "Retry", {"id": ids})
-    return document(settings, 200, "Retry failed outbox rows?",
-                    tag("div", join([tag("p", text), form]), class_="confirm"), current="/outbox")
+    return document(
+        settings,
+        200,
+        "Retry failed outbox rows?",
+        tag("div", join([tag("p", text), form]), class_="confirm"),
+        current="/outbox",
+    )
 
 
 def retry(settings: ConsoleSettings, context: Context) -> Response:
@@ -286,7 +380,7 @@ def retry(settings: ConsoleSettings, context: Context) -> Response:
     try:
         ids = [int(value) for value in raw] or None
     except ValueError:
-        raise Forbidden("outbox row ids are numbers") from None
+        raise ForbiddenError("outbox row ids are numbers") from None
     count = data.retry_outbox(settings.engine, settings.prefix, ids)
     outcome = f"put {count} failed outbox row(s) back to pending"
     record(settings, context, "retry-outbox", ",".join(raw) or "all failed", count, outcome)
@@ -300,9 +394,13 @@ def audit_page(settings: ConsoleSettings, context: Context) -> Response:
     """The newest actions taken in the console."""
     entries = data.recent_audit(settings.engine, settings.prefix)
     rows = [(e.id, when(e.at), e.actor, e.action, e.target, e.messages, e.outcome) for e in entries]
-    return document(settings, 200, "Audit",
-                    table(["#", "when", "who", "what", "target", "messages", "outcome"], rows),
-                    current="/audit")
+    return document(
+        settings,
+        200,
+        "Audit",
+        table(["#", "when", "who", "what", "target", "messages", "outcome"], rows),
+        current="/audit",
+    )
 
 
 # -- dead letters ----------------------------------------------------------------------------
@@ -310,7 +408,7 @@ def audit_page(settings: ConsoleSettings, context: Context) -> Response:
 
 def _service(settings: ConsoleSettings) -> DeadLetterService:
     if settings.dead_letters is None:
-        raise Forbidden("no dead-letter places are configured")
+        raise ForbiddenError("no dead-letter places are configured")
     service: DeadLetterService = settings.dead_letters
     return service
 
@@ -323,7 +421,11 @@ def dead_letters(settings: ConsoleSettings, context: Context) -> Response:
         return _group_page(settings, context, service)
     parts: list[Html] = []
     for state in service.overview():
-        parts.append(tag("h2", f"{state.place}: {'?' if state.depth is None else state.depth} dead letter(s)"))
+        parts.append(
+            tag(
+                "h2", f"{state.place}: {'?' if state.depth is None else state.depth} dead letter(s)"
+            )
+        )
         if state.error:
             parts.append(tag("p", state.error, class_="error"))
             continue
@@ -341,7 +443,13 @@ def _groups_table(settings: ConsoleSettings, state: PlaceState) -> Html:
                 group.error,
                 len(group.records),
                 when(group.oldest),
-                join([link("open", "/dead-letters", **where), " ", _action_links(settings, group.consumer, where)]),
+                join(
+                    [
+                        link("open", "/dead-letters", **where),
+                        " ",
+                        _action_links(settings, group.consumer, where),
+                    ]
+                ),
             )
         )
     return table(["consumer", "error", "messages", "oldest", ""], rows)
@@ -354,18 +462,32 @@ def _action_links(settings: ConsoleSettings, consumer: str | None, where: dict[s
     for action in ACTIONS:
         if action == "requeue" and where.get("place") == "database":
             continue  # the broker refused these once: they are replayed, not requeued
-        links.append(tag("a", f"{action}…", class_="button",
-                         href=url("/dead-letters/confirm", action=action, **where)))
+        links.append(
+            tag(
+                "a",
+                f"{action}…",
+                class_="button",
+                href=url("/dead-letters/confirm", action=action, **where),
+            )
+        )
     return join(links, " ")
 
 
-def _group_page(settings: ConsoleSettings, context: Context, service: DeadLetterService) -> Response:
+def _group_page(
+    settings: ConsoleSettings, context: Context, service: DeadLetterService
+) -> Response:
     request = context.request
     place, consumer, error = request.arg("place"), request.arg("consumer"), request.arg("error")
     records = service.keys_of_group(place, consumer, error)
     rows = [
-        (link(r.key, "/dead-letters/message", place=place, key=r.key), r.message_id or "-", r.source,
-         "-" if r.attempts is None else r.attempts, f"{r.size:,} B", when(r.dead_lettered_at))
+        (
+            link(r.key, "/dead-letters/message", place=place, key=r.key),
+            r.message_id or "-",
+            r.source,
+            "-" if r.attempts is None else r.attempts,
+            f"{r.size:,} B",
+            when(r.dead_lettered_at),
+        )
         for r in records
     ]
     where = {"place": place, "consumer": consumer, "error": error}
@@ -374,8 +496,13 @@ def _group_page(settings: ConsoleSettings, context: Context, service: DeadLetter
         _action_links(settings, consumer, where),
         table(["key", "message id", "source", "attempts", "body", "dead-lettered"], rows),
     ]
-    return document(settings, 200, f"Dead letters: {len(records)} in this group", join(parts),
-                    current="/dead-letters")
+    return document(
+        settings,
+        200,
+        f"Dead letters: {len(records)} in this group",
+        join(parts),
+        current="/dead-letters",
+    )
 
 
 def dead_letter(settings: ConsoleSettings, context: Context) -> Response:
@@ -384,14 +511,27 @@ def dead_letter(settings: ConsoleSettings, context: Context) -> Response:
     place, key = context.request.arg("place"), context.request.arg("key")
     letter = service.record(place, key)
     if letter is None:
-        return document(settings, 404, "Dead letter not found",
-                        tag("p", f"{place} holds no dead letter {key!r} (handled already?)", class_="empty"),
-                        current="/dead-letters")
+        return document(
+            settings,
+            404,
+            "Dead letter not found",
+            tag("p", f"{place} holds no dead letter {key!r} (handled already?)", class_="empty"),
+            current="/dead-letters",
+        )
     facts = table(
         ["place", "key", "consumer", "message id", "source", "attempts", "dead-lettered", "size"],
-        [(letter.place, letter.key, letter.consumer or "-", letter.message_id or "-", letter.source,
-          "-" if letter.attempts is None else letter.attempts, when(letter.dead_lettered_at),
-          f"{letter.size:,} bytes")],
+        [
+            (
+                letter.place,
+                letter.key,
+                letter.consumer or "-",
+                letter.message_id or "-",
+                letter.source,
+                "-" if letter.attempts is None else letter.attempts,
+                when(letter.dead_lettered_at),
+                f"{letter.size:,} bytes",
+            )
+        ],
     )
     where = {"place": place, "key": key, "consumer": letter.consumer or ""}
     parts = [
@@ -400,7 +540,10 @@ def dead_letter(settings: ConsoleSettings, context: Context) -> Response:
         tag("pre", mask_text(letter.reason), class_="body"),
     ]
     if letter.refusal:
-        parts += [tag("h2", "Why the broker refused it"), tag("pre", mask_text(letter.refusal), class_="body")]
+        parts += [
+            tag("h2", "Why the broker refused it"),
+            tag("pre", mask_text(letter.refusal), class_="body"),
+        ]
     parts += [
         tag("h2", "Headers"),
         table(["name", "value"], mask_headers(letter.headers.items())),
@@ -443,24 +586,46 @@ def confirm_dead_letters(settings: ConsoleSettings, context: Context) -> Respons
     service = _service(settings)
     action = context.request.arg("action")
     if action not in ACTIONS:
-        raise Forbidden(f"unknown action {action!r}")
+        raise ForbiddenError(f"unknown action {action!r}")
     place, keys, consumer = _chosen(service, context)
     target = settings_consumer(settings, consumer)
     text = _WHAT[action].format(
-        n=len(keys), place=place, consumer=consumer or "-",
+        n=len(keys),
+        place=place,
+        consumer=consumer or "-",
         cls=type(target).__module__ + ":" + type(target).__qualname__ if target else "-",
     )
     parts: list[Html] = [tag("p", text)]
     if action == "replay" and target is None:
-        parts.append(tag("p", f"No consumer class was given for {consumer or 'these messages'}: "
-                              "start the console with its MODULE:CLASS to replay them.", class_="error"))
+        parts.append(
+            tag(
+                "p",
+                f"No consumer class was given for {consumer or 'these messages'}: "
+                "start the console with its MODULE:CLASS to replay them.",
+                class_="error",
+            )
+        )
     elif keys:
-        parts.append(_confirm_form(settings, context, "/dead-letters/act", f"{action.capitalize()} {len(keys)}",
-                                   {"action": action, "place": place, "consumer": consumer, "key": keys},
-                                   danger=action == "delete"))
-    parts.append(tag("details", tag("summary", f"the {len(keys)} key(s)"), tag("pre", "\n".join(keys))))
-    return document(settings, 200, f"{action.capitalize()} dead letters?",
-                    tag("div", join(parts), class_="confirm"), current="/dead-letters")
+        parts.append(
+            _confirm_form(
+                settings,
+                context,
+                "/dead-letters/act",
+                f"{action.capitalize()} {len(keys)}",
+                {"action": action, "place": place, "consumer": consumer, "key": keys},
+                danger=action == "delete",
+            )
+        )
+    parts.append(
+        tag("details", tag("summary", f"the {len(keys)} key(s)"), tag("pre", "\n".join(keys)))
+    )
+    return document(
+        settings,
+        200,
+        f"{action.capitalize()} dead letters?",
+        tag("div", join(parts), class_="confirm"),
+        current="/dead-letters",
+    )
 
 
 def act_on_dead_letters(settings: ConsoleSettings, context: Context) -> Response:
@@ -468,14 +633,20 @@ def act_on_dead_letters(settings: ConsoleSettings, context: Context) -> Response
     service = _service(settings)
     action = context.request.arg("action")
     if action not in ACTIONS:
-        raise Forbidden(f"unknown action {action!r}")
+        raise ForbiddenError(f"unknown action {action!r}")
     place, keys, consumer = _chosen(service, context)
     target = settings_consumer(settings, consumer)
     if action == "replay" and target is None:
-        raise Forbidden(f"no consumer class was given for {consumer!r}: nothing replayed")
+        raise ForbiddenError(f"no consumer class was given for {consumer!r}: nothing replayed")
     count, outcome = service.act(action, place, keys, target)
-    record(settings, context, f"{action}-dead-letters", f"{place}:{consumer or '-'}:{len(keys)} key(s)",
-           count, outcome)
+    record(
+        settings,
+        context,
+        f"{action}-dead-letters",
+        f"{place}:{consumer or '-'}:{len(keys)} key(s)",
+        count,
+        outcome,
+    )
     return _done(settings, context, outcome, "/dead-letters", "/dead-letters")
 
 
@@ -491,15 +662,27 @@ def settings_consumer(settings: ConsoleSettings, name: str) -> Any:
 
 
 def _confirm_form(
-    settings: ConsoleSettings, context: Context, action: str, label: str, fields: dict[str, Any],
-    *, danger: bool = False,
+    settings: ConsoleSettings,
+    context: Context,
+    action: str,
+    label: str,
+    fields: dict[str, Any],
+    *,
+    danger: bool = False,
 ) -> Html:
     if settings.read_only:
         return tag("p", "read-only: no action", class_="empty")
-    return join([post_form(action, context.session.csrf, label, fields, danger=danger), " ",
-                 tag("a", "Cancel", href="/", class_="button")])
+    return join(
+        [
+            post_form(action, context.session.csrf, label, fields, danger=danger),
+            " ",
+            tag("a", "Cancel", href="/", class_="button"),
+        ]
+    )
 
 
-def _done(settings: ConsoleSettings, context: Context, outcome: str, back: str, current: str) -> Response:
+def _done(
+    settings: ConsoleSettings, context: Context, outcome: str, back: str, current: str
+) -> Response:
     body = join([tag("p", outcome, class_="result"), link("back", back)])
     return document(settings, 200, "Done", body, current=current)

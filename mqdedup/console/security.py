@@ -61,9 +61,7 @@ def parse_basic_auth(text: str | None) -> tuple[str, str] | None:
         return None
     user, colon, password = text.partition(":")
     if not colon or not user or not password:
-        raise ConfigurationError(
-            "basic-auth credentials must be 'user:password' (both non-empty)"
-        )
+        raise ConfigurationError("basic-auth credentials must be 'user:password' (both non-empty)")
     return user, password
 
 

@@ -58,8 +58,10 @@ class ConsoleServer:
 
             def log_message(self, format: str, *args: Any) -> None:
                 # The request line only: never headers (they carry the credentials).
-                log.debug("console request", extra={"client": self.client_address[0],
-                                                     "request": self.requestline[:200]})
+                log.debug(
+                    "console request",
+                    extra={"client": self.client_address[0], "request": self.requestline[:200]},
+                )
 
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True

@@ -16,7 +16,8 @@ th, td { border: 1px solid #e5e7eb; padding: .3em .6em; text-align: left; vertic
 th { background: #f3f4f6; }
 pre.body { background: #fff; border: 1px solid #e5e7eb; padding: .6em; white-space: pre-wrap;
            word-break: break-all; max-height: 40em; overflow: auto; }
-.truncated, .note { color: #92400e; background: #fef3c7; padding: .3em .6em; display: inline-block; }
+.truncated, .note { color: #92400e; background: #fef3c7; padding: .3em .6em;
+                    display: inline-block; }
 .banner { background: #e0f2fe; color: #075985; margin: 0; padding: .4em 1.2em; }
 .result { background: #dcfce7; padding: .5em .8em; border: 1px solid #86efac; }
 .error { background: #fee2e2; padding: .5em .8em; border: 1px solid #fca5a5; }

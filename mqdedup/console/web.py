@@ -107,11 +107,13 @@ class Context:
         return f"{self.actor or 'anonymous'}@{self.request.client}"
 
 
-class Forbidden(Exception):
+class ForbiddenError(Exception):
     """A request refused with 403 (the message says why)."""
 
 
-def document(settings: ConsoleSettings, status: int, title: str, body: Html, *, current: str = "") -> Response:
+def document(
+    settings: ConsoleSettings, status: int, title: str, body: Html, *, current: str = ""
+) -> Response:
     """A whole page as a response."""
     note = "read-only: actions are hidden and refused" if settings.read_only else ""
     return Response(status, page(title, body, nav=NAV, current=current, note=note).encode())
@@ -123,7 +125,12 @@ def redirect(location: str) -> Response:
 
 
 def record(
-    settings: ConsoleSettings, context: Context, action: str, target: str, messages: int, outcome: str
+    settings: ConsoleSettings,
+    context: Context,
+    action: str,
+    target: str,
+    messages: int,
+    outcome: str,
 ) -> None:
     """Write an action to ``<prefix>audit`` and the log (never a secret)."""
     data.audit(settings.engine, settings.prefix, context.who, action, target, messages, outcome)

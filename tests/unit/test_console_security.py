@@ -44,9 +44,17 @@ def _failed_row(engine: Engine) -> None:
     with engine.begin() as connection:
         connection.execute(
             insert(schema(PREFIX).outbox).values(
-                message_id="out-1", broker="kafka", destination="orders", shard_hash=0,
-                headers=[], payload=b"{}", state="failed", attempts=5,
-                last_error="broker said no", created_at=now, available_at=now,
+                message_id="out-1",
+                broker="kafka",
+                destination="orders",
+                shard_hash=0,
+                headers=[],
+                payload=b"{}",
+                state="failed",
+                attempts=5,
+                last_error="broker said no",
+                created_at=now,
+                available_at=now,
             )
         )
 
@@ -192,13 +200,14 @@ def test_a_cross_origin_post_changes_nothing(engine: Engine) -> None:
     _failed_row(engine)
     browser = Browser(_app(engine))
     csrf = browser.csrf()
-    refused = browser.request(
-        "POST", "/outbox/retry", f"csrf={csrf}", origin="http://evil.example"
-    )
+    refused = browser.request("POST", "/outbox/retry", f"csrf={csrf}", origin="http://evil.example")
     assert refused.status == 403
-    assert browser.request(
-        "POST", "/outbox/retry", f"csrf={csrf}", **{"sec-fetch-site": "cross-site"}
-    ).status == 403
+    assert (
+        browser.request(
+            "POST", "/outbox/retry", f"csrf={csrf}", **{"sec-fetch-site": "cross-site"}
+        ).status
+        == 403
+    )
     assert _state(engine) == ("failed", 0)
 
 
@@ -219,11 +228,17 @@ def test_read_only_shows_no_action_and_refuses_posts(engine: Engine) -> None:
     _failed_row(engine)
     _park(engine, b"body")
     browser = Browser(_app(engine, read_only=True))
-    for path in ("/", "/outbox", "/dead-letters", "/claims", "/audit",
-                 "/dead-letters/message?place=database&key=1"):
+    for path in (
+        "/",
+        "/outbox",
+        "/dead-letters",
+        "/claims",
+        "/audit",
+        "/dead-letters/message?place=database&key=1",
+    ):
         page = browser.request("GET", path)
         assert page.status == 200, path
-        assert b"<form method=\"post\"" not in page.body and b"Retry" not in page.body, path
+        assert b'<form method="post"' not in page.body and b"Retry" not in page.body, path
         assert b"replay\xe2\x80\xa6" not in page.body and b"delete\xe2\x80\xa6" not in page.body
     # even a session's valid token (from the confirmation page) cannot act
     confirm = browser.request("GET", "/outbox/retry").body.decode()
@@ -252,8 +267,9 @@ def _park(engine: Engine, body: bytes, headers: dict[str, str | bytes] | None = 
             session,
             "orders",
             Message(body=body, id="m-1", headers=headers or {}, source="orders"),
-            DeadLetterCause("handler raised MessageError: <b>bad</b>", 3, "too large",
-                            "MessageError", "bad"),
+            DeadLetterCause(
+                "handler raised MessageError: <b>bad</b>", 3, "too large", "MessageError", "bad"
+            ),
         )
 
 
@@ -269,14 +285,20 @@ def test_a_body_with_markup_is_shown_as_text(engine: Engine) -> None:
 
 
 def test_secrets_in_headers_are_masked(engine: Engine) -> None:
-    _park(engine, b"{}", {
-        "x-callback": "https://app:hunter22@hooks.example/cb?token=abc123",
-        "authorization": "Bearer abc.def",
-        "x-plain": "visible",
-    })
-    text = Browser(_app(engine)).request(
-        "GET", "/dead-letters/message?place=database&key=1"
-    ).body.decode()
+    _park(
+        engine,
+        b"{}",
+        {
+            "x-callback": "https://app:hunter22@hooks.example/cb?token=abc123",
+            "authorization": "Bearer abc.def",
+            "x-plain": "visible",
+        },
+    )
+    text = (
+        Browser(_app(engine))
+        .request("GET", "/dead-letters/message?place=database&key=1")
+        .body.decode()
+    )
     assert "hunter22" not in text and "abc123" not in text and "abc.def" not in text
     assert "https://app:***@hooks.example/cb?token=***" in text and "visible" in text
 
@@ -284,9 +306,11 @@ def test_secrets_in_headers_are_masked(engine: Engine) -> None:
 def test_a_body_over_the_limit_is_truncated_and_says_so(engine: Engine) -> None:
     body = b"a" * 5000 + b"TAIL"
     _park(engine, body)
-    text = Browser(_app(engine, body_limit=1000)).request(
-        "GET", "/dead-letters/message?place=database&key=1"
-    ).body.decode()
+    text = (
+        Browser(_app(engine, body_limit=1000))
+        .request("GET", "/dead-letters/message?place=database&key=1")
+        .body.decode()
+    )
     assert "truncated: showing the first 1,000 of 5,004 bytes" in text
     assert "a" * 1000 in text and "a" * 1001 not in text and "TAIL" not in text
     assert "truncated" not in show_body(b"short", 1000)
