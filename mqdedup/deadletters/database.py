@@ -93,7 +93,7 @@ def record_of(row: ParkedDeadLetter) -> DeadLetterRecord:
         consumer=row.consumer_name,
         source=message.coordinates,
         message_id=message.id,
-        error=error_key(row.error_class, row.reason),
+        error=error_key(row.error_class, row.reason, row.error_message),
         reason=row.reason,
         attempts=row.attempts,
         headers=text_headers(message.headers),

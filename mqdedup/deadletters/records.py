@@ -106,14 +106,23 @@ class DeadLetterKeyError(ConfigurationError):
     place's). Exit code 3 in the CLI, like every other bad value."""
 
 
-def error_key(error_class: str | None, reason: str) -> str:
-    """The group key of a dead letter: ``ErrorClass: first line of the reason`` (short)."""
-    first = " ".join((reason.strip().splitlines() or [""])[0].split())
-    if error_class and not first.startswith(error_class):
-        text = f"{error_class}: {first}" if first else error_class
-    else:
-        text = first or "(no reason)"
+def error_key(error_class: str | None, reason: str, error_message: str | None = None) -> str:
+    """The group key of a dead letter: ``ErrorClass: first line of the error`` (short).
+
+    ``builtins.`` is dropped from the class; without an error message the reason's first
+    line stands in; without a class, the reason alone (``missing message id``).
+    """
+    text = _first_line(error_message if error_message else reason)
+    if error_class:
+        name = error_class.removeprefix("builtins.")
+        if not text.startswith(name):
+            text = f"{name}: {text}" if text else name
+    text = text or "(no reason)"
     return text if len(text) <= ERROR_LIMIT else text[: ERROR_LIMIT - 1] + "…"
+
+
+def _first_line(text: str) -> str:
+    return " ".join((text.strip().splitlines() or [""])[0].split())
 
 
 GroupKey = tuple[str | None, str]

@@ -47,10 +47,15 @@ def _record(consumer: str | None, error: str, key: str = "1") -> DeadLetterRecor
     )
 
 
-def test_error_key_is_the_class_and_the_reasons_first_line_cut_short() -> None:
+def test_error_key_is_the_class_and_the_errors_first_line_cut_short() -> None:
     assert error_key("ValueError", "bad amount\ntraceback...") == "ValueError: bad amount"
     assert error_key("ValueError", "ValueError: bad amount") == "ValueError: bad amount"
     assert error_key(None, "  missing   message id ") == "missing message id"
+    assert (
+        error_key("builtins.ValueError", "handler failed after 3 attempts: x", "cannot handle m1")
+        == "ValueError: cannot handle m1"
+    )
+    assert error_key("app.BadOrder", "r", "app.BadOrder: no amount") == "app.BadOrder: no amount"
     assert error_key(None, "") == "(no reason)"
     long = error_key("E", "x" * 500)
     assert len(long) == 120 and long.endswith("…")

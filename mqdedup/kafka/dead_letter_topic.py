@@ -1,0 +1,427 @@
+"""The ``kafka`` place: dead letters in Kafka dead-letter topics (``<topic>.DLT``).
+
+:class:`~mqdedup.kafka.dead_letters.KafkaDeadLetters` writes each dead letter as the
+original record (key, value, headers) plus ``x-mqdedup-*`` headers: the reason, the
+consumer, the attempts, the error and the source topic / partition / offset.
+:class:`KafkaDeadLetterTopics` reads them back without a consumer group (nothing is
+committed; the live consumers are not disturbed). A key is ``topic:partition:offset``.
+
+A topic cannot drop one record: deleting, replaying or requeueing a dead letter marks it
+in ``<prefix>handled_dead_letters`` (:class:`~mqdedup.deadletters.handled.HandledMarks`),
+and marked records are no longer listed, shown or counted. Retention removes the records
+themselves in time. A requeue publishes the original record (its ``x-mqdedup-*`` headers
+removed, its message id header kept) to the source topic with ``acks=all`` and marks it
+only once the broker acknowledged the copy: a crash in between leaves it in both places,
+and the consumer's claims make the second copy a duplicate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final
+
+import kafka
+import kafka.errors as kafka_errors
+from kafka.structs import TopicPartition
+from sqlalchemy import Engine
+
+from mqdedup.db.schema import DEFAULT_PREFIX
+from mqdedup.deadletters.attempts import forget_attempts
+from mqdedup.deadletters.handled import HandledMarks
+from mqdedup.deadletters.records import (
+    DeadLetterKeyError,
+    DeadLetterRecord,
+    Place,
+    error_key,
+    header_int,
+    text_headers,
+)
+from mqdedup.dedup.ids import DEFAULT_HEADER
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.kafka.records import (
+    DEAD_LETTER_PREFIX,
+    SOURCE_OFFSET_HEADER,
+    SOURCE_PARTITION_HEADER,
+    SOURCE_TOPIC_HEADER,
+    describe_error,
+    record_timestamp,
+    to_message,
+)
+from mqdedup.message import Message
+
+log = logging.getLogger(__name__)
+
+PLACE: Final[Place] = "kafka"
+#: The suffix of dead-letter topics found when no topic is named (the default name).
+DLT_SUFFIX: Final = ".DLT"
+#: The longest a read, a lookup or a requeue's acknowledgement may take (seconds).
+DEFAULT_TIMEOUT: Final = 20.0
+
+_Records = list[DeadLetterRecord]  # (``list`` is a method's name in the class)
+
+_CONSUMER_HEADER = "x-mqdedup-consumer"
+_REASON_HEADER = "x-mqdedup-reason"
+_ATTEMPTS_HEADER = "x-mqdedup-attempts"
+_ERROR_CLASS_HEADER = "x-mqdedup-error-class"
+_ERROR_MESSAGE_HEADER = "x-mqdedup-error-message"
+
+
+class KafkaDeadLetterTopics:
+    """Dead letters in Kafka dead-letter topics (a :class:`DeadLetterPlace`).
+
+    ``topics``: the dead-letter topics; None: every topic whose name ends in ``.DLT``.
+    ``engine`` holds the handled marks (and the attempt counts a requeue forgets).
+    ``client_config``: extra kafka-python settings (security, timeouts) for the reading
+    consumer, the producer and the admin client; keys a client does not know are skipped.
+    """
+
+    place: Place = PLACE
+
+    def __init__(
+        self,
+        bootstrap_servers: str | Sequence[str],
+        engine: Engine,
+        *,
+        topics: Sequence[str] | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        client_config: Mapping[str, Any] | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        servers = (
+            [s.strip() for s in bootstrap_servers.split(",") if s.strip()]
+            if isinstance(bootstrap_servers, str)
+            else list(bootstrap_servers)
+        )
+        if not servers:
+            raise ConfigurationError("the Kafka dead-letter place needs bootstrap servers")
+        self.bootstrap_servers = servers
+        self.engine = engine
+        self.prefix = prefix
+        self.marks = HandledMarks(engine, PLACE, prefix)
+        self.timeout = timeout
+        self._topics = list(topics) if topics is not None else None
+        self._config = dict(client_config or {})
+
+    @classmethod
+    def for_consumer(
+        cls, consumer: Any, engine: Engine, *, timeout: float = DEFAULT_TIMEOUT
+    ) -> KafkaDeadLetterTopics:
+        """The dead-letter topics of a :class:`~mqdedup.kafka.consumer.KafkaConsumer`
+        (its ``dead_letter_topic`` for each of its ``topics``; a pattern consumer's:
+        every ``.DLT`` topic), with its bootstrap servers and client settings."""
+        settings = consumer.kafka_settings()
+        topics = (
+            sorted({settings.dead_letter_topic_for(topic) for topic in settings.topics})
+            if settings.topics
+            else None
+        )
+        config = {
+            key: value
+            for key, value in settings.admin_config.items()
+            if key not in ("bootstrap_servers", "client_id")
+        }
+        return cls(
+            settings.bootstrap_servers,
+            engine,
+            topics=topics,
+            prefix=consumer.table_prefix,
+            client_config=config,
+            timeout=timeout,
+        )
+
+    # -- the protocol ---------------------------------------------------------------------
+
+    def topics(self) -> list[str]:
+        """The dead-letter topics this place reads (those that exist)."""
+        with self._admin() as admin:
+            existing = set(admin.list_topics())
+        if self._topics is not None:
+            return [topic for topic in self._topics if topic in existing]
+        return sorted(topic for topic in existing if topic.endswith(DLT_SUFFIX))
+
+    def list(self, *, consumer: str | None = None, limit: int = 100) -> list[DeadLetterRecord]:
+        """Up to ``limit`` unhandled dead letters, oldest first (by record timestamp)."""
+        found: list[DeadLetterRecord] = []
+        for topic in self.topics():
+            found.extend(self._read_topic(topic, consumer))
+        found.sort(key=_order)
+        return found[:limit]
+
+    def get(self, key: str) -> DeadLetterRecord | None:
+        """The dead letter at ``topic:partition:offset`` (None: gone, or handled)."""
+        topic, partition, offset = parse_key(key)
+        if self._topics is not None and topic not in self._topics:
+            raise DeadLetterKeyError(f"{topic!r} is not one of this place's dead-letter topics")
+        if self.marks.marked([key]):
+            return None
+        with self._reader() as reader:
+            tp = TopicPartition(topic, partition)
+            if partition not in (reader.partitions_for_topic(topic) or set()):
+                return None
+            reader.assign([tp])
+            first = reader.beginning_offsets([tp])[tp]
+            end = reader.end_offsets([tp])[tp]
+            if not first <= offset < end:
+                return None
+            reader.seek(tp, offset)
+            for raw in self._poll_until(reader, {tp: offset + 1}):
+                if raw.offset == offset:
+                    return record_of(raw)
+        return None
+
+    def depth(self) -> int:
+        """Unhandled dead letters in every dead-letter topic."""
+        return sum(self.depths().values())
+
+    def depths(self) -> dict[str, int]:
+        """Unhandled dead letters per dead-letter topic (records minus handled marks)."""
+        depths: dict[str, int] = {}
+        topics = self.topics()
+        if not topics:
+            return depths
+        with self._reader() as reader:
+            for topic in topics:
+                tps = [
+                    TopicPartition(topic, p)
+                    for p in sorted(reader.partitions_for_topic(topic) or ())
+                ]
+                if not tps:
+                    depths[topic] = 0
+                    continue
+                first = reader.beginning_offsets(tps)
+                end = reader.end_offsets(tps)
+                total = sum(end[tp] - first[tp] for tp in tps)
+                handled = 0
+                for key in self.marks.marked_with_prefix(f"{topic}:"):
+                    with contextlib.suppress(DeadLetterKeyError):
+                        _, partition, offset = parse_key(key)
+                        tp = TopicPartition(topic, partition)
+                        if tp in first and first[tp] <= offset < end[tp]:
+                            handled += 1
+                depths[topic] = max(total - handled, 0)
+        return depths
+
+    def delete(self, keys: Sequence[str], *, action: str = "deleted") -> int:
+        """Mark these dead letters handled (``action``: deleted / replayed / requeued)."""
+        present = [key for key in dict.fromkeys(keys) if self._exists(key)]
+        return self.marks.mark(present, action)
+
+    def requeue(self, keys: Sequence[str]) -> int:
+        """Publish each to its source topic (acknowledged), then mark it handled."""
+        records = [r for r in (self.get(key) for key in dict.fromkeys(keys)) if r is not None]
+        movable = [r for r in records if r.headers.get(SOURCE_TOPIC_HEADER)]
+        for record in records:
+            if record not in movable:
+                log.warning(
+                    "dead letter names no source topic; left in place",
+                    extra={"dead_letter": record.key},
+                )
+        if not movable:
+            return 0
+        forget_attempts(self.engine, movable, self.prefix)
+        producer = self._producer()
+        moved = 0
+        try:
+            for record in movable:
+                target = record.headers[SOURCE_TOPIC_HEADER]
+                headers = [
+                    (name, value if isinstance(value, bytes) else str(value or "").encode())
+                    for name, value in record.message.headers.items()
+                    if not name.startswith(DEAD_LETTER_PREFIX)
+                ]
+                future = producer.send(
+                    target, key=record.message.key, value=record.body, headers=headers
+                )
+                try:
+                    future.get(timeout=self.timeout)
+                except kafka_errors.KafkaError as error:
+                    raise BrokerUnavailableError(
+                        f"requeueing {record.key} to {target!r} failed: {describe_error(error)} "
+                        f"({moved} requeued before it)"
+                    ) from error
+                moved += self.marks.mark([record.key], "requeued")
+        finally:
+            producer.close(timeout=self.timeout)
+        log.info("requeued dead letters", extra={"count": moved})
+        return moved
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _exists(self, key: str) -> bool:
+        topic, partition, offset = parse_key(key)
+        if self._topics is not None and topic not in self._topics:
+            raise DeadLetterKeyError(f"{topic!r} is not one of this place's dead-letter topics")
+        with self._reader() as reader:
+            if partition not in (reader.partitions_for_topic(topic) or set()):
+                return False
+            tp = TopicPartition(topic, partition)
+            first = reader.beginning_offsets([tp])[tp]
+            end = reader.end_offsets([tp])[tp]
+        return bool(first <= offset < end)
+
+    def _read_topic(self, topic: str, consumer: str | None) -> _Records:
+        handled = self.marks.marked_with_prefix(f"{topic}:")
+        records: _Records = []
+        with self._reader() as reader:
+            tps = [
+                TopicPartition(topic, p) for p in sorted(reader.partitions_for_topic(topic) or ())
+            ]
+            if not tps:
+                return records
+            reader.assign(tps)
+            first = reader.beginning_offsets(tps)
+            end = {
+                tp: offset for tp, offset in reader.end_offsets(tps).items() if offset > first[tp]
+            }
+            for tp in end:
+                reader.seek(tp, first[tp])
+            for raw in self._poll_until(reader, end):
+                if f"{raw.topic}:{raw.partition}:{raw.offset}" in handled:
+                    continue
+                record = record_of(raw)
+                if consumer is None or record.consumer == consumer:
+                    records.append(record)
+        return records
+
+    def _poll_until(self, reader: Any, end: Mapping[Any, int]) -> Iterator[Any]:
+        """The records of each partition up to its end offset (exclusive)."""
+        waiting = {tp: stop for tp, stop in end.items()}
+        deadline = time.monotonic() + self.timeout
+        while waiting:
+            if time.monotonic() > deadline:
+                raise BrokerUnavailableError(
+                    f"reading the dead-letter topic timed out after {self.timeout:.0f} s"
+                )
+            for tp, batch in reader.poll(timeout_ms=500, max_records=500).items():
+                stop = waiting.get(tp)
+                if stop is None:
+                    continue
+                for raw in batch:
+                    if raw.offset < stop:
+                        yield raw
+            for tp in list(waiting):
+                if reader.position(tp) >= waiting[tp]:
+                    del waiting[tp]
+                    reader.pause(tp)
+
+    def _client_config(self, known: Mapping[str, Any]) -> dict[str, Any]:
+        return {key: value for key, value in self._config.items() if key in known}
+
+    @contextlib.contextmanager
+    def _reader(self) -> Iterator[Any]:
+        try:
+            reader = kafka.KafkaConsumer(
+                **{
+                    **self._client_config(kafka.KafkaConsumer.DEFAULT_CONFIG),
+                    "bootstrap_servers": self.bootstrap_servers,
+                    "group_id": None,
+                    "enable_auto_commit": False,
+                    "client_id": "mqdedup-dead-letters",
+                }
+            )
+        except kafka_errors.KafkaError as error:
+            raise BrokerUnavailableError(
+                f"cannot reach Kafka at {','.join(self.bootstrap_servers)}: {describe_error(error)}"
+            ) from error
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    def _producer(self) -> Any:
+        try:
+            return kafka.KafkaProducer(
+                **{
+                    **self._client_config(kafka.KafkaProducer.DEFAULT_CONFIG),
+                    "bootstrap_servers": self.bootstrap_servers,
+                    "acks": "all",
+                    "enable_idempotence": True,
+                    "client_id": "mqdedup-dead-letters-requeue",
+                }
+            )
+        except kafka_errors.KafkaError as error:
+            raise BrokerUnavailableError(
+                f"cannot reach Kafka at {','.join(self.bootstrap_servers)}: {describe_error(error)}"
+            ) from error
+
+    @contextlib.contextmanager
+    def _admin(self) -> Iterator[Any]:
+        try:
+            admin = kafka.KafkaAdminClient(
+                **{
+                    **self._client_config(kafka.KafkaAdminClient.DEFAULT_CONFIG),
+                    "bootstrap_servers": self.bootstrap_servers,
+                    "client_id": "mqdedup-dead-letters-admin",
+                }
+            )
+        except kafka_errors.KafkaError as error:
+            raise BrokerUnavailableError(
+                f"cannot reach Kafka at {','.join(self.bootstrap_servers)}: {describe_error(error)}"
+            ) from error
+        try:
+            yield admin
+        finally:
+            admin.close()
+
+
+def parse_key(key: str) -> tuple[str, int, int]:
+    """``topic:partition:offset`` as its parts (topic names never hold ``:``)."""
+    parts = key.strip().rsplit(":", 2)
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
+        raise DeadLetterKeyError(
+            f"{key!r} is not a key of the kafka place (topic:partition:offset, e.g. orders.DLT:0:5)"
+        )
+    return parts[0], int(parts[1]), int(parts[2])
+
+
+def record_of(raw: Any) -> DeadLetterRecord:
+    """The :class:`DeadLetterRecord` of one record of a dead-letter topic.
+
+    ``message`` is the original record as its consumer saw it: the source topic,
+    partition and offset, without the ``x-mqdedup-*`` headers.
+    """
+    delivered = to_message(raw)
+    headers = text_headers(delivered.headers)
+    original_headers = {
+        name: value
+        for name, value in delivered.headers.items()
+        if not name.startswith(DEAD_LETTER_PREFIX)
+    }
+    source_topic = headers.get(SOURCE_TOPIC_HEADER) or raw.topic
+    partition = header_int(headers, SOURCE_PARTITION_HEADER)
+    offset = header_int(headers, SOURCE_OFFSET_HEADER)
+    message = Message(
+        body=delivered.body,
+        key=delivered.key,
+        headers=original_headers,
+        source=source_topic,
+        partition=partition,
+        offset=offset,
+        timestamp=delivered.timestamp,
+    )
+    reason = headers.get(_REASON_HEADER, "")
+    return DeadLetterRecord(
+        place=PLACE,
+        key=f"{raw.topic}:{raw.partition}:{raw.offset}",
+        consumer=headers.get(_CONSUMER_HEADER),
+        source=message.coordinates,
+        message_id=headers.get(DEFAULT_HEADER),
+        error=error_key(
+            headers.get(_ERROR_CLASS_HEADER), reason, headers.get(_ERROR_MESSAGE_HEADER)
+        ),
+        reason=reason,
+        attempts=header_int(headers, _ATTEMPTS_HEADER),
+        headers=headers,
+        body=delivered.body,
+        dead_lettered_at=record_timestamp(raw.timestamp),
+        message=message,
+    )
+
+
+def _order(record: DeadLetterRecord) -> tuple[float, str, int, int]:
+    topic, partition, offset = parse_key(record.key)
+    stamp = record.dead_lettered_at.timestamp() if record.dead_lettered_at else 0.0
+    return stamp, topic, partition, offset

@@ -1,0 +1,326 @@
+"""The ``rabbitmq`` place: dead letters in RabbitMQ dead-letter queues (``<queue>.dlq``).
+
+:class:`~mqdedup.rabbitmq.dead_letters.DeadLetterPublisher` writes each dead letter as
+the original message plus ``x-mqdedup-*`` headers (reason, consumer, attempts, error,
+source queue, message id, when). :class:`RabbitDeadLetterQueues` reads them without
+losing any: every read takes messages with ``basic.get`` *unacknowledged* and gives
+back all it did not choose by closing its channel, so they return to the queue (in
+their place, where RabbitMQ can; marked redelivered). Only :meth:`delete`, a replay's
+settle and :meth:`requeue` acknowledge, and only the messages they were asked for; a
+requeue acknowledges a message only after the broker confirmed its copy in the source
+queue (a crash in between leaves a copy in both; the consumer's claims skip the second).
+
+A key is ``queue:message id`` (``x-mqdedup-message-id``, else the AMQP ``message_id``;
+a message with neither is ``queue:sha256:<16 hex of its body's hash>``). Two dead letters
+of the same message share a key and are acted on together.
+
+Concurrent readers: while one reader holds messages (for the moment of its scan), a
+second reader does not see them, so a list may show fewer and an action may find fewer
+than the queue holds (it then returns a smaller count; run it again). Nothing is lost or
+acknowledged twice: the broker hands each message to one reader at a time. A queue's
+readers are bounded to the messages present when the scan began.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final
+
+import pika
+import pika.exceptions
+from sqlalchemy import Engine
+
+from mqdedup.db.schema import DEFAULT_PREFIX
+from mqdedup.deadletters.attempts import forget_attempts
+from mqdedup.deadletters.records import (
+    DeadLetterKeyError,
+    DeadLetterRecord,
+    Place,
+    error_key,
+    header_int,
+    text_headers,
+)
+from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.rabbitmq.codec import (
+    DEAD_LETTERED_AT_HEADER,
+    MESSAGE_ID_HEADER,
+    SOURCE_QUEUE_HEADER,
+    delivery_message,
+    header_text,
+    requeue_properties,
+)
+from mqdedup.rabbitmq.reconnecting import describe
+from mqdedup.rabbitmq.topology import BrokerNodes, mask_amqp_url, rabbitmq_url_from_env
+
+log = logging.getLogger(__name__)
+
+PLACE: Final[Place] = "rabbitmq"
+
+_CONSUMER_HEADER = "x-mqdedup-consumer"
+_REASON_HEADER = "x-mqdedup-reason"
+_ATTEMPTS_HEADER = "x-mqdedup-attempts"
+_ERROR_CLASS_HEADER = "x-mqdedup-error-class"
+_ERROR_MESSAGE_HEADER = "x-mqdedup-error-message"
+
+_Records = list[DeadLetterRecord]  # (``list`` is a method's name in the class)
+
+
+@dataclass
+class _Scan:
+    """Which messages a scan of one queue matches (by key, by consumer) and what it does
+    with them: collect them into ``found``, acknowledge them (``ack``), after a copy to
+    their source queue (``republish``); ``limit``: stop once ``found`` holds that many."""
+
+    keys: frozenset[str] | None = None
+    consumer: str | None = None
+    found: _Records = field(default_factory=list)
+    limit: int | None = None
+    ack: bool = False
+    republish: bool = False
+
+    def matches(self, record: DeadLetterRecord) -> bool:
+        if self.keys is not None and record.key not in self.keys:
+            return False
+        return self.consumer is None or record.consumer == self.consumer
+
+
+class RabbitDeadLetterQueues:
+    """Dead letters in RabbitMQ dead-letter queues (a :class:`DeadLetterPlace`).
+
+    ``queues``: the dead-letter queues to read. ``engine`` (optional) holds the attempt
+    counts a requeue forgets, so a requeued message gets its full retries again.
+    """
+
+    place: Place = PLACE
+
+    def __init__(
+        self,
+        url: str | Sequence[str] | None,
+        queues: Sequence[str],
+        *,
+        engine: Engine | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        if not queues:
+            raise ConfigurationError("name the dead-letter queue(s) to read (e.g. orders.dlq)")
+        self.url = url or rabbitmq_url_from_env()
+        self.queues = list(dict.fromkeys(queues))
+        self.engine = engine
+        self.prefix = prefix
+        self._nodes = BrokerNodes(
+            self.url, f"mqdedup-dead-letters:{socket.gethostname()}:{os.getpid()}"
+        )
+
+    @classmethod
+    def for_consumer(cls, consumer: Any, engine: Engine | None = None) -> RabbitDeadLetterQueues:
+        """The dead-letter queue of a :class:`~mqdedup.rabbitmq.consumer.RabbitConsumer`."""
+        return cls(
+            consumer.broker_url,
+            [consumer.topology().dead_letter_queue],
+            engine=engine,
+            prefix=consumer.table_prefix,
+        )
+
+    # -- the protocol ---------------------------------------------------------------------
+
+    def list(self, *, consumer: str | None = None, limit: int = 100) -> _Records:
+        """Up to ``limit`` dead letters in queue order; the queues are left as they were."""
+        found: _Records = []
+        for queue in self.queues:
+            if len(found) >= limit:
+                break
+            self._scan(queue, _Scan(consumer=consumer, found=found, limit=limit))
+        return found[:limit]
+
+    def get(self, key: str) -> DeadLetterRecord | None:
+        """The first dead letter with ``key`` (None: not there, or held by another reader)."""
+        queue, _ = parse_key(key, self.queues)
+        found: _Records = []
+        self._scan(queue, _Scan(keys=frozenset({key.strip()}), found=found, limit=1))
+        return found[0] if found else None
+
+    def depth(self) -> int:
+        """Ready messages in every dead-letter queue."""
+        return sum(self.depths().values())
+
+    def depths(self) -> dict[str, int]:
+        """Ready messages per dead-letter queue (0 for a queue not declared yet)."""
+        with self._connection() as connection:
+            return {queue: _queue_depth(connection, queue) for queue in self.queues}
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Acknowledge (drop) every dead letter with one of ``keys``."""
+        return sum(
+            self._scan(queue, _Scan(keys=frozenset(names), ack=True))
+            for queue, names in self._by_queue(keys).items()
+        )
+
+    def requeue(self, keys: Sequence[str]) -> int:
+        """Publish each to its source queue (confirmed), then acknowledge it here."""
+        moved = 0
+        for queue, names in self._by_queue(keys).items():
+            if self.engine is not None:  # its full retries again: forget its attempts first
+                chosen: _Records = []
+                self._scan(queue, _Scan(keys=frozenset(names), found=chosen))
+                forget_attempts(self.engine, chosen, self.prefix)
+            moved += self._scan(queue, _Scan(keys=frozenset(names), ack=True, republish=True))
+        return moved
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _by_queue(self, keys: Sequence[str]) -> dict[str, set[str]]:
+        wanted: dict[str, set[str]] = {}
+        for key in keys:
+            queue, _ = parse_key(key, self.queues)
+            wanted.setdefault(queue, set()).add(key.strip())
+        return wanted
+
+    def _scan(self, queue: str, scan: _Scan) -> int:
+        """Take the messages present in ``queue`` one by one, unacknowledged; collect
+        and (``scan.ack``) acknowledge those ``scan`` matches, after a confirmed copy to
+        their source with ``scan.republish``; closing the channel gives the rest back.
+        Returns how many were acknowledged."""
+        acked = 0
+        with self._connection() as connection:
+            depth = _queue_depth(connection, queue)
+            channel = connection.channel()
+            if scan.republish:
+                channel.confirm_delivery()
+            try:
+                for _ in range(depth):
+                    if scan.limit is not None and len(scan.found) >= scan.limit:
+                        break
+                    method, properties, body = channel.basic_get(queue, auto_ack=False)
+                    if method is None:
+                        break
+                    record = record_of(queue, properties, body or b"")
+                    if not scan.matches(record):
+                        continue
+                    scan.found.append(record)
+                    if not scan.ack:
+                        continue
+                    if scan.republish and not self._republish(channel, record, properties, body):
+                        continue
+                    channel.basic_ack(method.delivery_tag)
+                    acked += 1
+            except pika.exceptions.AMQPError as error:
+                raise BrokerUnavailableError(
+                    f"reading dead-letter queue {queue!r} failed: {describe(error)} "
+                    f"({acked} acknowledged before; the rest went back to the queue)"
+                ) from error
+            finally:
+                # Closing the channel returns every message taken and not acknowledged
+                # (RabbitMQ 4 does not count that toward a quorum queue's delivery limit,
+                # where a nack would).
+                if channel.is_open:
+                    channel.close()
+        return acked
+
+    def _republish(
+        self, channel: Any, record: DeadLetterRecord, properties: Any, body: bytes | None
+    ) -> bool:
+        target = record.headers.get(SOURCE_QUEUE_HEADER)
+        if not target:
+            log.warning(
+                "dead letter names no source queue; left in place",
+                extra={"dead_letter": record.key},
+            )
+            return False
+        try:
+            channel.basic_publish(
+                exchange="",
+                routing_key=target,
+                body=body or b"",
+                properties=requeue_properties(properties),
+                mandatory=True,
+            )
+        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as error:
+            raise ConfigurationError(
+                f"cannot requeue {record.key} to {target!r}: {type(error).__name__} "
+                "(no such queue, or it refused the message); it stays in the dead-letter queue"
+            ) from error
+        return True
+
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[Any]:
+        try:
+            connection = self._nodes.connect()
+        except (pika.exceptions.AMQPError, OSError) as error:
+            raise BrokerUnavailableError(
+                f"cannot connect to RabbitMQ at {mask_amqp_url(str(self.url))}: {describe(error)}"
+            ) from error
+        try:
+            yield connection
+        finally:
+            with contextlib.suppress(pika.exceptions.AMQPError, OSError):
+                if connection.is_open:
+                    connection.close()
+
+
+def parse_key(key: str, queues: Sequence[str]) -> tuple[str, str]:
+    """``queue:message id`` as its parts (the queue must be one of ``queues``)."""
+    text = key.strip()
+    for queue in sorted(queues, key=len, reverse=True):
+        if text.startswith(f"{queue}:") and len(text) > len(queue) + 1:
+            return queue, text[len(queue) + 1 :]
+    raise DeadLetterKeyError(
+        f"{key!r} is not a key of the rabbitmq place (queue:message id, one of the queues "
+        f"{', '.join(queues)})"
+    )
+
+
+def record_of(queue: str, properties: Any, body: bytes) -> DeadLetterRecord:
+    """The :class:`DeadLetterRecord` of one message of a dead-letter queue.
+
+    ``message`` is the original message as its consumer receives it after a requeue:
+    from its source queue, without the ``x-mqdedup-*`` headers, same ``message_id``.
+    """
+    raw_headers = properties.headers or {}
+    source = header_text(raw_headers, SOURCE_QUEUE_HEADER) or queue
+    original = requeue_properties(properties)
+    message = delivery_message(source, False, "", source, original, body)
+    shown = text_headers(delivery_message(queue, False, "", queue, properties, body).headers)
+    message_id = header_text(raw_headers, MESSAGE_ID_HEADER) or properties.message_id
+    name = message_id or "sha256:" + hashlib.sha256(body).hexdigest()[:16]
+    reason = shown.get(_REASON_HEADER, "")
+    when = shown.get(DEAD_LETTERED_AT_HEADER)
+    try:
+        dead_lettered_at = datetime.fromisoformat(when) if when else None
+    except ValueError:
+        dead_lettered_at = None
+    return DeadLetterRecord(
+        place=PLACE,
+        key=f"{queue}:{name}",
+        consumer=shown.get(_CONSUMER_HEADER),
+        source=source,
+        message_id=message_id,
+        error=error_key(shown.get(_ERROR_CLASS_HEADER), reason, shown.get(_ERROR_MESSAGE_HEADER)),
+        reason=reason,
+        attempts=header_int(shown, _ATTEMPTS_HEADER),
+        headers=shown,
+        body=body,
+        dead_lettered_at=dead_lettered_at,
+        message=message,
+    )
+
+
+def _queue_depth(connection: Any, queue: str) -> int:
+    """Ready messages in ``queue`` (0 when it is not declared yet)."""
+    channel = connection.channel()
+    try:
+        frame = channel.queue_declare(queue=queue, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as error:
+        if error.reply_code == 404:
+            return 0
+        raise BrokerUnavailableError(f"cannot read queue {queue!r}: {describe(error)}") from error
+    count = int(frame.method.message_count)
+    if channel.is_open:
+        channel.close()
+    return count
