@@ -107,12 +107,47 @@ def dead_letter_places(
 def _broker_places(
     engine: Engine, prefix: str, settings: dict[str, Any], consumers: Sequence[Consumer]
 ) -> list[DeadLetterPlace]:
-    """Kafka dead-letter topics (every ``.DLT`` topic) when a bootstrap is set."""
+    """Kafka: the given Kafka consumers' dead-letter topics (none given: every ``.DLT``
+    topic of the bootstrap servers). RabbitMQ: the given RabbitMQ consumers' dead-letter
+    queues (queues cannot be discovered)."""
     places: list[DeadLetterPlace] = []
-    if settings.get("kafka_bootstrap"):
+    kafka = [c for c in consumers if hasattr(c, "kafka_settings")]
+    rabbit = [c for c in consumers if hasattr(c, "topology")]
+    if kafka or (settings.get("kafka_bootstrap") and not consumers):
         from mqdedup.kafka.dead_letter_topic import KafkaDeadLetterTopics
 
-        places.append(KafkaDeadLetterTopics(settings["kafka_bootstrap"], engine, prefix=prefix))
+        if kafka:
+            # One place over every given consumer's dead-letter topics (a pattern
+            # consumer, without topics: every .DLT topic).
+            first = KafkaDeadLetterTopics.for_consumer(kafka[0], engine)
+            wanted: set[str] = set()
+            every = False
+            for consumer in kafka:
+                kafka_settings = consumer.kafka_settings()
+                every = every or not kafka_settings.topics
+                wanted |= {kafka_settings.dead_letter_topic_for(t) for t in kafka_settings.topics}
+            places.append(
+                KafkaDeadLetterTopics(
+                    first.bootstrap_servers,
+                    engine,
+                    topics=None if every else sorted(wanted),
+                    prefix=prefix,
+                )
+            )
+        else:
+            places.append(KafkaDeadLetterTopics(settings["kafka_bootstrap"], engine, prefix=prefix))
+    if rabbit:
+        from mqdedup.rabbitmq.dead_letter_queue import RabbitDeadLetterQueues
+
+        queues = [c.topology().dead_letter_queue for c in rabbit]
+        places.append(
+            RabbitDeadLetterQueues(
+                rabbit[0].broker_url,  # type: ignore[attr-defined]
+                queues,
+                engine=engine,
+                prefix=prefix,
+            )
+        )
     return places
 
 
