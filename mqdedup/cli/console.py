@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -85,6 +86,7 @@ def cmd_console(args: argparse.Namespace) -> int:
     auth = "token" if token else "basic auth" if basic else "no sign-in (loopback only)"
     print(f"mqdedup console on {where} ({mode}; {auth}); Ctrl-C stops it", flush=True)
     log.info("console listening", extra={"host": args.host, "port": server.port})
+    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop: exit 0 as on Ctrl-C
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -161,6 +163,10 @@ def replay_through(engine: Engine) -> Any:
         return outcome.handed_out, str(outcome)
 
     return run
+
+
+def _interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _host_for_url(host: str) -> str:

@@ -16,7 +16,7 @@ HEIGHT = 160
 _LEFT = 44
 _BOTTOM = 22
 _TOP = 10
-_RIGHT = 10
+_RIGHT = 24
 COLOURS = ("#2563eb", "#d97706", "#16a34a", "#dc2626")
 
 

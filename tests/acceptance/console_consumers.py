@@ -9,7 +9,7 @@ message, dead-lettered at once); the console runs without it, so a replay succee
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import insert
 
@@ -44,7 +44,7 @@ class KafkaOrders(KafkaConsumer):
     table_prefix = PREFIX
     batch_size = 200
     poll_timeout = 0.2
-    kafka_config = dict(FAST_GROUP)
+    kafka_config: ClassVar[dict[str, Any]] = dict(FAST_GROUP)
     retry_policy = RetryPolicy(max_attempts=1)
 
     def handle(self, message: Message, ctx: Context) -> Any:

@@ -88,7 +88,9 @@ def _start_console(env: dict[str, str], *args: str) -> tuple[subprocess.Popen[st
 
     def answers() -> bool:
         if process.poll() is not None:
-            raise AssertionError(f"the console exited: {process.stderr.read() if process.stderr else ''}")
+            raise AssertionError(
+                f"the console exited: {process.stderr.read() if process.stderr else ''}"
+            )
         try:
             urllib.request.urlopen(f"{url}/static/console.css", timeout=2).close()
             return True
@@ -124,7 +126,11 @@ def _run_until(consumer: Any, engine: Engine, done: Any, what: str) -> None:
 @pytest.fixture(scope="module")
 def stack(pg_url: str, kafka_bootstrap: str, rabbitmq_url: str) -> Iterator[Stack]:
     prefix = table_prefix()
-    topic, group, queue = unique_name("console"), unique_name("console-group"), unique_name("console")
+    topic, group, queue = (
+        unique_name("console"),
+        unique_name("console-group"),
+        unique_name("console"),
+    )
     variables = {
         "CONSOLE_PREFIX": prefix,
         "CONSOLE_TOPIC": topic,
@@ -140,7 +146,9 @@ def stack(pg_url: str, kafka_bootstrap: str, rabbitmq_url: str) -> Iterator[Stac
     kafka = KafkaHelper(kafka_bootstrap)
     rabbit = RabbitAdmin(rabbitmq_url)
     processes: list[subprocess.Popen[str]] = []
-    with prefixed_database(pg_url, "PostgreSQL", orders_table(prefix).metadata, prefix=prefix) as db:
+    with prefixed_database(
+        pg_url, "PostgreSQL", orders_table(prefix).metadata, prefix=prefix
+    ) as db:
         try:
             _make_dead_letters(db.engine, prefix, kafka, rabbit, topic, queue, console_consumers)
             env = {
@@ -181,7 +189,9 @@ def _make_dead_letters(
     try:
         kafka.create_topic(partitions=1, name=topic)
         kafka.create_topic(partitions=1, name=f"{topic}.DLT")
-        outgoing = [Outgoing(f"order-{n:03d}", json.dumps({"n": n}).encode()) for n in range(GROUP_SIZE)]
+        outgoing = [
+            Outgoing(f"order-{n:03d}", json.dumps({"n": n}).encode()) for n in range(GROUP_SIZE)
+        ]
         outgoing.append(Outgoing("order-markup", MARKUP))
         kafka.produce(topic, outgoing)
         _run_until(
@@ -234,7 +244,9 @@ def _shot(page: Any, name: str) -> None:
 def _orders(stack: Stack) -> dict[str, int]:
     table = orders_table(stack.prefix)
     with stack.engine.connect() as connection:
-        rows = connection.execute(select(table.c.message_id, func.count()).group_by(table.c.message_id))
+        rows = connection.execute(
+            select(table.c.message_id, func.count()).group_by(table.c.message_id)
+        )
         return {row[0]: row[1] for row in rows}
 
 
@@ -248,8 +260,9 @@ def _dlt_count(stack: Stack) -> int:
     """Kafka dead letters the console still lists (handled ones are marked, not removed)."""
     from mqdedup.kafka.dead_letter_topic import KafkaDeadLetterTopics
 
-    place = KafkaDeadLetterTopics(stack.kafka.bootstrap, stack.engine, topics=[f"{stack.topic}.DLT"],
-                                  prefix=stack.prefix)  # fmt: skip
+    place = KafkaDeadLetterTopics(
+        stack.kafka.bootstrap, stack.engine, topics=[f"{stack.topic}.DLT"], prefix=stack.prefix
+    )
     return place.depth()
 
 
@@ -264,7 +277,6 @@ def test_the_overview_shows_throughput_dead_letters_lag_and_the_outbox(stack: St
     assert re.search(r"rabbitmq\s+3", text) and re.search(r"database\s+1", text)
     assert stack.topic in text  # the Kafka lag per partition
     assert "Relay leases" in text and "oldest unpublished" in text
-    _shot(page, "overview")
 
 
 def test_dead_letters_from_all_three_places_grouped_by_consumer_and_error(stack: Stack) -> None:
@@ -309,7 +321,10 @@ def test_read_only_shows_no_action(stack: Stack) -> None:
     for path in ("/", "/dead-letters", "/outbox", "/claims"):
         page.goto(stack.read_only_url + path)
         assert page.locator("form[method=post]").count() == 0, path
-        assert page.get_by_role("link", name=re.compile("replay|requeue|delete|Retry|Forget")).count() == 0
+        assert (
+            page.get_by_role("link", name=re.compile("replay|requeue|delete|Retry|Forget")).count()
+            == 0
+        )
     assert "read-only" in page.inner_text("body")
     page.goto(stack.read_only_url + "/dead-letters")
     _shot(page, "read-only")
@@ -344,7 +359,9 @@ def test_requests_without_the_token_or_the_csrf_token_change_nothing(stack: Stac
 def _post(url: str, fields: list[tuple[str, str]], headers: dict[str, str]) -> int:
     from urllib.parse import urlencode
 
-    request = urllib.request.Request(url, data=urlencode(fields).encode(), headers=headers, method="POST")
+    request = urllib.request.Request(
+        url, data=urlencode(fields).encode(), headers=headers, method="POST"
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return int(response.status)
@@ -370,7 +387,9 @@ def _group_query(error_part: str) -> str:
 def test_a_group_replayed_from_the_page_twice_runs_each_message_once(stack: Stack) -> None:
     page = _page(stack)
     page.goto(stack.url + "/dead-letters")
-    row = page.locator("tr", has_text="downstream rejected the order").filter(has_text=str(GROUP_SIZE))
+    row = page.locator("tr", has_text="downstream rejected the order").filter(
+        has_text=str(GROUP_SIZE)
+    )
     row.get_by_role("link", name="replay…").click()
     assert f"Run {GROUP_SIZE} dead letter(s) of kafka" in page.inner_text("main")
     _shot(page, "confirm-replay")
@@ -450,3 +469,13 @@ def test_failed_outbox_rows_are_shown_and_retried(stack: Stack) -> None:
     page.goto(stack.url + "/audit")
     assert page.locator("tbody tr").count() == len(_audit(stack))
     _shot(page, "audit")
+
+
+def test_the_overview_counts_the_replayed_messages(stack: Stack) -> None:
+    page = _page(stack)
+    text = page.inner_text("main")
+    group = _group_name(stack)
+    # 500 replayed, one claim forgotten since; the last commit is seconds old
+    assert re.search(rf"{group}: {GROUP_SIZE - 1} processed", text), text
+    assert re.search(r"kafka\s+1\b", text), text
+    _shot(page, "overview")
