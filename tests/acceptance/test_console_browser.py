@@ -215,9 +215,10 @@ def _make_dead_letters(
 
     with Session(engine) as session, session.begin():
         DeadLetterTable(prefix).park(
-            session, topic,
+            session, consumers.KafkaOrders().consumer_name,
             Message(body=b'{"n": "huge"}', id="order-huge", source=topic, partition=0, offset=9,
-                    headers={"x-callback": b"https://shop:hunter22@hooks.example/cb"}),
+                    headers={"message-id": b"order-huge",
+                             "x-callback": b"https://shop:hunter22@hooks.example/cb"}),
             DeadLetterCause("downstream rejected the order", 1, "MessageSizeTooLargeError",
                             "mqdedup.errors.MessageError", "downstream rejected the order"),
         )  # fmt: skip
@@ -474,11 +475,41 @@ def test_failed_outbox_rows_are_shown_and_retried(stack: Stack) -> None:
     _shot(page, "audit")
 
 
+def test_a_rabbitmq_group_is_requeued_to_its_queue(stack: Stack) -> None:
+    page = _page(stack)
+    page.goto(stack.url + "/dead-letters")
+    row = page.locator("tr", has_text=_group_name_rabbit(stack)).filter(has_text="rejected")
+    row.get_by_role("link", name="requeue…").click()
+    assert "Send 3 dead letter(s) back to their source" in page.inner_text("main")
+    page.get_by_role("button", name="Requeue 3").click()
+    assert "requeued 3 dead letter(s) from rabbitmq" in page.inner_text("p.result")
+    assert stack.rabbit.depth(f"{stack.queue}.dlq") == 0
+    assert stack.rabbit.depth(stack.queue) == 3  # back in the source queue, same ids
+    assert _audit(stack)[-1].action == "requeue-dead-letters"
+    assert _audit(stack)[-1].messages == 3
+
+
+def _group_name_rabbit(stack: Stack) -> str:
+    return stack.queue  # a RabbitMQ consumer's name is its queue
+
+
+def test_a_kept_dead_letter_is_replayed_from_its_page(stack: Stack) -> None:
+    page = _page(stack)
+    page.goto(stack.url + "/dead-letters/message?place=database&key=" + _database_key(stack))
+    page.get_by_role("link", name="replay…").click()
+    page.get_by_role("button", name="Replay 1").click()
+    assert "1 processed" in page.inner_text("p.result")
+    assert _orders(stack)["order-huge"] == 1
+    table = schema(stack.prefix).dead_letters
+    with stack.engine.connect() as connection:
+        assert connection.execute(select(func.count()).select_from(table)).scalar_one() == 0
+
+
 def test_the_overview_counts_the_replayed_messages(stack: Stack) -> None:
     page = _page(stack)
     text = page.inner_text("main")
     group = _group_name(stack)
-    # 500 replayed, one claim forgotten since; the last commit is seconds old
-    assert re.search(rf"{group}: {GROUP_SIZE - 1} processed", text), text
+    # 500 replayed, one claim forgotten since, the kept dead letter replayed
+    assert re.search(rf"{group}: {GROUP_SIZE} processed", text), text
     assert re.search(r"kafka\s+1\b", text), text
     _shot(page, "overview")
