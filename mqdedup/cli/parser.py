@@ -22,6 +22,7 @@ from mqdedup.cli.admin import (
     cmd_outbox_retry,
     cmd_outbox_status,
 )
+from mqdedup.cli.claims import cmd_dedup_forget, cmd_dedup_show
 from mqdedup.cli.config import CONFIG_ENV, env_help
 from mqdedup.cli.console import DEFAULT_PORT, cmd_console
 from mqdedup.cli.daemons import cmd_relay, cmd_worker
@@ -29,6 +30,8 @@ from mqdedup.cli.dead_letters import (
     cmd_dead_letters_delete,
     cmd_dead_letters_list,
     cmd_dead_letters_replay,
+    cmd_dead_letters_requeue,
+    cmd_dead_letters_show,
 )
 from mqdedup.cli.demo import cmd_demo
 from mqdedup.cli.replay import cmd_replay
@@ -105,6 +108,27 @@ def build_parser() -> argparse.ArgumentParser:
     database_option(stats)
     json_option(stats)
     stats.set_defaults(run=cmd_dedup_stats)
+    dedup_show = dedup_commands.add_parser(
+        "show", help="one message id's claim: stored result, processed at, steps"
+    )
+    dedup_show.add_argument("message_id", metavar="MESSAGE_ID")
+    dedup_show.add_argument("--consumer", default=None, help="only this consumer name")
+    database_option(dedup_show)
+    json_option(dedup_show)
+    dedup_show.set_defaults(run=cmd_dedup_show)
+    dedup_forget = dedup_commands.add_parser(
+        "forget",
+        help="delete one message id's claim (and steps): its next delivery runs the handler",
+    )
+    dedup_forget.add_argument("message_id", metavar="MESSAGE_ID")
+    dedup_forget.add_argument("--consumer", required=True, help="the consumer name")
+    dedup_forget.add_argument(
+        "--yes",
+        action="store_true",
+        help="no confirmation (asked on a terminal, refused otherwise)",
+    )
+    database_option(dedup_forget)
+    dedup_forget.set_defaults(run=cmd_dedup_forget)
 
     outbox = commands.add_parser("outbox", help="inspect and repair the outbox")
     outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
@@ -127,27 +151,57 @@ def build_parser() -> argparse.ArgumentParser:
     outbox_purge.set_defaults(run=cmd_outbox_purge)
 
     dead = commands.add_parser(
-        "dead-letters", help="dead letters the broker refused, kept in the database"
+        "dead-letters",
+        help="list, show, replay, requeue or delete dead letters (database, Kafka DLTs, "
+        "RabbitMQ DLQs)",
+        description="Dead letters are kept in three places: the database (those the broker "
+        "refused; the default), Kafka dead-letter topics (--place kafka or --topic) and "
+        "RabbitMQ dead-letter queues (--place rabbitmq or --queue). A replay goes through "
+        "the consumer's claims: replaying twice runs each message's effects once.",
     )
     dead_commands = dead.add_subparsers(dest="dead_command", required=True, metavar="ACTION")
-    dead_list = dead_commands.add_parser("list", help="kept dead letters, oldest first")
-    database_option(dead_list)
+    dead_list = dead_commands.add_parser("list", help="dead letters, oldest first")
+    _dead_letter_place_options(dead_list)
     dead_list.add_argument("--consumer", default=None, help="only this consumer name")
-    dead_list.add_argument("--limit", type=int, default=100, help="at most N rows (default 100)")
+    dead_list.add_argument("--limit", type=int, default=100, help="at most N (default 100)")
+    dead_list.add_argument(
+        "--groups", action="store_true", help="one line per consumer and error, with counts"
+    )
+    json_option(dead_list)
     dead_list.set_defaults(run=cmd_dead_letters_list)
+    dead_show = dead_commands.add_parser(
+        "show", help="one dead letter: reason, attempts, headers, body (size-limited)"
+    )
+    dead_show.add_argument("key", help="its key, as `list` prints it")
+    _dead_letter_place_options(dead_show)
+    dead_show.add_argument(
+        "--body-limit",
+        type=int,
+        default=4096,
+        metavar="BYTES",
+        help="show at most this much of the body (default 4096)",
+    )
+    json_option(dead_show)
+    dead_show.set_defaults(run=cmd_dead_letters_show)
     dead_replay = dead_commands.add_parser(
-        "replay", help="run the consumer over its kept dead letters again (after a fix)"
+        "replay",
+        help="run the consumer over its dead letters again (after a fix), through its claims",
     )
     dead_replay.add_argument("consumer", help="module.path:ConsumerClass")
-    dead_replay.add_argument("--id", dest="ids", type=int, action="append", help="only this row")
-    database_option(dead_replay)
-    broker_options(dead_replay)
+    _dead_letter_place_options(dead_replay)
+    _dead_letter_choice_options(dead_replay, everything=False)
     dead_replay.set_defaults(run=cmd_dead_letters_replay)
-    dead_delete = dead_commands.add_parser("delete", help="delete kept dead letters")
-    database_option(dead_delete)
-    dead_delete.add_argument("--consumer", required=True, help="the consumer name")
-    dead_delete.add_argument("--id", dest="ids", type=int, action="append", help="this row")
-    dead_delete.add_argument("--all", action="store_true", help="every row of the consumer")
+    dead_requeue = dead_commands.add_parser(
+        "requeue", help="send dead letters back to their source topic / queue (same message id)"
+    )
+    _dead_letter_place_options(dead_requeue)
+    dead_requeue.add_argument("--consumer", default=None, help="only this consumer name")
+    _dead_letter_choice_options(dead_requeue)
+    dead_requeue.set_defaults(run=cmd_dead_letters_requeue)
+    dead_delete = dead_commands.add_parser("delete", help="drop dead letters for good")
+    _dead_letter_place_options(dead_delete)
+    dead_delete.add_argument("--consumer", default=None, help="only this consumer name")
+    _dead_letter_choice_options(dead_delete)
     dead_delete.set_defaults(run=cmd_dead_letters_delete)
 
     relay = commands.add_parser("relay", help="publish committed outbox rows (a daemon)")
@@ -446,6 +500,50 @@ def broker_options(parser: argparse.ArgumentParser) -> None:
         help="RabbitMQ URL (a cluster: its nodes' URLs, comma-separated)"
         + env_help("rabbitmq_url"),
     )
+
+
+def _dead_letter_place_options(parser: argparse.ArgumentParser) -> None:
+    """Where the dead letters are: ``--place``, ``--topic``, ``--queue`` (and the
+    database and broker settings)."""
+    parser.add_argument(
+        "--place",
+        choices=("database", "kafka", "rabbitmq"),
+        default=None,
+        help="database (kept because the broker refused them; the default), kafka or rabbitmq",
+    )
+    parser.add_argument(
+        "--topic",
+        dest="topics",
+        action="append",
+        metavar="TOPIC",
+        help="a Kafka dead-letter topic (default: every *.DLT topic; replay: the consumer's)",
+    )
+    parser.add_argument(
+        "--queue",
+        dest="queues",
+        action="append",
+        metavar="QUEUE",
+        help="a RabbitMQ dead-letter queue (replay: default the consumer's)",
+    )
+    database_option(parser)
+    broker_options(parser)
+
+
+def _dead_letter_choice_options(
+    parser: argparse.ArgumentParser, *, everything: bool = True
+) -> None:
+    """Which dead letters an action takes: ``--key`` / ``--id``, ``--error``, ``--all``."""
+    parser.add_argument(
+        "--key", dest="keys", action="append", metavar="KEY", help="this dead letter (repeatable)"
+    )
+    parser.add_argument(
+        "--id", dest="ids", type=int, action="append", help="database place: this row id"
+    )
+    parser.add_argument(
+        "--error", default=None, metavar="TEXT", help="every dead letter of this group (its error)"
+    )
+    if everything:
+        parser.add_argument("--all", action="store_true", help="every dead letter (of --consumer)")
 
 
 def json_option(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
-"""``mqdedup status``: consumers' lag, the dedup table, the outbox and the kept dead letters
-on one screen (or as JSON); a broker that cannot be reached does not stop the screen: its
-consumers' lag column names it (``cannot reach RabbitMQ at host:5672: Connection
-refused``), the database sections print as usual and the exit code says it."""
+"""``mqdedup status``: consumers' lag, the dedup table, the outbox, the kept dead letters
+and the consumers' dead-letter topics / queues (their depth) on one screen (or as JSON).
+A broker that cannot be reached does not stop the screen: its consumers' lag column names
+it (``cannot reach RabbitMQ at host:5672: Connection refused``), the database sections
+print as usual and the exit code says it."""
 
 from __future__ import annotations
 
@@ -121,13 +122,57 @@ def _reason(error: Exception) -> str:
 
 
 def status_data(engine: Engine, prefix: str, consumers: Sequence[Consumer]) -> dict[str, Any]:
-    """``status --json``: ``consumers`` (lags), ``dedup``, ``outbox``, ``dead_letters``."""
+    """``status --json``: ``consumers`` (lags), ``dedup``, ``outbox``, ``dead_letters``,
+    ``dead_letter_depths`` (the consumers' dead-letter topics and queues)."""
+    lags = consumer_lags(consumers)
+    unreachable = {entry["consumer"] for entry in lags if entry["unreachable"]}
     return {
-        "consumers": consumer_lags(consumers),
+        "consumers": lags,
         "dedup": dedup_stats_data(*dedup_stats(engine, prefix)),
         "outbox": outbox_status_data(engine, prefix),
         "dead_letters": dict(sorted(dead_letter_counts(engine, prefix).items())),
+        # A broker found unreachable for the lag is not asked again (no second wait).
+        "dead_letter_depths": dead_letter_depths(
+            engine, [c for c in consumers if c.consumer_name not in unreachable]
+        ),
     }
+
+
+def dead_letter_depths(engine: Engine, consumers: Sequence[Consumer]) -> list[dict[str, Any]]:
+    """Per consumer and dead-letter topic / queue: ``consumer``, ``place``, ``where``,
+    ``depth`` (Kafka: records not yet deleted, replayed or requeued), ``error``."""
+    from mqdedup.kafka.dead_letter_topic import KafkaDeadLetterTopics
+    from mqdedup.rabbitmq.dead_letter_queue import RabbitDeadLetterQueues
+
+    entries: list[dict[str, Any]] = []
+    for consumer in consumers:
+        name = consumer.consumer_name
+        try:
+            place: KafkaDeadLetterTopics | RabbitDeadLetterQueues
+            if hasattr(consumer, "kafka_settings"):
+                place = KafkaDeadLetterTopics.for_consumer(consumer, engine, timeout=10.0)
+            elif hasattr(consumer, "topology"):
+                place = RabbitDeadLetterQueues.for_consumer(consumer, engine)
+            else:
+                continue
+            depths = place.depths()
+        except Exception as exc:  # one broker must not hide the rest of the screen
+            log.debug("dead-letter depth unavailable", extra={"consumer": name}, exc_info=True)
+            entries.append(
+                {
+                    "consumer": name,
+                    "place": None,
+                    "where": None,
+                    "depth": None,
+                    "error": _reason(exc).replace("cannot read the lag", "cannot read the depth"),
+                }
+            )
+            continue
+        entries.extend(
+            {"consumer": name, "place": place.place, "where": where, "depth": depth, "error": None}
+            for where, depth in sorted(depths.items())
+        )
+    return entries
 
 
 def status_screen(data: dict[str, Any]) -> str:
@@ -146,6 +191,15 @@ def status_screen(data: dict[str, Any]) -> str:
     sections.append(
         "Dead letters kept in the database\n" + _kept_dead_letters(data["dead_letters"])
     )
+    if data.get("dead_letter_depths"):
+        rows = [
+            (e["consumer"], e["where"] or "-", e["depth"] if e["error"] is None else e["error"])
+            for e in data["dead_letter_depths"]
+        ]
+        sections.append(
+            "Dead-letter topics and queues\n"
+            + render_table(["consumer", "topic / queue", "dead letters"], rows)
+        )
     return "\n\n".join(sections)
 
 

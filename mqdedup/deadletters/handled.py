@@ -37,7 +37,8 @@ class HandledMarks:
         if not wanted:
             return 0
         with Session(self.engine) as session, session.begin():
-            fresh = [key for key in wanted if key not in self._marked(session, wanted)]
+            before = self._marked(session, wanted)
+            fresh = [key for key in wanted if key not in before]
             for key in fresh:
                 dialects.insert_unless_present(
                     session,

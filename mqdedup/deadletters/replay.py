@@ -7,10 +7,11 @@ Kept dead letters (the ``database`` place) go through
 :class:`~mqdedup.consumers.replay.ParkedTransport`; those of a Kafka topic or RabbitMQ
 queue through :class:`RecordTransport`, which drops a dead letter from its place
 (:meth:`DeadLetterPlace.delete`) only after its message was settled (processed or a
-duplicate, committed). A message that fails again stays where it was.
+duplicate, committed): every :data:`DROP_EVERY` settled messages and at the end of the
+run. A message that fails again stays where it was.
 
-If the replay stops between a commit and that drop, the dead letter is still listed;
-replaying it again finds the claim (a duplicate) and drops it then.
+If the replay stops (or the broker fails) between a commit and that drop, the dead
+letter is still listed; replaying it again finds the claim (a duplicate) and drops it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class ReplayOutcome:
         )
 
 
+#: A replay drops settled dead letters from their place at least this often.
+DROP_EVERY = 1000
+
+
 class RecordTransport:
     """Hands out the messages of chosen dead letters once each; settling drops them from
     their place, a dead letter again leaves them there. ``token``: the record's key."""
@@ -67,6 +72,7 @@ class RecordTransport:
         self._waiting: list[Delivery[Any]] = [Delivery(r.message, r.key) for r in records]
         self._again: list[Delivery[Any]] = []
         self._kept_again: set[str] = set()
+        self._done: list[str] = []
         self.settled = 0
         self.dead_lettered_again = 0
 
@@ -81,10 +87,12 @@ class RecordTransport:
         return batch
 
     def settle(self, deliveries: Sequence[Delivery[Any]]) -> None:
-        """Drop the dead letters whose message is done (not those that failed again)."""
-        done = [str(d.token) for d in deliveries if str(d.token) not in self._kept_again]
-        if done:
-            self.settled += self.place.delete(done)
+        """Note the dead letters whose message is done (not those that failed again);
+        they are dropped from their place together (one scan of a RabbitMQ queue, one
+        mark of a Kafka topic), at the latest when the run closes the transport."""
+        self._done.extend(str(d.token) for d in deliveries if str(d.token) not in self._kept_again)
+        if len(self._done) >= DROP_EVERY:
+            self._drop()
 
     def give_back(self, deliveries: Sequence[Delivery[Any]]) -> None:
         """Hand these out again, first."""
@@ -102,7 +110,13 @@ class RecordTransport:
         """Nothing to keep alive."""
 
     def close(self) -> None:
-        """Nothing to release: dead letters not settled stay in their place."""
+        """Drop what is done from the place; dead letters not settled stay."""
+        self._drop()
+
+    def _drop(self) -> None:
+        done, self._done = self._done, []
+        if done:
+            self.settled += self.place.delete(done)
 
 
 def replay(

@@ -61,6 +61,7 @@ DLT_SUFFIX: Final = ".DLT"
 DEFAULT_TIMEOUT: Final = 20.0
 
 _Records = list[DeadLetterRecord]  # (``list`` is a method's name in the class)
+_Keys = list[str]
 
 _CONSUMER_HEADER = "x-mqdedup-consumer"
 _REASON_HEADER = "x-mqdedup-reason"
@@ -178,7 +179,8 @@ class KafkaDeadLetterTopics:
 
     def depths(self) -> dict[str, int]:
         """Unhandled dead letters per dead-letter topic (records minus handled marks)."""
-        depths: dict[str, int] = {}
+        # A named topic not created yet (no dead letter so far) holds none.
+        depths: dict[str, int] = dict.fromkeys(self._topics or (), 0)
         topics = self.topics()
         if not topics:
             return depths
@@ -206,8 +208,7 @@ class KafkaDeadLetterTopics:
 
     def delete(self, keys: Sequence[str], *, action: str = "deleted") -> int:
         """Mark these dead letters handled (``action``: deleted / replayed / requeued)."""
-        present = [key for key in dict.fromkeys(keys) if self._exists(key)]
-        return self.marks.mark(present, action)
+        return self.marks.mark(self._present(keys), action)
 
     def requeue(self, keys: Sequence[str]) -> int:
         """Publish each to its source topic (acknowledged), then mark it handled."""
@@ -250,17 +251,28 @@ class KafkaDeadLetterTopics:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _exists(self, key: str) -> bool:
-        topic, partition, offset = parse_key(key)
-        if self._topics is not None and topic not in self._topics:
-            raise DeadLetterKeyError(f"{topic!r} is not one of this place's dead-letter topics")
+    def _present(self, keys: Sequence[str]) -> _Keys:
+        """The keys that name a record still in its topic (one reader for all of them)."""
+        parsed = {key: parse_key(key) for key in dict.fromkeys(keys)}
+        for topic, _, _ in parsed.values():
+            if self._topics is not None and topic not in self._topics:
+                raise DeadLetterKeyError(f"{topic!r} is not one of this place's dead-letter topics")
+        if not parsed:
+            return []
         with self._reader() as reader:
-            if partition not in (reader.partitions_for_topic(topic) or set()):
-                return False
+            known = {
+                topic: reader.partitions_for_topic(topic) or set()
+                for topic in {topic for topic, _, _ in parsed.values()}
+            }
+            tps = sorted({TopicPartition(t, p) for t, p, _ in parsed.values() if p in known[t]})
+            first = reader.beginning_offsets(tps) if tps else {}
+            end = reader.end_offsets(tps) if tps else {}
+        present: _Keys = []
+        for key, (topic, partition, offset) in parsed.items():
             tp = TopicPartition(topic, partition)
-            first = reader.beginning_offsets([tp])[tp]
-            end = reader.end_offsets([tp])[tp]
-        return bool(first <= offset < end)
+            if tp in first and first[tp] <= offset < end[tp]:
+                present.append(key)
+        return present
 
     def _read_topic(self, topic: str, consumer: str | None) -> _Records:
         handled = self.marks.marked_with_prefix(f"{topic}:")

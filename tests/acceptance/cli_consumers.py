@@ -12,8 +12,9 @@ from typing import Any
 from sqlalchemy import insert
 
 from mqdedup import Context, Message
+from mqdedup.errors import MessageError
 from mqdedup.rabbitmq import RabbitMQConsumer
-from tests.integration.kafka.consumers import BulkTestOrders, kill_group
+from tests.integration.kafka.consumers import BulkTestOrders, TestOrders, kill_group
 from tests.support import orders_table
 
 _PREFIX = os.environ.get("ACCEPT_PREFIX", "accept_")
@@ -49,3 +50,24 @@ class StreamOrders(RabbitMQConsumer):
         ctx.session.execute(
             insert(orders_table(_PREFIX)).values(message_id=message.id, body=message.text()[:255])
         )
+
+
+class DeadLetterOrders(TestOrders):
+    """:class:`Orders`, one message at a time; the ids in ``ACCEPT_FAIL`` (comma-separated,
+    read at each message) raise :class:`MessageError`: dead-lettered at once."""
+
+    __test__ = False
+    topics = Orders.topics
+    group_id = Orders.group_id
+    table_prefix = _PREFIX
+    business_prefix = _PREFIX
+    batch_size = 50
+    poll_timeout = 0.2
+    kafka_config = kill_group()
+    metrics_interval = 5.0
+
+    def handle(self, message: Message, ctx: Context) -> Any:
+        failing = set(filter(None, os.environ.get("ACCEPT_FAIL", "").split(",")))
+        if message.id in failing:
+            raise MessageError(f"bad order {message.id}")
+        return super().handle(message, ctx)

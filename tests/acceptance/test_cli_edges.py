@@ -328,7 +328,7 @@ def test_json_output_has_stable_keys(database: tuple[str, Engine]) -> None:
     status = cli("status", "--json", "--database", url)
     assert status.returncode == exitcodes.OK, status.stderr
     data = json.loads(status.stdout)
-    assert set(data) == {"consumers", "dedup", "outbox", "dead_letters"}
+    assert set(data) == {"consumers", "dedup", "outbox", "dead_letters", "dead_letter_depths"}
     assert data["dedup"] == {**stats, "consumers": data["dedup"]["consumers"]}
     assert data["outbox"]["pending"] == 3 and data["dead_letters"] == {}
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import pytest
@@ -157,3 +158,102 @@ def test_a_replay_refuses_another_consumers_dead_letters(sqlite_engine: Engine) 
     with pytest.raises(ConfigurationError, match="billing"):
         replay(place.list(), Orders(), sqlite_engine, place)
     assert place.depth() == 1
+
+
+def test_show_escapes_control_characters_and_cuts_the_body() -> None:
+    from mqdedup.cli.dead_letters import record_data, record_text
+
+    message = Message(b"\x1b[31mred\x1b[0m\nline two" + b"x" * 100, id="m1")
+    record = DeadLetterRecord(
+        place="rabbitmq",
+        key="orders.dlq:m1",
+        consumer="orders",
+        source="orders",
+        message_id="m1",
+        error="ValueError: \x1b[2J",
+        reason="r",
+        attempts=None,
+        headers={"trace": "\x07bell"},
+        body=message.body,
+        dead_lettered_at=None,
+        message=message,
+    )
+    text = record_text(record, body_limit=21)
+    assert "\x1b" not in text and "\x07" not in text
+    assert "\\x1b[31mred\\x1b[0m\nline two" in text and "trace: \\x07bell" in text
+    assert "truncated: 21 of 121 bytes shown" in text
+    data = record_data(record, body_limit=5)
+    assert data["body"] == "\x1b[31m" and data["body_truncated"] and data["size"] == 121
+
+
+class ListPlace:
+    """A place in memory: what RecordTransport drops, and when."""
+
+    place = "kafka"
+
+    def __init__(self, records: list[DeadLetterRecord]) -> None:
+        self.records = {r.key: r for r in records}
+        self.delete_calls: list[list[str]] = []
+
+    def list(self, *, consumer: str | None = None, limit: int = 100) -> list[DeadLetterRecord]:
+        return list(self.records.values())[:limit]
+
+    def get(self, key: str) -> DeadLetterRecord | None:
+        return self.records.get(key)
+
+    def depth(self) -> int:
+        return len(self.records)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        self.delete_calls.append(list(keys))
+        return sum(self.records.pop(key, None) is not None for key in keys)
+
+    def requeue(self, keys: Sequence[str]) -> int:
+        raise NotImplementedError
+
+
+def test_a_broker_replay_drops_what_committed_once_and_keeps_what_failed_again(
+    sqlite_engine: Engine,
+) -> None:
+    def record(number: int) -> DeadLetterRecord:
+        body = json.dumps({"order": number, "amount": number}).encode()
+        message = Message(body, headers={"message-id": f"m{number}"}, source="orders")
+        return DeadLetterRecord(
+            place="kafka", key=f"orders.DLT:0:{number}", consumer="orders", source="orders",
+            message_id=f"m{number}", error="E", reason="r", attempts=1, headers={},
+            body=body, dead_lettered_at=None, message=message,
+        )  # fmt: skip
+
+    class StillBroken(Orders):
+        fail_ids = frozenset({"m2"})
+
+    place = ListPlace([record(n) for n in range(5)])
+    assert isinstance(place, DeadLetterPlace)
+    outcome = replay(place.list(), StillBroken(), sqlite_engine, place)
+    assert (outcome.processed, outcome.dead_lettered_again, outcome.removed) == (4, 1, 4)
+    assert list(place.records) == ["orders.DLT:0:2"] and _order_rows(sqlite_engine) == 4
+    assert len(place.delete_calls) == 1  # one drop for the run, after the commits
+
+    again = replay([record(n) for n in range(5)], Orders(), sqlite_engine, place)
+    assert (again.processed, again.duplicates, again.removed) == (1, 4, 1)
+    assert _order_rows(sqlite_engine) == 5 and place.depth() == 0
+
+
+def test_handled_marks_read_once_per_mark_and_count_only_new_keys(sqlite_engine: Engine) -> None:
+    from sqlalchemy import event
+
+    from mqdedup.deadletters.handled import HandledMarks
+
+    marks = HandledMarks(sqlite_engine, "kafka")
+    statements: list[str] = []
+    event.listen(sqlite_engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    keys = [f"orders.DLT:0:{n}" for n in range(300)]
+    assert marks.mark(keys, "deleted") == 300
+    selects = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
+    assert len(selects) <= 2, len(selects)  # one read of what is marked (not one per key)
+    assert marks.mark([*keys[:10], "orders.DLT:1:0"], "replayed") == 1
+    assert marks.marked(["orders.DLT:0:5", "orders.DLT:0:999"]) == {"orders.DLT:0:5"}
+    assert len(marks.marked_with_prefix("orders.DLT:")) == 301
+    assert marks.marked_with_prefix("other.DLT:") == set()
+    with pytest.raises(ValueError):
+        marks.mark(["x:0:0"], "eaten")
