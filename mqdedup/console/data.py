@@ -11,14 +11,14 @@ with the stores' own tables; the console's actions go through the stores
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from mqdedup.db.schema import schema
-from mqdedup.dedup.store import DedupStore, utcnow
+from mqdedup.dedup.store import utcnow
 from mqdedup.outbox.store import OutboxStore
 from mqdedup.outbox.writer import FAILED
 
@@ -28,8 +28,6 @@ _PYTHON_BUCKET_LIMIT = 200_000
 
 def aware(moment: datetime) -> datetime:
     """``moment`` in UTC (SQLite hands back naive timestamps)."""
-    from datetime import UTC
-
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
@@ -196,17 +194,23 @@ def find_claim(engine: Engine, prefix: str, consumer: str, message_id: str) -> C
 
 
 def forget_claim(engine: Engine, prefix: str, consumer: str, message_id: str) -> int:
-    """Delete the claim and the attempt counter of one message id; 1 if a claim was removed.
+    """Delete the claim, the recorded steps and the attempt counter of one message id
+    (one transaction), as ``mqdedup dedup forget`` does; 1 if a claim was removed.
 
-    Recorded steps stay: a new run of the message reuses their results instead of
-    calling again.
+    The next delivery or replay of the message runs its handler, steps included, again.
     """
-    store = DedupStore(prefix)
+    tables = schema(prefix)
+    removed = 0
     with Session(engine) as session, session.begin():
-        existed = store.is_processed(session, consumer, message_id)
-        store.forget(session, consumer, [message_id])
-        store.forget_attempts(session, consumer, [message_id])
-    return 1 if existed else 0
+        for table in (tables.processed, tables.steps, tables.attempts):
+            result = session.execute(
+                delete(table).where(
+                    table.c.consumer_name == consumer, table.c.message_id == message_id
+                )
+            )
+            if table is tables.processed:
+                removed = int(getattr(result, "rowcount", 0) or 0)
+    return removed
 
 
 def consumer_names(engine: Engine, prefix: str) -> list[str]:

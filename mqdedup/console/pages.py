@@ -289,7 +289,7 @@ def confirm_forget(settings: ConsoleSettings, context: Context) -> Response:
     text = (
         f"Forget the claim of message id {message_id!r} for consumer {consumer!r}: the next "
         "delivery or replay of this message runs its handler again (its effects can happen a "
-        "second time). Recorded steps stay, so their calls are not made again."
+        "second time), and the calls of its recorded steps are made again too."
     )
     body = join(
         [

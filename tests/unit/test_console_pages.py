@@ -1,0 +1,112 @@
+"""The console's pages over SQLite tables, without a socket: the overview's per-minute
+counts from the claims, the claim lookup and forget (claim, steps and attempts go, as with
+``mqdedup dedup forget``), and a replay's settle of the keys it listed."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, func, insert, select
+
+from mqdedup.console import ConsoleApp, ConsoleSettings
+from mqdedup.console.data import processed_per_minute
+from mqdedup.console.deadletters import ListedPlace
+from mqdedup.console.web import Request, Response
+from mqdedup.db.engine import create_engine, init_schema
+from mqdedup.db.schema import schema
+
+PREFIX = "mqdedup_"
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    bound = create_engine(f"sqlite:///{tmp_path / 'console.db'}")
+    init_schema(bound, PREFIX)
+    yield bound
+    bound.dispose()
+
+
+def _get(app: ConsoleApp, target: str, cookie: str = "") -> Response:
+    headers = {"host": "127.0.0.1:8470", "cookie": cookie}
+    return app.handle(Request.parse("GET", target, headers, b"", "127.0.0.1"))
+
+
+def _claims(engine: Engine, moments: list[datetime]) -> None:
+    table = schema(PREFIX).processed
+    with engine.begin() as connection:
+        connection.execute(
+            insert(table),
+            [
+                {"consumer_name": "orders", "message_id": f"m-{n}", "processed_at": at}
+                for n, at in enumerate(moments)
+            ],
+        )
+
+
+def test_processed_per_minute_counts_the_claims_of_each_minute(engine: Engine) -> None:
+    now = datetime.now(UTC).replace(second=30, microsecond=0)
+    _claims(engine, [now, now, now - timedelta(minutes=2), now - timedelta(hours=5)])
+    counts = processed_per_minute(engine, PREFIX, now - timedelta(hours=1))
+    minute = now.replace(second=0)
+    assert counts == {"orders": {minute: 2, minute - timedelta(minutes=2): 1}}
+    page = _get(ConsoleApp(ConsoleSettings(engine=engine, prefix=PREFIX)), "/").body.decode()
+    assert "orders: 3 processed" in page and "<polyline" in page
+
+
+def test_a_forgotten_claim_loses_its_steps_and_attempts_too(engine: Engine) -> None:
+    now = datetime.now(UTC)
+    _claims(engine, [now])
+    tables = schema(PREFIX)
+    with engine.begin() as connection:
+        connection.execute(insert(tables.steps).values(
+            consumer_name="orders", message_id="m-0", name="charge", state="done",
+            attempts=1, result={"ok": True}, started_at=now, completed_at=now,
+        ))  # fmt: skip
+    app = ConsoleApp(ConsoleSettings(engine=engine, prefix=PREFIX))
+    found = _get(app, "/claims?consumer=orders&id=m-0")
+    assert "charge" in found.body.decode() and "Forget this claim" in found.body.decode()
+    cookie = found.headers["Set-Cookie"].split(";", 1)[0]
+    confirm = _get(app, "/claims/forget?consumer=orders&id=m-0", cookie).body.decode()
+    csrf = re.search(r'name="csrf" value="([^"]+)"', confirm)
+    assert csrf is not None
+    done = app.handle(Request.parse(
+        "POST", "/claims/forget", {"host": "127.0.0.1:8470", "cookie": cookie},
+        f"csrf={csrf.group(1)}&consumer=orders&id=m-0".encode(), "127.0.0.1",
+    ))  # fmt: skip
+    assert "forgot 1 claim(s)" in done.body.decode()
+    with engine.connect() as connection:
+        for table in (tables.processed, tables.steps, tables.attempts):
+            assert connection.execute(select(func.count()).select_from(table)).scalar_one() == 0
+        audit = connection.execute(select(tables.audit.c.action, tables.audit.c.messages)).one()
+    assert tuple(audit) == ("forget-claim", 1)
+
+
+class _Marks:
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str], str]] = []
+
+    def mark(self, keys: list[str], action: str) -> int:
+        self.calls.append((list(keys), action))
+        return len(keys)
+
+
+class _MarkingPlace:
+    place = "kafka"
+
+    def __init__(self) -> None:
+        self.marks = _Marks()
+
+    def delete(self, keys: Any) -> int:
+        raise AssertionError("a replay settles through the marks, in one call")
+
+
+def test_a_replay_marks_the_keys_it_listed_in_one_call() -> None:
+    inner = _MarkingPlace()
+    place = ListedPlace(inner, {"t.DLT:0:1", "t.DLT:0:2"})  # type: ignore[arg-type]
+    assert place.delete(["t.DLT:0:1", "t.DLT:0:2", "t.DLT:0:9"]) == 2
+    assert inner.marks.calls == [(["t.DLT:0:1", "t.DLT:0:2"], "replayed")]
