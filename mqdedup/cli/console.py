@@ -26,6 +26,7 @@ from mqdedup.cli.runners import _export_environment
 from mqdedup.cli.status import consumer_lags
 from mqdedup.console import ConsoleApp, ConsoleServer, ConsoleSettings
 from mqdedup.console.deadletters import DeadLetterService
+from mqdedup.console.metrics import MetricsSampler
 from mqdedup.console.security import Access, check_binding, parse_basic_auth
 from mqdedup.consumers.base import Consumer
 from mqdedup.deadletters import DatabaseDeadLetters, DeadLetterPlace, DeadLetterRecord, replay
@@ -59,6 +60,7 @@ def cmd_console(args: argparse.Namespace) -> int:
     if len(prefixes) == 1:
         prefix = prefixes.pop()
     require_current_schema(engine, prefix)
+    sampler = MetricsSampler(args.metrics).start() if args.metrics else None
     app = ConsoleApp(
         ConsoleSettings(
             engine=engine,
@@ -69,6 +71,7 @@ def cmd_console(args: argparse.Namespace) -> int:
             body_limit=args.body_limit,
             hours=args.hours,
             lags=consumer_lags,
+            metrics=sampler,
             dead_letters=DeadLetterService(
                 places=dead_letter_places(engine, prefix, settings, consumers),
                 replay=replay_through(engine),

@@ -363,6 +363,14 @@ def console_command(commands: Any) -> None:
     console.add_argument(
         "--hours", type=float, default=3.0, help="how far back the overview's charts reach (3)"
     )
+    console.add_argument(
+        "--metrics",
+        metavar="URL",
+        action="append",
+        default=[],
+        help="a worker supervisor's /metrics (repeatable): duplicates per minute, sampled "
+        "each minute from the console's start",
+    )
     database_option(console)
     broker_options(console)
     console.set_defaults(run=cmd_console)

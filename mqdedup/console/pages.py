@@ -29,6 +29,7 @@ from mqdedup.console.html import (
     url,
     when,
 )
+from mqdedup.console.metrics import MetricsSampler
 from mqdedup.console.security import Sessions, cookie_header, csrf_ok
 from mqdedup.console.web import (
     ConsoleSettings,
@@ -95,16 +96,36 @@ def overview(settings: ConsoleSettings, context: Context) -> Response:
     last = data.last_commits(engine, prefix)
     names = sorted(set(per_minute) | set(last) | {c.consumer_name for c in settings.consumers})
     axis = minutes(since, now)
-    parts: list[Html] = [tag("h2", f"Processed per minute, last {settings.hours:g} h")]
+    sampler: MetricsSampler | None = settings.metrics
+    duplicates = sampler.per_minute() if sampler is not None else {}
+    names = sorted(set(names) | set(duplicates))
+    title = f"Processed per minute, last {settings.hours:g} h"
+    if sampler is not None:
+        title = f"Processed and duplicates per minute, last {settings.hours:g} h"
+    parts: list[Html] = [tag("h2", title)]
+    if sampler is None:
+        parts.append(
+            tag(
+                "p",
+                "Duplicates per minute: start the console with --metrics URL (the workers' "
+                "/metrics) to chart them; no table records a duplicate.",
+                class_="note",
+            )
+        )
+    elif sampler.error:
+        parts.append(tag("p", f"metrics unreadable: {sampler.error}", class_="error"))
     if not names:
         parts.append(tag("p", "no claims yet", class_="empty"))
     for name in names:
         counts = per_minute.get(name, {})
-        parts.append(
-            line_chart(
-                axis, {"processed": counts}, title=f"{name}: {sum(counts.values())} processed"
+        series = {"processed": counts}
+        caption = f"{name}: {sum(counts.values())} processed"
+        if sampler is not None:
+            series["duplicates"] = duplicates.get(name, {})
+            caption += (
+                f", {sum(series['duplicates'].values())} duplicates (since the console started)"
             )
-        )
+        parts.append(line_chart(axis, series, title=caption))
     parts.append(tag("h2", "Consumers"))
     parts.append(
         table(

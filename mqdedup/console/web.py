@@ -88,6 +88,8 @@ class ConsoleSettings:
     lags: LagReader | None = None
     #: The dead-letter places and replay (:mod:`mqdedup.console.deadletters`).
     dead_letters: Any = None
+    #: Duplicates per minute from the workers' ``/metrics`` (:mod:`mqdedup.console.metrics`).
+    metrics: Any = None
     #: Send the session cookie with ``Secure`` (behind TLS).
     secure_cookie: bool = False
 

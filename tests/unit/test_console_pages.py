@@ -110,3 +110,40 @@ def test_a_replay_marks_the_keys_it_listed_in_one_call() -> None:
     place = ListedPlace(inner, {"t.DLT:0:1", "t.DLT:0:2"})  # type: ignore[arg-type]
     assert place.delete(["t.DLT:0:1", "t.DLT:0:2", "t.DLT:0:9"]) == 2
     assert inner.marks.calls == [(["t.DLT:0:1", "t.DLT:0:2"], "replayed")]
+
+
+def test_duplicates_per_minute_come_from_the_workers_metrics(engine: Engine) -> None:
+    from mqdedup.cli.health import render_snapshots
+    from mqdedup.console.metrics import MetricsSampler, totals
+
+    def exposition(first: int, second: int) -> str:  # two worker processes of "orders"
+        return render_snapshots(
+            {("orders", "0"): {"duplicates": first}, ("orders", "1"): {"duplicates": second}}
+        )
+
+    assert totals(exposition(5, 2)) == {"orders": 7.0}
+    pages = iter([exposition(5, 2), exposition(8, 2), exposition(1, 2)])  # then a restart
+    sampler = MetricsSampler(["http://worker:9400/metrics"], fetch=lambda _url: next(pages))
+    start = datetime.now(UTC).replace(second=0, microsecond=0)
+    for minute in range(3):
+        sampler.sample(start + timedelta(minutes=minute))
+    assert sampler.per_minute() == {
+        "orders": {start + timedelta(minutes=1): 3, start + timedelta(minutes=2): 1}
+    }
+    app = ConsoleApp(ConsoleSettings(engine=engine, prefix=PREFIX, metrics=sampler))
+    page = _get(app, "/").body.decode()
+    assert "orders: 0 processed, 4 duplicates (since the console started)" in page
+
+
+def test_an_unreadable_metrics_url_is_named_masked(engine: Engine) -> None:
+    from mqdedup.console.metrics import MetricsSampler
+
+    def refuse(_url: str) -> str:
+        raise ConnectionRefusedError("refused")
+
+    sampler = MetricsSampler(["http://ops:pw1234@worker:9400/metrics"], fetch=refuse)
+    sampler.sample()
+    page = _get(ConsoleApp(ConsoleSettings(engine=engine, prefix=PREFIX, metrics=sampler)), "/")
+    text = page.body.decode()
+    assert "metrics unreadable: http://ops:***@worker:9400/metrics: ConnectionRefusedError" in text
+    assert "pw1234" not in text
