@@ -114,47 +114,8 @@ class DeadLetterService:
                 for r in place.list(consumer=consumer.consumer_name, limit=LIST_LIMIT)
                 if r.key in wanted
             ]
-            return self.replay(consumer, ListedPlace(place, {r.key for r in records}), records)
+            return self.replay(consumer, place, records)
         raise ValueError(f"unknown action {action!r}")
-
-
-class ListedPlace:
-    """A place as one replay sees it: settling drops the dead letters it just listed.
-
-    The Kafka place's ``delete`` checks each key against the topic again (a metadata
-    read per key: minutes for a group of 500); these keys were read from the place a
-    moment ago, so a place that marks handled dead letters (``marks``) marks them
-    ``replayed`` in one statement. Other places delete as usual.
-    """
-
-    def __init__(self, inner: DeadLetterPlace, listed: set[str]) -> None:
-        self.inner = inner
-        self.place = inner.place
-        self.listed = listed
-
-    def list(self, *, consumer: str | None = None, limit: int = 100) -> list[DeadLetterRecord]:
-        """As the place lists them."""
-        return self.inner.list(consumer=consumer, limit=limit)
-
-    def get(self, key: str) -> DeadLetterRecord | None:
-        """As the place reads it."""
-        return self.inner.get(key)
-
-    def depth(self) -> int:
-        """As the place counts."""
-        return self.inner.depth()
-
-    def requeue(self, keys: Sequence[str]) -> int:
-        """As the place requeues."""
-        return self.inner.requeue(keys)
-
-    def delete(self, keys: Sequence[str]) -> int:
-        """Drop (mark ``replayed``) the listed ones among ``keys``."""
-        marks = getattr(self.inner, "marks", None)
-        if marks is None:
-            return self.inner.delete(keys)
-        count: int = marks.mark([key for key in keys if key in self.listed], "replayed")
-        return count
 
 
 def _reason(error: Exception) -> str:

@@ -1,6 +1,6 @@
 """The console's pages over SQLite tables, without a socket: the overview's per-minute
 counts from the claims, the claim lookup and forget (claim, steps and attempts go, as with
-``mqdedup dedup forget``), and a replay's settle of the keys it listed."""
+``mqdedup dedup forget``), and duplicates per minute from the workers' ``/metrics``."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, insert, select
 
 from mqdedup.console import ConsoleApp, ConsoleSettings
 from mqdedup.console.data import processed_per_minute
-from mqdedup.console.deadletters import ListedPlace
 from mqdedup.console.web import Request, Response
 from mqdedup.db.engine import create_engine, init_schema
 from mqdedup.db.schema import schema
@@ -84,32 +82,6 @@ def test_a_forgotten_claim_loses_its_steps_and_attempts_too(engine: Engine) -> N
             assert connection.execute(select(func.count()).select_from(table)).scalar_one() == 0
         audit = connection.execute(select(tables.audit.c.action, tables.audit.c.messages)).one()
     assert tuple(audit) == ("forget-claim", 1)
-
-
-class _Marks:
-    def __init__(self) -> None:
-        self.calls: list[tuple[list[str], str]] = []
-
-    def mark(self, keys: list[str], action: str) -> int:
-        self.calls.append((list(keys), action))
-        return len(keys)
-
-
-class _MarkingPlace:
-    place = "kafka"
-
-    def __init__(self) -> None:
-        self.marks = _Marks()
-
-    def delete(self, keys: Any) -> int:
-        raise AssertionError("a replay settles through the marks, in one call")
-
-
-def test_a_replay_marks_the_keys_it_listed_in_one_call() -> None:
-    inner = _MarkingPlace()
-    place = ListedPlace(inner, {"t.DLT:0:1", "t.DLT:0:2"})  # type: ignore[arg-type]
-    assert place.delete(["t.DLT:0:1", "t.DLT:0:2", "t.DLT:0:9"]) == 2
-    assert inner.marks.calls == [(["t.DLT:0:1", "t.DLT:0:2"], "replayed")]
 
 
 def test_duplicates_per_minute_come_from_the_workers_metrics(engine: Engine) -> None:
