@@ -9,6 +9,7 @@
 #   scripts/services.sh env                    # `export VAR=value` lines for the tests
 #   scripts/services.sh logs    SERVICE        # where the logs are + their last lines
 #   scripts/services.sh dist-port [AMQP_PORT [TAKEN...]]  # the Erlang dist port a node would get
+#   scripts/services.sh browser                # Debian's chromium for the console's browser tests
 #
 # SERVICE is one of: postgres rabbitmq redis kafka mariadb (mariadb is optional, never a default).
 #
@@ -1205,7 +1206,15 @@ cmd_logs() {
 }
 
 usage() {
-    sed -n '2,22p' "$SCRIPT_PATH" | sed 's/^# \{0,1\}//'
+    sed -n '2,23p' "$SCRIPT_PATH" | sed 's/^# \{0,1\}//'
+}
+
+# The browser the console's tests drive (Playwright with the system browser: its own
+# download is not needed). Installed from Debian when missing.
+ensure_browser() {
+    if [[ -x /usr/bin/chromium ]]; then return 0; fi
+    apt_install chromium
+    [[ -x /usr/bin/chromium ]] || die "chromium installed, but /usr/bin/chromium is missing"
 }
 
 main() {
@@ -1245,6 +1254,7 @@ main() {
         for s in "${services[@]}"; do "$(svc_fn "$s" status)"; done
         ;;
     env) cmd_env ;;
+    browser) ensure_browser ;;
     dist-port) rmq_free_dist_port $((${1:-$RABBITMQ_PORT} + 20000)) "${@:2}" ;;
     logs) cmd_logs "${services[@]}" ;;
     -h | --help | help) usage ;;

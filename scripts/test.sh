@@ -17,6 +17,7 @@ fi
 .venv/bin/python -m pip install --quiet -e '.[all,test,dev]'
 
 bash scripts/services.sh start postgres rabbitmq redis kafka mariadb pgbouncer pgbouncer-session
+bash scripts/services.sh browser # Debian's chromium: the console's browser tests (Playwright)
 eval "$(bash scripts/services.sh env)"
 
 .venv/bin/ruff check .

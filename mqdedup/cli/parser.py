@@ -24,6 +24,7 @@ from mqdedup.cli.admin import (
 )
 from mqdedup.cli.claims import cmd_dedup_forget, cmd_dedup_show
 from mqdedup.cli.config import CONFIG_ENV, env_help
+from mqdedup.cli.console import DEFAULT_PORT, cmd_console
 from mqdedup.cli.daemons import cmd_relay, cmd_worker
 from mqdedup.cli.dead_letters import (
     cmd_dead_letters_delete,
@@ -295,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     json_option(status)
     status.set_defaults(run=cmd_status)
 
+    console_command(commands)
+
     worker = commands.add_parser(
         "worker", help="run consumers in supervised worker processes until SIGTERM/SIGINT"
     )
@@ -319,6 +322,58 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(run=cmd_worker)
     add_common_options_everywhere(parser)
     return parser
+
+
+def console_command(commands: Any) -> None:
+    """``mqdedup console``: the operator's web console."""
+    console = commands.add_parser(
+        "console",
+        help="serve the operator's web console (overview, dead letters, claims, outbox)",
+        description="Server-rendered pages on 127.0.0.1 unless --host says otherwise; bound "
+        "elsewhere it needs --token or --basic-auth. Example: mqdedup console "
+        "shop.consumers:Orders --database postgresql://app@db/app --port 8470",
+    )
+    console.add_argument(
+        "consumers",
+        nargs="*",
+        metavar="CONSUMER",
+        help="module.path:ConsumerClass the console may replay dead letters through",
+    )
+    console.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    console.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port ({DEFAULT_PORT})")
+    console.add_argument(
+        "--token", default=None, help="access token to sign in with (env MQDEDUP_CONSOLE_TOKEN)"
+    )
+    console.add_argument(
+        "--basic-auth",
+        metavar="USER:PASSWORD",
+        default=None,
+        help="basic-auth credentials (env MQDEDUP_CONSOLE_BASIC_AUTH)",
+    )
+    console.add_argument(
+        "--read-only", action="store_true", help="show no action and refuse every POST"
+    )
+    console.add_argument(
+        "--body-limit",
+        type=int,
+        default=64 * 1024,
+        metavar="BYTES",
+        help="most bytes of a message body shown (65536); longer bodies are truncated",
+    )
+    console.add_argument(
+        "--hours", type=float, default=3.0, help="how far back the overview's charts reach (3)"
+    )
+    console.add_argument(
+        "--metrics",
+        metavar="URL",
+        action="append",
+        default=[],
+        help="a worker supervisor's /metrics (repeatable): duplicates per minute, sampled "
+        "each minute from the console's start",
+    )
+    database_option(console)
+    broker_options(console)
+    console.set_defaults(run=cmd_console)
 
 
 class Duration(timedelta):

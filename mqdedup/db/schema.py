@@ -118,6 +118,7 @@ class Schema:
     dead_letters: Table
     steps: Table
     locks: Table
+    audit: Table
     handled_dead_letters: Table
 
 
@@ -254,6 +255,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         PrimaryKeyConstraint("name", name=f"{prefix}locks_pk"),
         **MYSQL_TABLE_OPTIONS,
     )
+    audit = _audit_table(prefix, metadata)
     # Dead letters in a Kafka dead-letter topic that were deleted, replayed or requeued
     # (mqdedup.deadletters.handled): a topic cannot drop one record, so they are marked.
     handled_dead_letters = Table(
@@ -280,6 +282,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         dead_letters=dead_letters,
         steps=steps,
         locks=locks,
+        audit=audit,
         handled_dead_letters=handled_dead_letters,
     )
 
@@ -335,6 +338,27 @@ def _steps_table(prefix: str, metadata: MetaData) -> Table:
         Column("completed_at", PreciseDateTime, nullable=True),
         PrimaryKeyConstraint("consumer_name", "message_id", "name", name=f"{prefix}steps_pk"),
         Index(f"{prefix}steps_started_idx", "started_at"),
+        **MYSQL_TABLE_OPTIONS,
+    )
+
+
+def _audit_table(prefix: str, metadata: MetaData) -> Table:
+    """``<prefix>audit`` (schema 5): every action taken in ``mqdedup console``.
+
+    One row per action: who (``actor``), what (``action`` and its ``target``), when
+    (``at``), how many messages it touched and how it ended (``outcome``).
+    """
+    return Table(
+        f"{prefix}audit",
+        metadata,
+        Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True),
+        Column("at", PreciseDateTime, nullable=False),
+        Column("actor", String(255), nullable=False),
+        Column("action", String(64), nullable=False),
+        Column("target", Text, nullable=False),
+        Column("messages", Integer, nullable=False),
+        Column("outcome", Text, nullable=False),
+        Index(f"{prefix}audit_at_idx", "at"),
         **MYSQL_TABLE_OPTIONS,
     )
 

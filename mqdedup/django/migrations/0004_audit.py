@@ -1,0 +1,26 @@
+"""Schema 5: ``<prefix>audit`` (the actions taken in ``mqdedup console``) and
+``<prefix>handled_dead_letters`` (dead letters of a Kafka topic marked handled).
+
+The tables come from :mod:`mqdedup.db.schema`, as ``mqdedup db init`` / ``db upgrade``
+create it: ``create_tables`` creates the missing tables on every database.
+"""
+
+from typing import Any, ClassVar
+
+from django.db import migrations  # type: ignore[import-untyped]
+
+from mqdedup.django.conf import database_alias
+from mqdedup.django.schema import create_tables
+
+
+def forwards(_apps: Any, schema_editor: Any) -> None:
+    if schema_editor.connection.alias == database_alias():
+        create_tables(schema_editor.connection.alias)  # the new tables, created if missing
+
+
+class Migration(migrations.Migration):  # type: ignore[misc]
+    dependencies: ClassVar[list[tuple[str, str]]] = [("mqdedup", "0003_steps")]
+    # Backwards is a no-op: an older mqdedup ignores the two tables.
+    operations: ClassVar[list[Any]] = [
+        migrations.RunPython(forwards, migrations.RunPython.noop, atomic=False)
+    ]
