@@ -30,6 +30,7 @@ from mqdedup.cli.dead_letters import (
     cmd_dead_letters_replay,
 )
 from mqdedup.cli.demo import cmd_demo
+from mqdedup.cli.help_texts import apply_help
 from mqdedup.cli.replay import cmd_replay
 from mqdedup.cli.status import cmd_status
 
@@ -89,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     database_option(purge)
     purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
     purge.add_argument("--consumer", default=None, help="only this consumer name")
-    purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
+    purge.add_argument(
+        "--chunk-size", type=positive_int, default=5000, help="rows per transaction"
+    )
     purge.add_argument(
         "--dry-run", action="store_true", help="print how many records would be deleted"
     )
@@ -99,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"no confirmation for --older-than below {PURGE_CONFIRM_TEXT} (asked on a terminal, "
         "refused otherwise)",
     )
+    quiet_option(purge, "the progress line")
     purge.set_defaults(run=cmd_dedup_purge)
     stats = dedup_commands.add_parser("stats", help="dedup records per consumer, oldest, size")
     database_option(stats)
@@ -119,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     outbox_purge = outbox_commands.add_parser("purge", help="delete old published rows in chunks")
     database_option(outbox_purge)
     outbox_purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
-    outbox_purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
+    outbox_purge.add_argument(
+        "--chunk-size", type=positive_int, default=5000, help="rows per transaction"
+    )
     outbox_purge.add_argument(
         "--dry-run", action="store_true", help="print how many rows would be deleted"
     )
@@ -187,7 +193,22 @@ def build_parser() -> argparse.ArgumentParser:
         "session state (relays take turns under a transaction-level lock, polling), for a "
         "database reached only through a transaction pooler" + env_help("relay_coordination"),
     )
+    relay.add_argument(
+        "--drain",
+        action="store_true",
+        help="publish what is due now, in this process, then exit: 0 when every row was "
+        f"published, {exitcodes.NOT_DRAINED} when the broker refused rows or stayed "
+        "unavailable until --drain-timeout",
+    )
+    relay.add_argument(
+        "--drain-timeout",
+        type=positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --drain: give up after this long (default 60)",
+    )
     daemon_options(relay)
+    quiet_option(relay, "the start and stop lines")
     relay.set_defaults(run=cmd_relay)
 
     replay = commands.add_parser(
@@ -207,7 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--to", dest="end", default="end", help="offset, ISO time or 'end' (default; exclusive)"
     )
     replay.add_argument(
-        "--partition", dest="partitions", type=int, action="append", help="only this partition"
+        "--partition",
+        dest="partitions",
+        type=non_negative_int,
+        action="append",
+        help="only this partition",
     )
     replay.add_argument(
         "--dry-run", action="store_true", help="count new / duplicate / id-less, write nothing"
@@ -220,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--from-dlq", action="store_true", help="RabbitMQ: move dead letters back to the queue"
     )
-    replay.add_argument("--limit", type=int, default=None, help="with --from-dlq: at most N")
+    replay.add_argument(
+        "--limit", type=positive_int, default=None, help="with --from-dlq: at most N"
+    )
     replay.add_argument(
         "--stream",
         default=None,
@@ -228,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     database_option(replay)
     broker_options(replay)
+    quiet_option(replay, "the progress line")
     replay.set_defaults(run=cmd_replay)
 
     status = commands.add_parser(
@@ -262,8 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--processes", type=int, default=None, help="processes per consumer" + env_help("processes")
     )
     daemon_options(worker)
+    quiet_option(worker, "the start and stop lines")
     worker.set_defaults(run=cmd_worker)
     add_common_options_everywhere(parser)
+    apply_help(parser)
     return parser
 
 
@@ -291,6 +321,38 @@ def parse_duration(text: str) -> Duration:
         )
     duration.text = text.strip()
     return duration
+
+
+def positive_int(text: str) -> int:
+    """An integer of at least 1 (rows per chunk, a limit)."""
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text.strip()!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer of at least 0 (a partition)."""
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text.strip()!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number of seconds above 0."""
+    value = _number(text, float)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text!r}")
+    return value
+
+
+def _number(text: str, kind: type[int] | type[float]) -> Any:
+    try:
+        return kind(text.strip())
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {what}, not {text.strip()!r}") from None
 
 
 class Parser(argparse.ArgumentParser):
@@ -398,6 +460,12 @@ def broker_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="RabbitMQ URL (a cluster: its nodes' URLs, comma-separated)"
         + env_help("rabbitmq_url"),
+    )
+
+
+def quiet_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help=f"leave out {what} (errors still print)"
     )
 
 
