@@ -27,7 +27,7 @@ HELP: dict[tuple[str, ...], Help] = {
         "Effectively-once Kafka and RabbitMQ consumers: run them (worker), publish their "
         "outbox (relay), replay past messages, inspect and clean up mqdedup's tables.\n"
         "Settings come from flags, MQDEDUP_* variables, then a TOML file (--config). Exit "
-        "codes: docs/operations.md, \"The command line\".",
+        'codes: docs/operations.md, "The command line".',
         ("mqdedup worker shop.consumers:Orders --processes 2", "mqdedup status --help"),
     ),
     ("demo",): Help(
@@ -84,7 +84,10 @@ HELP: dict[tuple[str, ...], Help] = {
     ("outbox", "retry-failed"): Help(
         "Put rows that failed after their last attempt back to pending: the relay publishes "
         "them again (with the same message ids).",
-        ("mqdedup outbox retry-failed --destination orders.events", "mqdedup outbox retry-failed --id 42"),
+        (
+            "mqdedup outbox retry-failed --destination orders.events",
+            "mqdedup outbox retry-failed --id 42",
+        ),
     ),
     ("outbox", "purge"): Help(
         "Delete published rows kept by a relay run with --keep-published, older than "

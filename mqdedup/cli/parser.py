@@ -90,9 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     database_option(purge)
     purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
     purge.add_argument("--consumer", default=None, help="only this consumer name")
-    purge.add_argument(
-        "--chunk-size", type=positive_int, default=5000, help="rows per transaction"
-    )
+    purge.add_argument("--chunk-size", type=positive_int, default=5000, help="rows per transaction")
     purge.add_argument(
         "--dry-run", action="store_true", help="print how many records would be deleted"
     )
@@ -325,7 +323,7 @@ def parse_duration(text: str) -> Duration:
 
 def positive_int(text: str) -> int:
     """An integer of at least 1 (rows per chunk, a limit)."""
-    value = _number(text, int)
+    value: int = _number(text, int)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {text.strip()!r}")
     return value
@@ -333,7 +331,7 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """An integer of at least 0 (a partition)."""
-    value = _number(text, int)
+    value: int = _number(text, int)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {text.strip()!r}")
     return value
@@ -341,7 +339,7 @@ def non_negative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A finite number of seconds above 0."""
-    value = _number(text, float)
+    value: float = _number(text, float)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text!r}")
     return value

@@ -671,7 +671,9 @@ class LeaseTakeover:
             self._verified |= unverified - held
         if held:  # checked again at every claim: written once, then less often
             _WAITS.info(
-                LEASE_WAIT, extra={"relay": self.relay_id, "shards": sorted(held)}, key=self.relay_id
+                LEASE_WAIT,
+                extra={"relay": self.relay_id, "shards": sorted(held)},
+                key=self.relay_id,
             )
         else:
             _WAITS.done(LEASE_WAIT, key=self.relay_id)
