@@ -272,15 +272,20 @@ def _supervise(
     if announce is None:
         return supervisor.run()
     command, start_line, counts = announce
-    started = time.monotonic()
-    say(start_line)
-    code = exitcodes.INTERRUPTED
+    began: list[float] = []  # when the children started (the start line was printed)
+
+    def _started() -> None:
+        began.append(time.monotonic())
+        say(start_line)
+
+    code = exitcodes.INTERRUPTED  # unless run() returns: a second Ctrl-C while starting
     try:
-        code = supervisor.run()
+        code = supervisor.run(on_start=_started)
         return code
     finally:
-        totals = sum_counters(supervisor.history())
-        say(stop_line(command, code, time.monotonic() - started, totals, counts))
+        if began:  # an error before the start (a health port in use) is its own line
+            totals = sum_counters(supervisor.history())
+            say(stop_line(command, code, time.monotonic() - began[0], totals, counts))
 
 
 class OutboxGauges:

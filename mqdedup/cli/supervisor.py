@@ -132,13 +132,18 @@ class Supervisor:
 
     # -- public ------------------------------------------------------------------------
 
-    def run(self) -> int:
-        """Start the children, supervise them, drain on a signal; return an exit code."""
+    def run(self, on_start: Callable[[], None] | None = None) -> int:
+        """Start the children, supervise them, drain on a signal; return an exit code.
+
+        ``on_start``: called once the health endpoint serves and the children are started
+        (the command's start line: not printed when the health port is refused)."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in stop_signals()}
         try:
             self._start_health()
             for child in self.children:
                 self._start(child)
+            if on_start is not None:
+                on_start()
             return self._loop()
         finally:
             for sig, handler in previous.items():
