@@ -101,6 +101,10 @@ def configure(level: str = "INFO", log_format: str = "text") -> None:
         logging.getLogger(library).setLevel(logging.NOTSET if name == "DEBUG" else logging.CRITICAL)
 
 
+#: Waits remembered at most before the quiet ones are forgotten (a relay stopped mid-wait).
+_MAX_WAITS = 256
+
+
 @dataclass
 class _Wait:
     next_at: float
@@ -145,6 +149,8 @@ class RepeatedLog:
         with self._lock:
             wait = self._waits.get(wait_key)
             if wait is None or now - wait.last_seen > self.max_interval:
+                if len(self._waits) >= _MAX_WAITS:  # waits whose owner went away unended
+                    self._forget_quiet(now)
                 self._waits[wait_key] = _Wait(now + self.first_interval, self.first_interval, now)
                 suppressed = 0
             elif now < wait.next_at:
@@ -170,6 +176,11 @@ class RepeatedLog:
     def warning(self, message: str, **options: Any) -> bool:
         """:meth:`log` at WARNING."""
         return self.log(logging.WARNING, message, **options)
+
+    def _forget_quiet(self, now: float) -> None:
+        for wait_key, wait in list(self._waits.items()):
+            if now - wait.last_seen > self.max_interval:
+                del self._waits[wait_key]
 
     def done(self, message: str, *, key: Hashable = None) -> None:
         """The wait of ``message`` (and ``key``) is over: its next line is written at once."""

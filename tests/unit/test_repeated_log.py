@@ -117,3 +117,13 @@ def test_a_paused_broker_says_so_once_then_less_often(
         caplog.clear()
         pauses.record("kafka", down)  # a new outage: said at once
         assert len(_lines(caplog, BROKER_WAIT)) == 1
+
+
+def test_waits_left_unended_are_forgotten_once_quiet() -> None:
+    clock = Clock()
+    repeats = RepeatedLog(logging.getLogger("mqdedup.test"), clock=clock)
+    for n in range(300):  # relays that stopped while waiting never call done()
+        repeats.info("waiting", key=f"relay-{n}")
+    clock.now += MAX_INTERVAL + 1
+    repeats.info("waiting", key="relay-new")
+    assert list(repeats._waits) == [("waiting", "relay-new")]
