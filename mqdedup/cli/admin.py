@@ -17,6 +17,7 @@ from mqdedup.cli import exitcodes
 from mqdedup.cli.config import resolve_settings
 from mqdedup.cli.exitcodes import RefusedError
 from mqdedup.cli.output import human_age, print_json, render_table
+from mqdedup.cli.progress import Progress
 from mqdedup.db.dialects import table_size
 from mqdedup.db.engine import check_connection, check_schema, create_engine, init_schema
 from mqdedup.db.migrations import schema_drift, upgrade_schema
@@ -91,9 +92,22 @@ def cmd_dedup_purge(args: argparse.Namespace) -> int:
         return exitcodes.OK
     if args.older_than < PURGE_CONFIRM_BELOW and not args.yes:
         _confirm_short_purge(args.older_than, scope)
+    progress = Progress(sys.stderr, "dedup purge", unit="deleted", enabled=not args.quiet)
+    so_far = 0
+
+    def chunk_done(rows: int) -> None:
+        nonlocal so_far
+        so_far += rows
+        progress.update(so_far)
+
     deleted = DedupStore(prefix).purge(
-        engine, args.older_than, consumer=args.consumer, chunk_size=args.chunk_size
+        engine,
+        args.older_than,
+        consumer=args.consumer,
+        chunk_size=args.chunk_size,
+        on_chunk=chunk_done,
     )
+    progress.finish(deleted)
     print(f"deleted {deleted} dedup records{scope} older than {args.older_than}")
     return exitcodes.OK
 

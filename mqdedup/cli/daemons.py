@@ -9,10 +9,11 @@ import argparse
 import contextlib
 import logging
 import math
+import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any
 
@@ -21,6 +22,16 @@ from sqlalchemy import Engine
 from mqdedup.cli import exitcodes
 from mqdedup.cli.admin import require_current_schema
 from mqdedup.cli.config import consumer_prefix, resolve_settings
+from mqdedup.cli.drain import drain_outbox
+from mqdedup.cli.lifecycle import (
+    RELAY_COUNTS,
+    WORKER_COUNTS,
+    relay_start_line,
+    say,
+    stop_line,
+    sum_counters,
+    worker_start_line,
+)
 from mqdedup.cli.lineage import Slot, lock_slots
 from mqdedup.cli.loading import create_consumer
 from mqdedup.cli.reachability import check_relay_brokers, connect_broker
@@ -113,12 +124,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
         for index in range(settings["processes"])
     ]
     shared = set(prefixes.values())
+    start = worker_start_line(consumers, settings, database=bool(database_consumers))
     return _supervise(
         specs,
         settings,
         locks,
         outbox_gauges=bool(database_consumers),
         prefix=shared.pop() if len(shared) == 1 else None,
+        announce=None if getattr(args, "quiet", False) else ("worker", start, WORKER_COUNTS),
     )
 
 
@@ -176,6 +189,17 @@ def cmd_relay(args: argparse.Namespace) -> int:
     ).values():
         publisher.close()  # validates the configuration; connections open lazily
     check_relay_brokers(settings["kafka_bootstrap"], settings["rabbitmq_url"])
+    quiet = getattr(args, "quiet", False)
+    start = relay_start_line(settings, table, drain=bool(getattr(args, "drain", False)))
+    if getattr(args, "drain", False):
+        if not quiet:
+            say(start)
+        try:
+            return drain_outbox(settings, timeout=args.drain_timeout, quiet=quiet)
+        finally:
+            for fd in locks:  # the slot's lock, held by this process alone
+                with contextlib.suppress(OSError):
+                    os.close(fd)
     specs = [
         ChildSpec(
             name="relay",
@@ -187,7 +211,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
         )
         for index in range(settings["relay_processes"])
     ]
-    return _supervise(specs, settings, locks)
+    return _supervise(
+        specs, settings, locks, announce=None if quiet else ("relay", start, RELAY_COUNTS)
+    )
 
 
 def _check_shutdown_timeout(settings: dict[str, Any]) -> None:
@@ -223,12 +249,15 @@ def _supervise(
     *,
     outbox_gauges: bool = True,
     prefix: str | None = None,
+    announce: tuple[str, str, Sequence[tuple[str, str]]] | None = None,
 ) -> int:
     """Run ``specs`` under a supervisor with the health endpoint; return its exit code.
 
     ``outbox_gauges``: report the outbox backlog on /metrics (not for Redis-only workers,
     which have no database). ``prefix``: the outbox's table prefix (default: the setting).
     ``locks``: the slot locks, which the children hold too (:mod:`mqdedup.cli.lineage`).
+    ``announce``: (command, start line, counters of the stop line) to print on stderr
+    when the children start and when the command ends (None: ``--quiet``).
     """
 
     gauges = OutboxGauges(settings["database_url"], prefix or settings["table_prefix"])
@@ -240,7 +269,23 @@ def _supervise(
         shared_metrics=gauges if outbox_gauges else None,
         locks=locks,
     )
-    return supervisor.run()
+    if announce is None:
+        return supervisor.run()
+    command, start_line, counts = announce
+    began: list[float] = []  # when the children started (the start line was printed)
+
+    def _started() -> None:
+        began.append(time.monotonic())
+        say(start_line)
+
+    code = exitcodes.INTERRUPTED  # unless run() returns: a second Ctrl-C while starting
+    try:
+        code = supervisor.run(on_start=_started)
+        return code
+    finally:
+        if began:  # an error before the start (a health port in use) is its own line
+            totals = sum_counters(supervisor.history())
+            say(stop_line(command, code, time.monotonic() - began[0], totals, counts))
 
 
 class OutboxGauges:

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from mqdedup.cli import exitcodes
 from mqdedup.cli.admin import connected_engine, require_current_schema
 from mqdedup.cli.config import resolve_settings
+from mqdedup.cli.exitcodes import UsageError
 from mqdedup.cli.loading import create_consumer
 from mqdedup.cli.output import print_json, render_table
 from mqdedup.cli.runners import _export_environment
@@ -60,14 +61,8 @@ __all__ = [
 ]
 
 _PREVIEW = 60
-#: The exit code of a replay that dead-lettered messages again (``replay``'s, where defined).
-_DEAD_LETTERED = int(getattr(exitcodes, "DEAD_LETTERED", exitcodes.CHECK_FAILED))
 #: How many dead letters an action selects at most (``--error`` / ``--all``).
 SELECT_LIMIT = 100_000
-
-
-class _UsageError(Exception):
-    """A mistake on the command line: one line on stderr, exit code 2."""
 
 
 def _usage_errors(command: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
@@ -77,7 +72,7 @@ def _usage_errors(command: Callable[[argparse.Namespace], int]) -> Callable[...,
     def run(args: argparse.Namespace) -> int:
         try:
             return command(args)
-        except (_UsageError, DeadLetterKeyError) as error:
+        except (UsageError, DeadLetterKeyError) as error:
             print(f"mqdedup: error: {mask_text(str(error))}", file=sys.stderr)
             return exitcodes.USAGE
 
@@ -91,11 +86,11 @@ def place_name(args: argparse.Namespace) -> str:
     """``--place``, or what ``--topic`` / ``--queue`` imply; the database by default."""
     topics, queues = getattr(args, "topics", None), getattr(args, "queues", None)
     if topics and queues:
-        raise _UsageError("--topic (Kafka) and --queue (RabbitMQ) name different places: pick one")
+        raise UsageError("--topic (Kafka) and --queue (RabbitMQ) name different places: pick one")
     implied = "kafka" if topics else "rabbitmq" if queues else None
     chosen = getattr(args, "place", None)
     if chosen and implied and chosen != implied:
-        raise _UsageError(f"--place {chosen} contradicts --{'topic' if topics else 'queue'}")
+        raise UsageError(f"--place {chosen} contradicts --{'topic' if topics else 'queue'}")
     return str(chosen or implied or "database")
 
 
@@ -125,7 +120,7 @@ def open_place(
     if consumer is not None and not args.queues and hasattr(consumer, "topology"):
         return RabbitDeadLetterQueues.for_consumer(consumer, engine)
     if not args.queues:
-        raise _UsageError("name the dead-letter queue(s) with --queue (e.g. --queue orders.dlq)")
+        raise UsageError("name the dead-letter queue(s) with --queue (e.g. --queue orders.dlq)")
     return RabbitDeadLetterQueues(
         settings["rabbitmq_url"], args.queues, engine=engine, prefix=prefix
     )
@@ -138,7 +133,7 @@ def select(
     the consumer's (``--all``) or of one group (``--error``)."""
     keys = [*(args.keys or ()), *(str(i) for i in (getattr(args, "ids", None) or ()))]
     if keys and (args.error or getattr(args, "all", False)):
-        raise _UsageError("choose dead letters by --key / --id, or by --error / --all, not both")
+        raise UsageError("choose dead letters by --key / --id, or by --error / --all, not both")
     if keys:
         found = [place.get(key) for key in dict.fromkeys(keys)]
         return [record for record in found if record is not None]
@@ -186,7 +181,7 @@ def cmd_dead_letters_list(args: argparse.Namespace) -> int:
 @_usage_errors
 def cmd_dead_letters_show(args: argparse.Namespace) -> int:
     if args.body_limit < 0:
-        raise _UsageError("--body-limit must be zero or more")
+        raise UsageError("--body-limit must be zero or more")
     engine, prefix = connected_engine(args)
     place = open_place(args, engine, prefix)
     record = place.get(args.key)
@@ -225,7 +220,7 @@ def cmd_dead_letters_replay(args: argparse.Namespace) -> int:
     except ImmediateStop:
         return exitcodes.INTERRUPTED
     print(outcome)
-    return _DEAD_LETTERED if outcome.dead_lettered_again else exitcodes.OK
+    return exitcodes.DEAD_LETTERED if outcome.dead_lettered_again else exitcodes.OK
 
 
 @_usage_errors
@@ -246,14 +241,14 @@ def cmd_dead_letters_delete(args: argparse.Namespace) -> int:
     _require_choice(args)
     if place.place == "database" and args.all and not args.error:
         if not args.consumer:
-            raise _UsageError(
+            raise UsageError(
                 "--all deletes every dead letter of one consumer: name it (--consumer)"
             )
         count = delete_dead_letters(engine, prefix, args.consumer, None, True)
         print(f"deleted {count} kept dead letter(s) of {args.consumer}")
         return exitcodes.OK
     if args.all and not args.consumer:
-        raise _UsageError("--all deletes every dead letter of one consumer: name it (--consumer)")
+        raise UsageError("--all deletes every dead letter of one consumer: name it (--consumer)")
     records = select(place, args, consumer=args.consumer)
     if args.consumer:
         records = [r for r in records if r.consumer == args.consumer]
@@ -265,7 +260,7 @@ def cmd_dead_letters_delete(args: argparse.Namespace) -> int:
 
 def _require_choice(args: argparse.Namespace) -> None:
     if not (args.keys or getattr(args, "ids", None) or args.error or args.all):
-        raise _UsageError("name the dead letters with --key (or --id), --error TEXT, or pass --all")
+        raise UsageError("name the dead letters with --key (or --id), --error TEXT, or pass --all")
 
 
 # -- what is printed ----------------------------------------------------------------------

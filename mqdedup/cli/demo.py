@@ -33,14 +33,14 @@ from sqlalchemy import (
 )
 
 from mqdedup.cli import exitcodes
-from mqdedup.cli.exitcodes import RefusedError
+from mqdedup.cli.exitcodes import RefusedError, UsageError
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.context import Context
 from mqdedup.consumers.memory import InMemoryBroker, MemoryTransport
 from mqdedup.consumers.worker import Worker
 from mqdedup.db.engine import check_connection, create_engine, init_schema
 from mqdedup.db.schema import schema
-from mqdedup.errors import ConfigurationError, SimulatedCrash
+from mqdedup.errors import SimulatedCrash
 from mqdedup.masking import mask_text
 from mqdedup.message import Message
 
@@ -93,9 +93,9 @@ class DemoOrderConsumer(Consumer):
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.messages < 1:
-        raise ConfigurationError("--messages must be at least 1")
+        raise UsageError("--messages must be at least 1")
     if not 0 <= args.duplicates <= 1 or not 0 <= args.crash_rate < 1:
-        raise ConfigurationError("--duplicates must be in [0, 1] and --crash-rate in [0, 1)")
+        raise UsageError("--duplicates must be in [0, 1] and --crash-rate in [0, 1)")
     if args.database:
         engine = create_engine(args.database)
         check_connection(engine)

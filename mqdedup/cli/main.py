@@ -1,11 +1,14 @@
 """The entry point of the ``mqdedup`` command: parse the arguments, set up logging, run the
 chosen sub-command; user mistakes end with one line on stderr and a documented exit code
-(:mod:`mqdedup.cli.exitcodes`), ``--debug`` adds the traceback."""
+(:mod:`mqdedup.cli.exitcodes`), ``--debug`` adds the traceback. A reader that goes away
+(``mqdedup status | head``) ends the command quietly (:data:`~exitcodes.BROKEN_PIPE`)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -31,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mqdedup: interrupted", file=sys.stderr)
         return exitcodes.INTERRUPTED
+    except BrokenPipeError:  # --help into a pipe already closed
+        return _reader_gone()
     return run_parsed(args)
 
 
@@ -39,7 +44,11 @@ def run_parsed(args: argparse.Namespace) -> int:
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         _configure_logging(args)
-        return run(args)
+        code = run(args)
+        sys.stdout.flush()  # here, not at exit: a reader gone is still answered below
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except MqdedupError as exc:
         if args.debug:
             log.exception("failed")
@@ -48,6 +57,15 @@ def run_parsed(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("mqdedup: interrupted", file=sys.stderr)
         return exitcodes.INTERRUPTED
+
+
+def _reader_gone() -> int:
+    """The output's reader closed the pipe: no traceback, no "Exception ignored" at exit
+    (what is left in stdout's buffer goes to /dev/null), the SIGPIPE convention's code."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return exitcodes.BROKEN_PIPE
 
 
 def _configure_logging(args: argparse.Namespace) -> None:

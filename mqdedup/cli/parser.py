@@ -34,6 +34,7 @@ from mqdedup.cli.dead_letters import (
     cmd_dead_letters_show,
 )
 from mqdedup.cli.demo import cmd_demo
+from mqdedup.cli.help_texts import apply_help
 from mqdedup.cli.replay import cmd_replay
 from mqdedup.cli.status import cmd_status
 
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     database_option(purge)
     purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
     purge.add_argument("--consumer", default=None, help="only this consumer name")
-    purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
+    purge.add_argument("--chunk-size", type=positive_int, default=5000, help="rows per transaction")
     purge.add_argument(
         "--dry-run", action="store_true", help="print how many records would be deleted"
     )
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"no confirmation for --older-than below {PURGE_CONFIRM_TEXT} (asked on a terminal, "
         "refused otherwise)",
     )
+    quiet_option(purge, "the progress line")
     purge.set_defaults(run=cmd_dedup_purge)
     stats = dedup_commands.add_parser("stats", help="dedup records per consumer, oldest, size")
     database_option(stats)
@@ -144,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     outbox_purge = outbox_commands.add_parser("purge", help="delete old published rows in chunks")
     database_option(outbox_purge)
     outbox_purge.add_argument("--older-than", type=parse_duration, required=True, help="e.g. 7d")
-    outbox_purge.add_argument("--chunk-size", type=int, default=5000, help="rows per transaction")
+    outbox_purge.add_argument(
+        "--chunk-size", type=positive_int, default=5000, help="rows per transaction"
+    )
     outbox_purge.add_argument(
         "--dry-run", action="store_true", help="print how many rows would be deleted"
     )
@@ -242,7 +246,22 @@ def build_parser() -> argparse.ArgumentParser:
         "session state (relays take turns under a transaction-level lock, polling), for a "
         "database reached only through a transaction pooler" + env_help("relay_coordination"),
     )
+    relay.add_argument(
+        "--drain",
+        action="store_true",
+        help="publish what is due now, in this process, then exit: 0 when every row was "
+        f"published, {exitcodes.NOT_DRAINED} when the broker refused rows or stayed "
+        "unavailable until --drain-timeout",
+    )
+    relay.add_argument(
+        "--drain-timeout",
+        type=positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --drain: give up after this long (default 60)",
+    )
     daemon_options(relay)
+    quiet_option(relay, "the start and stop lines")
     relay.set_defaults(run=cmd_relay)
 
     replay = commands.add_parser(
@@ -262,7 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--to", dest="end", default="end", help="offset, ISO time or 'end' (default; exclusive)"
     )
     replay.add_argument(
-        "--partition", dest="partitions", type=int, action="append", help="only this partition"
+        "--partition",
+        dest="partitions",
+        type=non_negative_int,
+        action="append",
+        help="only this partition",
     )
     replay.add_argument(
         "--dry-run", action="store_true", help="count new / duplicate / id-less, write nothing"
@@ -275,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--from-dlq", action="store_true", help="RabbitMQ: move dead letters back to the queue"
     )
-    replay.add_argument("--limit", type=int, default=None, help="with --from-dlq: at most N")
+    replay.add_argument(
+        "--limit", type=positive_int, default=None, help="with --from-dlq: at most N"
+    )
     replay.add_argument(
         "--stream",
         default=None,
@@ -283,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     database_option(replay)
     broker_options(replay)
+    quiet_option(replay, "the progress line")
     replay.set_defaults(run=cmd_replay)
 
     status = commands.add_parser(
@@ -319,8 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--processes", type=int, default=None, help="processes per consumer" + env_help("processes")
     )
     daemon_options(worker)
+    quiet_option(worker, "the start and stop lines")
     worker.set_defaults(run=cmd_worker)
     add_common_options_everywhere(parser)
+    apply_help(parser)
     return parser
 
 
@@ -400,6 +428,38 @@ def parse_duration(text: str) -> Duration:
         )
     duration.text = text.strip()
     return duration
+
+
+def positive_int(text: str) -> int:
+    """An integer of at least 1 (rows per chunk, a limit)."""
+    value: int = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text.strip()!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer of at least 0 (a partition)."""
+    value: int = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text.strip()!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number of seconds above 0."""
+    value: float = _number(text, float)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text!r}")
+    return value
+
+
+def _number(text: str, kind: type[int] | type[float]) -> Any:
+    try:
+        return kind(text.strip())
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {what}, not {text.strip()!r}") from None
 
 
 class Parser(argparse.ArgumentParser):
@@ -552,6 +612,12 @@ def _dead_letter_choice_options(
     )
     if everything:
         parser.add_argument("--all", action="store_true", help="every dead letter (of --consumer)")
+
+
+def quiet_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help=f"leave out {what} (errors still print)"
+    )
 
 
 def json_option(parser: argparse.ArgumentParser) -> None:

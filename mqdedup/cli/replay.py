@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import Any
 
 from sqlalchemy import Engine
 
 from mqdedup.cli import exitcodes
 from mqdedup.cli.admin import connected_engine, require_current_schema
 from mqdedup.cli.config import consumer_prefix, resolve_settings
-from mqdedup.cli.exitcodes import RefusedError
+from mqdedup.cli.exitcodes import RefusedError, UsageError
 from mqdedup.cli.loading import create_consumer
 from mqdedup.cli.output import render_table
+from mqdedup.cli.progress import Progress, watching
 from mqdedup.cli.reachability import connect_broker
 from mqdedup.cli.runners import _export_environment
 from mqdedup.consumers.base import Consumer
@@ -38,6 +38,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     _export_environment(settings)
     start = parse_position(args.start)
     end = parse_position(args.end, end=True)
+    check_range(start, end)
+    if args.from_dlq and (args.dry_run or args.partitions or args.start != "beginning"):
+        raise UsageError("--from-dlq moves dead letters back: it takes no range or --dry-run")
     consumer = create_consumer(args.consumer)
     consumer_prefix(args, args.consumer, consumer)
     consumer.validate()
@@ -46,7 +49,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     kind = consumer.broker
     if args.from_dlq:
         if kind != "rabbitmq":
-            raise ConfigurationError("--from-dlq is for RabbitMQ consumers")
+            raise UsageError("--from-dlq is for RabbitMQ consumers")
         connect_broker(consumer)
         print(requeue_from_dlq(consumer, engine, args.limit))
         return exitcodes.OK
@@ -57,6 +60,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         )
     connect_broker(consumer)
     stop = StopToken()
+    progress = Progress(sys.stderr, "replay", unit="messages", enabled=not args.quiet)
     try:
         with graceful_signals(stop):
             if kind == "kafka":
@@ -69,7 +73,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     dry_run=args.dry_run,
                     allow_reprocess=args.allow_reprocess,
                     stop=stop,
-                    progress=sys.stderr,
+                    progress=progress,
                 )
             else:
                 report = replay_stream(
@@ -81,10 +85,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     dry_run=args.dry_run,
                     allow_reprocess=args.allow_reprocess,
                     stop=stop,
+                    progress=progress,
                 )
     except ImmediateStop:
         return exitcodes.INTERRUPTED
     print(format_replay_report(report))
+    dead = report.without_id + report.dead_lettered
+    if dead and not report.dry_run:
+        print(
+            f"mqdedup: {dead} of {report.total} message(s) dead-lettered (exit code "
+            f"{exitcodes.DEAD_LETTERED}): see the consumer's dead-letter topic / queue",
+            file=sys.stderr,
+        )
+        return exitcodes.DEAD_LETTERED
     return exitcodes.OK
 
 
@@ -103,10 +116,29 @@ def parse_position(text: str, *, end: bool = False) -> int | datetime | None:
         moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         expected = "an offset, an ISO time" + (", or 'end'" if end else ", or 'beginning'")
-        raise ConfigurationError(
-            f"cannot read {text!r} as a position: expected {expected}"
+        raise UsageError(
+            f"cannot read {text!r} as a position ({'--to' if end else '--from'}): "
+            f"expected {expected}"
         ) from None
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def check_range(start: int | datetime | None, end: int | datetime | None) -> None:
+    """UsageError for a range that ends where or before it starts (``--from 5 --to 2``,
+    or two times the wrong way round): it would read nothing. An offset and a time are
+    not compared (a time falls at a different offset on each partition)."""
+    if start is None or end is None or isinstance(start, datetime) != isinstance(end, datetime):
+        return
+    if end <= start:  # type: ignore[operator]  # both offsets or both times
+        what = "offset" if isinstance(start, int) else "time"
+        raise UsageError(
+            f"--to {_shown(end)} is not after --from {_shown(start)}: the range is empty "
+            f"(--to is exclusive); give a later --to {what}, or swap them"
+        )
+
+
+def _shown(position: int | datetime) -> str:
+    return position.isoformat() if isinstance(position, datetime) else str(position)
 
 
 def replay_kafka(
@@ -119,7 +151,7 @@ def replay_kafka(
     dry_run: bool,
     allow_reprocess: bool,
     stop: StopToken,
-    progress: TextIO | None = None,
+    progress: Progress | None = None,
 ) -> Any:
     """Replay a Kafka consumer's topics over the range; return its ReplayReport."""
     from mqdedup.kafka.replay import KafkaReplay
@@ -138,15 +170,9 @@ def replay_kafka(
     except BaseException:
         replay.close()
         raise
-    done = threading.Event()
-    reporter = threading.Thread(target=_progress, args=(replay, done, progress), daemon=True)
-    reporter.start()
-    try:
+    with watching(progress or Progress(None, "replay"), lambda: _done_and_total(replay)):
         tune_gc()
         return replay.run()
-    finally:
-        done.set()
-        reporter.join(timeout=2)
 
 
 def _check_kafka_horizon(
@@ -179,6 +205,7 @@ def replay_stream(
     dry_run: bool,
     allow_reprocess: bool,
     stop: StopToken,
+    progress: Progress | None = None,
 ) -> Any:
     """Replay a RabbitMQ stream queue through the consumer; return its report.
 
@@ -205,21 +232,16 @@ def replay_stream(
         stop=stop,
         stream=stream,
     )
-    tune_gc()
-    return replay.run()
+    with watching(progress or Progress(None, "replay"), lambda: _done_and_total(replay)):
+        tune_gc()
+        return replay.run()
 
 
-def _progress(replay: Any, done: threading.Event, stream: TextIO | None) -> None:
-    if stream is None or not stream.isatty():
-        return
-    while not done.wait(0.5):
-        report = replay.report
-        total = sum(max(0, b - a) for a, b in report.ranges.values()) or 1
-        seen = report.total
-        filled = min(30, seen * 30 // total)
-        stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {seen:,}/{total:,}")
-        stream.flush()
-    stream.write("\n")
+def _done_and_total(replay: Any) -> tuple[int, int | None]:
+    """Messages read so far, and the range's size when it is known (None: not yet)."""
+    report = replay.report
+    total = sum(max(0, b - a) for a, b in report.ranges.values())
+    return report.total, total or None
 
 
 def format_replay_report(report: Any) -> str:

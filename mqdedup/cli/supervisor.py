@@ -98,6 +98,8 @@ class _Child:
     restart_at: float | None = None
     last_exit: int | None = None
     snapshot: dict[str, Any] = field(default_factory=dict)
+    #: The last snapshots of this slot's earlier processes (before restarts), for totals.
+    earlier: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Supervisor:
@@ -130,13 +132,18 @@ class Supervisor:
 
     # -- public ------------------------------------------------------------------------
 
-    def run(self) -> int:
-        """Start the children, supervise them, drain on a signal; return an exit code."""
+    def run(self, on_start: Callable[[], None] | None = None) -> int:
+        """Start the children, supervise them, drain on a signal; return an exit code.
+
+        ``on_start``: called once the health endpoint serves and the children are started
+        (the command's start line: not printed when the health port is refused)."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in stop_signals()}
         try:
             self._start_health()
             for child in self.children:
                 self._start(child)
+            if on_start is not None:
+                on_start()
             return self._loop()
         finally:
             for sig, handler in previous.items():
@@ -184,6 +191,14 @@ class Supervisor:
                 for c in self.children
                 if c.snapshot
             }
+
+    def history(self) -> list[dict[str, Any]]:
+        """The last metrics of every child process that ran, restarted ones included
+        (what the command did in all: the stop line adds them up)."""
+        with self._lock:
+            return [
+                snapshot for c in self.children for snapshot in (*c.earlier, c.snapshot) if snapshot
+            ]
 
     # -- loop --------------------------------------------------------------------------
 
@@ -286,6 +301,10 @@ class Supervisor:
     # -- children ----------------------------------------------------------------------
 
     def _start(self, child: _Child) -> None:
+        if child.snapshot:  # a restart: the previous process's counts stay in the totals
+            with self._lock:
+                child.earlier.append(child.snapshot)
+                child.snapshot = {}
         parent_end, child_end = self._context.Pipe(duplex=False)
         process = self._context.Process(
             target=child_main,

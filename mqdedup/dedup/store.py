@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -248,12 +248,14 @@ class DedupStore:
         older_than: timedelta,
         consumer: str | None = None,
         chunk_size: int = 5000,
+        on_chunk: Callable[[int], None] | None = None,
     ) -> int:
         """Delete claims (and attempt counters and recorded steps, :mod:`mqdedup.dedup.steps`)
         older than ``older_than``, in chunks.
 
         Each chunk is its own short transaction, so purging a large table never holds
-        many locks at once. Returns the number of claims deleted.
+        many locks at once. Returns the number of claims deleted. ``on_chunk`` is called
+        with the claims each committed chunk deleted (a progress line).
         """
         cutoff = utcnow() - older_than
         total = 0
@@ -262,7 +264,15 @@ class DedupStore:
             (self._attempts, self._attempts.c.updated_at),
             (self.schema.steps, self.schema.steps.c.started_at),
         ):
-            deleted = self._purge_table(engine, table, time_column, cutoff, consumer, chunk_size)
+            deleted = self._purge_table(
+                engine,
+                table,
+                time_column,
+                cutoff,
+                consumer,
+                chunk_size,
+                on_chunk if table is self._processed else None,
+            )
             if table is self._processed:
                 total = deleted
         self._advance_horizon(engine, consumer or ALL_CONSUMERS, cutoff)
@@ -315,12 +325,13 @@ class DedupStore:
         cutoff: datetime,
         consumer: str | None,
         chunk_size: int,
+        on_chunk: Callable[[int], None] | None = None,
     ) -> int:
         conditions = [time_column < cutoff]
         if consumer is not None:
             conditions.append(table.c.consumer_name == consumer)
         if engine.dialect.name == "postgresql":
-            return _purge_by_ctid(engine, table, conditions, chunk_size)
+            return _purge_by_ctid(engine, table, conditions, chunk_size, on_chunk)
         # By the whole primary key, and only rows still old: a message's steps are one
         # row per name, and a newer step of an old message is kept.
         primary = list(table.primary_key.columns)
@@ -336,6 +347,8 @@ class DedupStore:
                         delete(table).where(key.in_([tuple(k) for k in keys]), *conditions)
                     )
             total += len(keys)
+            if on_chunk is not None:
+                on_chunk(len(keys))
             if len(keys) < chunk_size:
                 return total
 
@@ -349,7 +362,13 @@ class _Tid(UserDefinedType[str]):
         return "tid"
 
 
-def _purge_by_ctid(engine: Engine, table: Any, conditions: list[Any], chunk_size: int) -> int:
+def _purge_by_ctid(
+    engine: Engine,
+    table: Any,
+    conditions: list[Any],
+    chunk_size: int,
+    on_chunk: Callable[[int], None] | None = None,
+) -> int:
     """PostgreSQL: delete the rows matching ``conditions`` in chunks, by physical row id.
 
     By ctid because a long IN-list of key pairs costs more to plan than to execute
@@ -385,6 +404,8 @@ def _purge_by_ctid(engine: Engine, table: Any, conditions: list[Any], chunk_size
                 select(func.count(), last_ctid).select_from(deleted_rows)
             ).one()
         total += deleted
+        if on_chunk is not None:
+            on_chunk(int(deleted))
         if deleted == chunk_size:
             after = last  # None before PostgreSQL 14
         elif after is None:

@@ -24,10 +24,14 @@ from sqlalchemy.dialects import postgresql
 from mqdedup.db.dialects import traits
 from mqdedup.db.pooling import declares_transaction_pooler, keeps_session
 from mqdedup.errors import ConfigurationError
+from mqdedup.logs import RepeatedLog
 from mqdedup.masking import mask_url
 from mqdedup.outbox.store import MAX_LEASE_SHARDS, OutboxStore, ShardFilter
 
 log = logging.getLogger(__name__)
+#: A relay taking over shards waits for the leases of the relay that had them.
+LEASE_WAIT = "waiting for another relay's leases to expire before claiming"
+_WAITS = RepeatedLog(log)
 
 MAX_SHARDS = MAX_LEASE_SHARDS
 #: The second key of the ``turns`` lock class that session relays hold shared for their
@@ -661,12 +665,16 @@ class LeaseTakeover:
         """
         self._verified &= owned
         unverified = owned - self._verified
+        held: set[int] = set()
         if unverified:
             held = self.store.foreign_leases(self.engine, self.relay_id) & unverified
             self._verified |= unverified - held
-            if held:
-                log.info(
-                    "waiting for another relay's leases to expire before claiming",
-                    extra={"relay": self.relay_id, "shards": sorted(held)},
-                )
+        if held:  # checked again at every claim: written once, then less often
+            _WAITS.info(
+                LEASE_WAIT,
+                extra={"relay": self.relay_id, "shards": sorted(held)},
+                key=self.relay_id,
+            )
+        else:
+            _WAITS.done(LEASE_WAIT, key=self.relay_id)
         return set(self._verified)

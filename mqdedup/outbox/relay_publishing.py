@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mqdedup import tracing
+from mqdedup.logs import RepeatedLog
 from mqdedup.outbox.publishers import (
     PUBLISHED,
     OutboxRecord,
@@ -23,6 +24,9 @@ from mqdedup.outbox.publishers import (
 from mqdedup.tracing import TRACE_HEADERS, PublishTrace
 
 log = logging.getLogger(__name__)
+#: Written at each failed batch of a paused broker: once, then less often.
+BROKER_WAIT = "broker unavailable; its rows wait"
+_WAITS = RepeatedLog(log)
 
 
 @dataclass
@@ -131,14 +135,16 @@ class BrokerPauses:
         if not down:
             if state.failures:
                 log.info("broker available again", extra={"broker": broker})
+                _WAITS.done(BROKER_WAIT, key=broker)
             state.failures = 0
             state.paused_until = 0.0
             return False
         state.failures += 1
         pause = min(self._backoff_max, 0.25 * 2 ** (state.failures - 1)) * random.uniform(0.8, 1.0)
         state.paused_until = time.monotonic() + pause
-        log.warning(
-            "broker unavailable; its rows wait",
+        _WAITS.warning(
+            BROKER_WAIT,
+            key=broker,
             extra={
                 "broker": broker,
                 "rows": len(down),

@@ -69,7 +69,7 @@ def test_demo_on_a_given_database_with_options(tmp_path: Path) -> None:
             "'json:dumps' is not a mqdedup Consumer",
         ),
         (["worker", "json"], exitcodes.CONSUMER_IMPORT, "must look like 'module.path:ClassName'"),
-        (["demo", "--duplicates", "2"], exitcodes.CONFIGURATION, "--duplicates must be in [0, 1]"),
+        (["demo", "--duplicates", "2"], exitcodes.USAGE, "--duplicates must be in [0, 1]"),
         (["dedup", "purge", "--older-than", "7x"], exitcodes.USAGE, "invalid duration '7x'"),
     ],
 )

@@ -36,10 +36,16 @@ def test_adapter_consumers_name_their_broker() -> None:
 
 
 @pytest.mark.parametrize(
-    ("reference", "flags", "expected"),
+    ("reference", "flags", "expected", "code"),
     [
-        ("PlainConsumer", [], "neither a KafkaConsumer nor a RabbitMQConsumer"),
-        ("TopicConsumer", ["--from-dlq"], "--from-dlq is for RabbitMQ consumers"),
+        (
+            "PlainConsumer",
+            [],
+            "neither a KafkaConsumer nor a RabbitMQConsumer",
+            exitcodes.CONFIGURATION,
+        ),
+        # A flag the consumer's broker cannot honour: the command line is wrong.
+        ("TopicConsumer", ["--from-dlq"], "--from-dlq is for RabbitMQ consumers", exitcodes.USAGE),
     ],
 )
 def test_replay_refuses_what_the_consumer_s_broker_cannot_do(
@@ -48,11 +54,12 @@ def test_replay_refuses_what_the_consumer_s_broker_cannot_do(
     reference: str,
     flags: list[str],
     expected: str,
+    code: int,
 ) -> None:
     database = f"sqlite:///{tmp_path / 'replay.db'}"
     assert main(["db", "init", "--database", database]) == exitcodes.OK
     capsys.readouterr()
-    code = main(["replay", f"{__name__}:{reference}", "--database", database, *flags])
+    result = main(["replay", f"{__name__}:{reference}", "--database", database, *flags])
     err = capsys.readouterr().err
-    assert code == exitcodes.CONFIGURATION, err
+    assert result == code, err
     assert expected in err and "Traceback" not in err
