@@ -30,6 +30,7 @@ from mqdedup.cli.dead_letters import (
     cmd_dead_letters_replay,
 )
 from mqdedup.cli.demo import cmd_demo
+from mqdedup.cli.publish import add_publish_parser  # typed43
 from mqdedup.cli.replay import cmd_replay
 from mqdedup.cli.status import cmd_status
 
@@ -148,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     dead_delete.add_argument("--id", dest="ids", type=int, action="append", help="this row")
     dead_delete.add_argument("--all", action="store_true", help="every row of the consumer")
     dead_delete.set_defaults(run=cmd_dead_letters_delete)
+
+    add_publish_parser(commands)  # typed43: mqdedup publish (mqdedup/cli/publish.py)
 
     relay = commands.add_parser("relay", help="publish committed outbox rows (a daemon)")
     database_option(relay)
