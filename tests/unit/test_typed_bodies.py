@@ -339,3 +339,23 @@ def test_invalid_body_error_lists_every_error_and_caps_the_list() -> None:
     error = InvalidBodyError("Order", [(f"items[{i}]", "bad") for i in range(25)])
     assert error.reason.startswith("invalid body for Order: items[0]: bad; items[1]: bad")
     assert error.reason.endswith("; and 5 more")
+
+
+def test_the_testing_harness_keeps_the_handlers_typed(sqlite_engine: Engine, tmp_path: Any) -> None:
+    """``mqdedup.testing`` wraps the user's handlers (to hold or kill mid-batch): the
+    wrapped handlers still get the validated model."""
+    from mqdedup.testing.worker import build_consumer_class
+
+    harnessed = build_consumer_class(
+        {
+            "consumer": f"{__name__}:PydanticOrders",
+            "folder": str(tmp_path),
+            "label": "typed",
+        }
+    )
+    broker = InMemoryBroker()
+    publish(broker, {"order": 1, "amount": 10}, "m1")
+    publish(broker, {"order": "x", "amount": 10}, "m2")
+    run_until_idle(harnessed(), broker.transport("orders"), sqlite_engine)
+    assert order_counts(sqlite_engine) == {"m1": 1}
+    assert [d.message.id for d in broker.dead_letters["orders"]] == ["m2"]
