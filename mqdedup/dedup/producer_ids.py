@@ -36,9 +36,9 @@ def from_correlation_id(header: str = CORRELATION_HEADER) -> MessageIdStrategy:
     ``correlation_id`` property, else the ``correlation_id`` Kafka header.
 
     Protects against: redeliveries (a crash between commit and ack, a rebalance), a
-    replay of the topic or queue, and a producer retry that resends the *same* message
-    object (FastStream keeps the ``correlation_id`` of a message it publishes again,
-    and of a message a subscriber republishes as a reply).
+    replay of the topic or queue, the client library's own retries of a send (the record
+    goes again with its headers and properties), and an application retry that passes
+    the same ``correlation_id=`` again.
 
     Does not protect against: a producer that publishes the same business event twice
     with two calls, since each call draws a new random ``correlation_id`` (an
