@@ -41,8 +41,9 @@ def from_correlation_id(header: str = CORRELATION_HEADER) -> MessageIdStrategy:
     the same ``correlation_id=`` again.
 
     Does not protect against: a producer that publishes the same business event twice
-    with two calls, since each call draws a new random ``correlation_id`` (an
-    application retry after a timeout, a user double click): those are two messages.
+    with two calls, since each call draws a new random ``correlation_id`` (a retry after
+    a timeout that does not pass the first call's id, a user's double click): those are
+    two messages.
     And a producer that reuses one ``correlation_id`` for several distinct messages (a
     request id passed along a whole conversation) makes them one message: the later
     ones are skipped as duplicates.
