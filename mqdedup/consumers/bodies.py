@@ -114,7 +114,7 @@ def _decoder(consumer_class: type, method: str) -> BodyDecoder | None:
     if raw is inspect.Parameter.empty:
         return None
     try:
-        annotation = typing.get_type_hints(function).get(parameter.name, raw)
+        annotation = _resolve(function, parameter.name, raw)
     except Exception as error:  # NameError: a name imported under TYPE_CHECKING
         if isinstance(raw, str) and raw.strip("'\" ").rsplit(".", 1)[-1] in _RAW_NAMES:
             return None
@@ -127,6 +127,16 @@ def _decoder(consumer_class: type, method: str) -> BodyDecoder | None:
         if annotation is None:
             return None
     return decoder_for(annotation, where)
+
+
+def _resolve(function: Any, name: str, raw: Any) -> Any:
+    """The type of one parameter; only its own annotation must resolve (``ctx: Context``
+    imported under ``TYPE_CHECKING`` is fine)."""
+
+    def alone() -> None: ...
+
+    alone.__annotations__ = {name: raw}
+    return typing.get_type_hints(alone, globalns=getattr(function, "__globals__", None))[name]
 
 
 _RAW_NAMES = {"Message", "Any", "object", "Sequence[Message]", "list[Message]"}

@@ -11,7 +11,7 @@ import dataclasses
 import enum
 import json
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import msgspec
 import pydantic
@@ -359,3 +359,24 @@ def test_the_testing_harness_keeps_the_handlers_typed(sqlite_engine: Engine, tmp
     run_until_idle(harnessed(), broker.transport("orders"), sqlite_engine)
     assert order_counts(sqlite_engine) == {"m1": 1}
     assert [d.message.id for d in broker.dead_letters["orders"]] == ["m2"]
+
+
+if TYPE_CHECKING:
+    from mqdedup.consumers.context import Context as CheckedContext
+
+
+class ContextOnlyForTypeCheckers(Consumer):
+    name = "typed-checking"
+    poll_timeout = 0.01
+
+    def handle(self, order: POrder, ctx: CheckedContext) -> Any:
+        _write(ctx, order)
+
+
+def test_only_the_message_parameter_must_resolve(sqlite_engine: Engine) -> None:
+    """``ctx: Context`` imported under TYPE_CHECKING (a NameError for get_type_hints on
+    the whole handler) does not keep the body from being typed."""
+    broker = InMemoryBroker()
+    publish(broker, {"order": 1, "amount": 10}, "m1")
+    run_until_idle(ContextOnlyForTypeCheckers(), broker.transport("orders"), sqlite_engine)
+    assert order_counts(sqlite_engine) == {"m1": 1}
