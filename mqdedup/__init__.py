@@ -24,6 +24,7 @@ from mqdedup.consumers import (
     Worker,
     run_until_idle,
 )
+from mqdedup.consumers.bodies import InvalidBodyError
 from mqdedup.consumers.context import (
     HandlerEndedTransactionError,
     InvalidResultError,
@@ -74,6 +75,7 @@ __all__ = [
     "InMemoryBroker",
     "InsertOrGet",
     "InsertOrGetError",
+    "InvalidBodyError",
     "InvalidMessageIdError",
     "InvalidResultError",
     "Message",

@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - exercised by installs without the extr
         def __class_getitem__(cls, item: Any) -> Any:
             return cls
 
+
 TRACE_HEADERS = ("traceparent", "tracestate")
 _INSTRUMENTATION = "mqdedup"
 

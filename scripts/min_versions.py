@@ -13,7 +13,8 @@ import tomllib
 from pathlib import Path
 
 RUNTIME_EXTRAS = (
-    "postgresql", "kafka", "rabbitmq", "redis", "mysql", "otel", "asyncio", "fastapi", "django"
+    "postgresql", "kafka", "rabbitmq", "redis", "mysql", "otel", "asyncio", "fastapi", "django",
+    "pydantic", "msgspec",
 )
 _REQUIREMENT = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+(?:\[[^\]]+\])?)\s*(?P<spec>.*)$")
 

@@ -90,6 +90,15 @@ HELP: dict[tuple[str, ...], Help] = {
             'mqdedup console --host 0.0.0.0 --token "$CONSOLE_TOKEN" --read-only',
         ),
     ),
+    ("publish",): Help(
+        "Send one message stamped with what dedup needs: a message-id (--id, else a new "
+        "UUIDv7), its content type and the trace context; print its message id. For "
+        "operators and tests; a message no queue takes is an error (exit 3).",
+        (
+            "mqdedup publish --topic orders --id order-17 --body '{\"id\": 17}'",
+            "mqdedup publish --queue orders --file order.json",
+        ),
+    ),
     ("outbox",): Help(
         "The outbox: what waits to be published, rows the broker refused, retention.",
         ("mqdedup outbox status",),

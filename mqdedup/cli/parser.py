@@ -35,6 +35,7 @@ from mqdedup.cli.dead_letters import (
 )
 from mqdedup.cli.demo import cmd_demo
 from mqdedup.cli.help_texts import apply_help
+from mqdedup.cli.publish import add_publish_parser  # typed43
 from mqdedup.cli.replay import cmd_replay
 from mqdedup.cli.status import cmd_status
 
@@ -207,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     dead_delete.add_argument("--consumer", default=None, help="only this consumer name")
     _dead_letter_choice_options(dead_delete)
     dead_delete.set_defaults(run=cmd_dead_letters_delete)
+
+    add_publish_parser(commands)  # typed43: mqdedup publish (mqdedup/cli/publish.py)
 
     relay = commands.add_parser("relay", help="publish committed outbox rows (a daemon)")
     database_option(relay)

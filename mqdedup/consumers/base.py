@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy.orm import Session
 
+from mqdedup.consumers.bodies import body_decoder
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.spec import FAILURE_ISOLATIONS, FailureIsolation, RetryPolicy
 from mqdedup.db.schema import DEFAULT_PREFIX
@@ -96,8 +97,13 @@ class Consumer:
         """The message id of ``message``; raises MissingMessageIdError when it has none."""
         return type(self).message_id_strategy(message)
 
-    def handle(self, message: Message, ctx: Context) -> Any:
+    def handle(self, message: Message | Any, ctx: Context) -> Any:
         """Apply one new message's effects through ``ctx.session`` / ``ctx.outbox``.
+
+        Annotate ``message`` with a pydantic model, a dataclass or a msgspec Struct to
+        get the body decoded and validated into it (``ctx.message`` is then the raw
+        message; an invalid body is dead-lettered at once with each field's error: see
+        :mod:`mqdedup.consumers.bodies`).
 
         Return a JSON-serialisable result to store it with the claim (duplicates get it
         back in :meth:`on_duplicate`). Raise to fail the message: it is retried, then
@@ -106,9 +112,12 @@ class Consumer:
         raise NotImplementedError(f"{type(self).__name__} must implement handle()")
 
     def handle_batch(
-        self, messages: Sequence[Message], ctx: BatchContext
+        self, messages: Sequence[Message] | Sequence[Any], ctx: BatchContext
     ) -> Mapping[str, Any] | None:
         """Optional bulk handler for all new messages of a batch (e.g. one INSERT).
+
+        ``Sequence[Model]`` gets the validated bodies (``ctx.messages`` the raw messages,
+        in the same order); a message whose body is invalid is dead-lettered alone.
 
         Return ``{message_id: result}`` or ``None``. If it raises, the batch falls back
         to :meth:`handle` per message so the failing message can be found.
@@ -206,6 +215,11 @@ class Consumer:
         problem = handler_style_problem(self)
         if problem:
             raise ConfigurationError(problem)
+        # Typed bodies: an annotation naming no model is refused here, at start.
+        if self.has_single_handler:
+            body_decoder(type(self), "handle")
+        if self.has_batch_handler:
+            body_decoder(type(self), "handle_batch")
 
 
 #: The methods a consumer overrides that the pipeline calls (async in an AsyncConsumer).

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from mqdedup import tracing
 from mqdedup.bridge import resolve, wait_for
+from mqdedup.consumers.bodies import InvalidBodiesError, InvalidBodyError, body_decoder
 from mqdedup.consumers.context import (
     AsyncBatchContext,
     AsyncContext,
@@ -41,21 +42,32 @@ class Handlers:
         # Async consumers: AsyncSession contexts; their coroutines are awaited (bridge).
         self._context, self._batch_context = _context_types(consumer)
         self._awaits = consumer.asynchronous
+        # Typed bodies (mqdedup.consumers.bodies): None for handlers taking the Message.
+        self._decode = (
+            body_decoder(type(consumer), "handle") if consumer.has_single_handler else None
+        )
+        self._decode_batch = (
+            body_decoder(type(consumer), "handle_batch") if consumer.has_batch_handler else None
+        )
 
     def call(self, session: Session | None, delivery: Delivery[Any]) -> Any:
         """One message's handler; its (checked) result."""
         if not self.consumer.has_single_handler:
             return self.call_batch(session, [delivery]).get(str(delivery.message.id))
         message = delivery.message
+        decode = self._decode
+        # A typed body is decoded and validated before the handler runs (InvalidBodyError:
+        # dead-lettered at once); ctx.message stays the raw message.
+        body = message if decode is None else decode(message)
         context = self._context(session, self.consumer, message)
         started = time.monotonic()
         if tracing.enabled():
             with tracing.consume_span(self.name, message):
-                result = self.consumer.handle(message, context)
+                result = self.consumer.handle(body, context)
                 if self._awaits:
                     result = wait_for(result)
         else:  # no span to open: spare the per-message context manager
-            result = self.consumer.handle(message, context)
+            result = self.consumer.handle(body, context)
             if self._awaits:
                 result = wait_for(result)
         self.metrics.histograms.observe("handler_seconds", time.monotonic() - started)
@@ -65,10 +77,13 @@ class Handlers:
     def call_batch(self, session: Session | None, new: list[Delivery[Any]]) -> dict[str, Any]:
         """The batch handler over ``new``; its checked results by message id."""
         messages = [d.message for d in new]
+        bodies: list[Any] = messages
+        if self._decode_batch is not None:
+            bodies = self._decoded(new)
         started = time.monotonic()
         with tracing.batch_span(self.name, messages):
             results = self.consumer.handle_batch(
-                messages, self._batch_context(session, self.consumer, messages)
+                bodies, self._batch_context(session, self.consumer, messages)
             )
             if self._awaits:
                 results = resolve(results)
@@ -82,6 +97,24 @@ class Handlers:
         for value in clean.values():
             ensure_json(value)
         return clean
+
+    def _decoded(self, new: list[Delivery[Any]]) -> list[Any]:
+        """The batch's typed bodies; raises when one or more do not validate: the batch
+        runs again without them (:class:`InvalidBodiesError`), each dead-lettered alone."""
+        decode = self._decode_batch
+        assert decode is not None
+        bodies: list[Any] = []
+        failed: list[tuple[Delivery[Any], InvalidBodyError]] = []
+        for delivery in new:
+            try:
+                bodies.append(decode(delivery.message))
+            except InvalidBodyError as error:
+                failed.append((delivery, error))
+        if failed:
+            if len(new) == 1:
+                raise failed[0][1]  # the message's own failure (MessageError)
+            raise InvalidBodiesError(failed)
+        return bodies
 
 
 def _context_types(consumer: ConsumerSpec) -> tuple[type[Any], type[Any]]:

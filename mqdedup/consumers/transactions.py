@@ -47,6 +47,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SAWarning
 from sqlalchemy.orm import Session, sessionmaker
 
+from mqdedup.consumers.bodies import InvalidBodiesError
 from mqdedup.consumers.context import (
     HandlerChangedConnectionError,
     guard_session,
@@ -627,6 +628,8 @@ def _blamed(owner: Delivery[Any] | None, error: Exception) -> _RolledBack:
     """The rollback for ``owner``'s own failure (None: the batch handler's, so the next
     transaction calls ``handle`` per message)."""
     if owner is None:
+        if isinstance(error, InvalidBodiesError):  # typed bodies: the batch runs without them
+            return _RolledBack(failed=list(error.failed))
         return _RolledBack(batch_handler=error)
     return _RolledBack(failed=[(owner, error)])
 

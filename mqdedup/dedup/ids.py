@@ -131,6 +131,12 @@ def from_amqp_message_id(message: Message) -> str:
 def from_coordinates(message: Message) -> str:
     """Use the broker coordinates ``topic/partition/offset`` as the id (Kafka).
 
+    Protects against: redeliveries of the same record (a crash between commit and
+    offset commit, a rebalance) and replays of the topic. Needs nothing from producers.
+    Does not protect against: a producer that sends the same message twice (a retry
+    after a timeout, a second publish): the copies have different offsets. And on
+    RabbitMQ there are no stable coordinates (a redelivery comes back with no offset).
+
     When that would be longer than :data:`MAX_ID_LENGTH` (Kafka allows 249-character
     topic names), the topic is replaced by ``topic-sha256:<sha256 of the topic>``:
     still deterministic and unique per topic, and no real Kafka topic contains ``:``.
@@ -147,7 +153,14 @@ def from_coordinates(message: Message) -> str:
 
 @_returns_checked_ids
 def from_content_hash(message: Message) -> str:
-    """Use the sha256 of the body as the id."""
+    """Use the sha256 of the body as the id: identical bodies are one message.
+
+    Protects against: every copy of the same bytes: redeliveries, replays, producer
+    retries, a message published twice. Does not protect against: a resend whose body
+    differs (a timestamp or a random id inside it); and it merges two distinct messages
+    that happen to have identical bodies ("+1" twice is one increment): use it only
+    when the body names the fact completely (an order id, a version).
+    """
     return "sha256:" + hashlib.sha256(message.body).hexdigest()
 
 

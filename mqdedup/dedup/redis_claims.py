@@ -46,13 +46,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import redis
-
 from mqdedup.dedup import redis_scripts as scripts
 from mqdedup.dedup.claims import Claims
 from mqdedup.dedup.redis_client import is_transient_redis_error, redis_client
 from mqdedup.dedup.redis_settings import DEFAULT_REDIS_NAMESPACE, expiry_seconds
 from mqdedup.errors import ConfigurationError
+from mqdedup.extras import missing_extra
+
+try:
+    import redis
+except ImportError as _missing:  # the redis extra
+    raise missing_extra("the Redis claim store (RedisDedup)", "redis", _missing) from None
 
 log = logging.getLogger(__name__)
 

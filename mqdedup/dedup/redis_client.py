@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 from urllib.parse import urlsplit
 
-import redis
-from redis import exceptions as redis_errors
-
 from mqdedup.errors import ConfigurationError, DatabaseUnavailableError
+from mqdedup.extras import missing_extra
 from mqdedup.masking import mask_text, mask_url
+
+try:
+    import redis
+except ImportError as _missing:  # the redis extra
+    raise missing_extra("the Redis claim store (RedisDedup)", "redis", _missing) from None
+from redis import exceptions as redis_errors
 
 REDIS_URL_ENV = "MQDEDUP_REDIS_URL"
 _SCHEMES = ("redis", "rediss", "unix")

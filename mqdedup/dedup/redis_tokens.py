@@ -25,8 +25,6 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-import redis
-
 from mqdedup.dedup.redis_client import redis_client
 from mqdedup.dedup.tokens import (
     TokenOutcome,
@@ -36,6 +34,12 @@ from mqdedup.dedup.tokens import (
     token_hash,
     ttl_seconds,
 )
+from mqdedup.extras import missing_extra
+
+try:
+    import redis
+except ImportError as _missing:  # the redis extra
+    raise missing_extra("the Redis one-time tokens", "redis", _missing) from None
 
 log = logging.getLogger(__name__)
 

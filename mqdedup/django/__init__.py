@@ -16,6 +16,13 @@ tables are this app's migrations). Then:
 See docs/django.md.
 """
 
+# -- the django extra (typed43): an ImportError naming it; keep this block first ---
+from mqdedup.extras import require as _require
+
+_require("mqdedup.django", "django")
+# isort: split
+# ruff: noqa: E402 - the imports below come after the extra is checked
+
 from mqdedup.dedup.request_keys import SHARED_SCOPE
 from mqdedup.django.connection import TransactionBrokenError, engine, session, sessions
 from mqdedup.django.idempotency import idempotent

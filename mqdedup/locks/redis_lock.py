@@ -32,11 +32,9 @@ import time
 import uuid
 from typing import Any
 
-import redis
-from redis import exceptions as redis_errors
-
 from mqdedup.dedup.redis_claims import scope_tag
 from mqdedup.dedup.redis_client import mask_redis_url, redis_client
+from mqdedup.extras import missing_extra
 from mqdedup.locks.base import (
     Lease,
     LeaseLock,
@@ -48,6 +46,12 @@ from mqdedup.locks.base import (
     check_seconds,
     check_ttl,
 )
+
+try:
+    import redis
+except ImportError as _missing:  # the redis extra
+    raise missing_extra("the Redis lock", "redis", _missing) from None
+from redis import exceptions as redis_errors
 
 log = logging.getLogger(__name__)
 

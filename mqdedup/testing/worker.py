@@ -163,6 +163,10 @@ def build_consumer_class(config: Mapping[str, Any]) -> type[Consumer]:
         del harnessed.handle
     if user_class.handle_batch is base.handle_batch:
         del harnessed.handle_batch
+    # Typed bodies: the wrappers take what the user's handlers take (their annotations).
+    for method in ("handle", "handle_batch"):
+        if method in vars(harnessed):
+            vars(harnessed)[method].__wrapped__ = getattr(user_class, method)
     for name, value in dict(config.get("attributes") or {}).items():
         setattr(harnessed, name, value)
     harnessed.__name__ = harnessed.__qualname__ = user_class.__name__
