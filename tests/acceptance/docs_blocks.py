@@ -41,9 +41,9 @@ INSTALLS = re.compile(r"\bpip\d*(\.\d+)?\s+install\b|-m\s+venv\b|\bpip\s+uninsta
 
 
 def doc_files(repo: Path) -> list[Path]:
-    """README.md, docs/*.md, examples/README.md, examples/*/README.md and the services
-    script's page, in that order."""
-    files = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    """README.md, CONTRIBUTING.md, docs/**/*.md (the site's pages), examples/README.md,
+    examples/*/README.md and the services script's page, in that order."""
+    files = [repo / "README.md", repo / "CONTRIBUTING.md", *sorted((repo / "docs").rglob("*.md"))]
     files += [repo / "examples" / "README.md", *sorted((repo / "examples").glob("*/README.md"))]
     files.append(repo / "scripts" / "README-services.md")
     return [path for path in files if path.is_file()]

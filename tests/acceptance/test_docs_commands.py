@@ -1,5 +1,6 @@
-"""Every shell command of README.md, docs/*.md, the examples' READMEs and the services
-script's page (scripts/README-services.md) runs as written.
+"""Every shell command of README.md, CONTRIBUTING.md, the site's pages (docs/**/*.md), the
+examples' READMEs and the services script's page (scripts/README-services.md) runs as
+written.
 
 Each fenced ``bash`` / ``sh`` / ``shell`` / ``console`` block is one test, named after
 its file and line (``README.md:L28``), run in document order in its own
@@ -57,7 +58,7 @@ ANNOTATION_ERRORS: list[str] = [error for _, errors in PARSED.values() for error
 ALLOWED_SKIPS: dict[tuple[str, str], str] = {
     ("README.md", "bash scripts/test.sh"): "the whole suite, this test included (recursion)",
     ("docs/benchmarks.md", ".venv/bin/python -m bench "): "the 8-minute full run",
-    ("docs/guide.md", "mqdedup replay shop.consumers:PaymentStream"): "a RabbitMQ stream",
+    ("docs/replay.md", "mqdedup replay shop.consumers:PaymentStream"): "a RabbitMQ stream",
     ("examples/README.md", "docker compose up"): "no Docker here",
     ("docs/tools.md", "mqdedup worker myapp.sms:SendSms"): (
         "an illustration; tests/acceptance/test_cli_redis_worker.py runs a RedisDedup consumer so"
@@ -108,6 +109,9 @@ class DocsEnv:
             "API_SHIPPING_GROUP": f"{name}-api-shipping",
             "FLASH_SALE_QUEUE": f"{name}-flash-sale-orders",
             "FLASH_SALE_EVENTS_QUEUE": f"{name}-flash-sale-events",
+            "CLAIM_TOPIC": f"{name}-claim-payments",
+            "CLAIM_QUEUE": f"{name}-claim-payments",
+            "CLAIM_GROUP": f"{name}-claim-payments",
         }
 
 
@@ -194,8 +198,9 @@ def _delete_broker_names(docs: DocsEnv) -> None:
     try:
         channel = connection.channel()
         for page in pages:
-            queue = docs.for_page(page)["PAYMENTS_QUEUE"]
-            for name in (queue, f"{queue}.dlq"):
+            names = docs.for_page(page)
+            queue = names["PAYMENTS_QUEUE"]
+            for name in (queue, f"{queue}.dlq", names["CLAIM_QUEUE"]):
                 channel.queue_delete(name)
     finally:
         connection.close()
@@ -521,7 +526,7 @@ def test_docs_annotations_are_well_formed_and_skips_allow_listed() -> None:
     executed = [b for b in BLOCKS if not _skipped(b)]
     assert len(executed) >= MIN_EXECUTED, f"only {len(executed)} blocks run"
     pages = {b.relative for b in executed}
-    assert {"README.md", "docs/guide.md", "docs/benchmarks.md"} <= pages
+    assert {"README.md", "docs/tutorial/1-in-memory.md", "docs/benchmarks.md"} <= pages
 
 
 def test_annotation_parser_rejects_what_it_does_not_know(tmp_path: Path) -> None:
