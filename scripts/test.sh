@@ -24,7 +24,8 @@ eval "$(bash scripts/services.sh env)"
 .venv/bin/mypy
 .venv/bin/lint-imports --no-cache
 site=$(mktemp -d)
-NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site"
+# Not --quiet: it hides the warnings that --strict turns into a failure.
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site"
 rm -rf "$site"
 min_pid=
 if [[ $# -eq 0 ]]; then
