@@ -107,6 +107,28 @@ class Block:
         return self.text
 
 
+def python_blocks(path: Path, repo: Path) -> list[tuple[str, str]]:
+    """``(ident, code)`` of each fenced ``python`` block of ``path`` (``page.md:L12``)."""
+    relative = path.relative_to(repo).as_posix()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found: list[tuple[str, str]] = []
+    index = 0
+    while index < len(lines):
+        match = FENCE.match(lines[index])
+        if not match:
+            index += 1
+            continue
+        end = index + 1
+        while end < len(lines) and not lines[end].strip().startswith(match["fence"]):
+            end += 1
+        if match["info"].strip().split()[:1] == ["python"]:
+            indent = len(match["indent"])
+            code = "\n".join(line[indent:] for line in lines[index + 1 : end])
+            found.append((f"{relative}:L{index + 1}", code))
+        index = end + 1
+    return found
+
+
 def parse_directive(body: str) -> Directive:
     """``skip: why`` / ``background`` / ``exit 3`` / ``equivalent: cmd`` / ``fresh-checkout``.
 

@@ -19,6 +19,7 @@ that install packages run in a throw-away copy of the checkout with its own ``.v
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -39,7 +40,7 @@ import pytest
 from sqlalchemy import make_url, text
 
 from mqdedup.db import create_engine
-from tests.acceptance.docs_blocks import Block, doc_files, parse
+from tests.acceptance.docs_blocks import Block, doc_files, parse, python_blocks
 from tests.services import REPO, require_service
 
 pytestmark = [pytest.mark.integration]
@@ -584,3 +585,18 @@ def test_the_runner_fails_a_block_on_its_first_failing_line_and_checks_console_o
         run_foreground(failing_chain, env, tmp_path)
     with pytest.raises(AssertionError, match="left processes running"):
         run_foreground(leaking, env, tmp_path)
+
+
+def test_every_python_block_of_the_docs_is_valid_python() -> None:
+    """Python blocks are examples, not commands: each must at least compile (top-level
+    ``await`` allowed, as in an async function's body); the ones a test runs as written
+    (the tutorial's first block: ``tests/acceptance/test_examples.py``) say so nearby."""
+    broken = []
+    blocks = [block for path in doc_files(REPO) for block in python_blocks(path, REPO)]
+    for ident, code in blocks:
+        try:
+            compile(code, ident, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+        except SyntaxError as error:
+            broken.append(f"{ident} (+{error.lineno}): {error.msg}")
+    assert len(blocks) >= 50, f"only {len(blocks)} python blocks found"
+    assert not broken, "python blocks that do not compile:\n" + "\n".join(broken)
