@@ -1,9 +1,10 @@
 """The claim as a library call under kill -9, against the real brokers (issue 43).
 
-Two consumers that are not mqdedup consumers: the FastStream subscriber of
-``examples/faststream_claim`` (on Kafka and on RabbitMQ) and the hand-written
-kafka-python loop of ``examples/kafka_loop_claim``. Each claims with ``mqdedup.claim``
-/ ``async_claim`` in its own transaction and acks after the commit.
+Three consumers that are not mqdedup consumers: the FastStream subscriber of
+``examples/faststream_claim`` (on Kafka and on RabbitMQ), the hand-written kafka-python
+loop of ``examples/kafka_loop_claim`` and the Celery task (``acks_late``) of
+``examples/celery_claim`` (RabbitMQ; the task id is the message id). Each claims with
+``mqdedup.claim`` / ``async_claim`` in its own transaction and acks after the commit.
 
 Each test: 20 payments plus 5 producer resends on the broker; the consumer process
 kills itself with SIGKILL right after ``pay-7``'s transaction commits and before its
@@ -149,7 +150,9 @@ def _delete_broker_names(bootstrap: str, rabbit: str, name: str) -> None:
         admin.close()
     connection = pika.BlockingConnection(pika.URLParameters(rabbit))
     try:
-        connection.channel().queue_delete(name)
+        channel = connection.channel()
+        channel.queue_delete(name)
+        channel.exchange_delete(name)  # Celery's default exchange for its queue
     finally:
         connection.close()
 
@@ -165,21 +168,21 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("module", "broker"),
+    ("module", "producer", "broker"),
     [
-        ("examples.faststream_claim.app", "kafka"),
-        ("examples.faststream_claim.app", "rabbit"),
-        ("examples.kafka_loop_claim.loop", "kafka"),
+        ("examples.faststream_claim.app", "examples.faststream_claim.produce", "kafka"),
+        ("examples.faststream_claim.app", "examples.faststream_claim.produce", "rabbit"),
+        ("examples.kafka_loop_claim.loop", "examples.faststream_claim.produce", "kafka"),
+        ("examples.celery_claim.worker", "examples.celery_claim.produce", "rabbit"),
     ],
-    ids=["faststream-kafka", "faststream-rabbitmq", "kafka-python-loop"],
+    ids=["faststream-kafka", "faststream-rabbitmq", "kafka-python-loop", "celery-acks-late"],
 )
 def test_kill_9_between_commit_and_ack_leaves_every_effect_once(
-    run: Run, module: str, broker: str
+    run: Run, module: str, producer: str, broker: str
 ) -> None:
-    pytest.importorskip("faststream")
     run.env["CLAIM_BROKER"] = broker
     run.call("examples.faststream_claim.setup")
-    run.call("examples.faststream_claim.produce")
+    run.call(producer)
 
     # First life: dies by SIGKILL right after pay-7's commit, before its ack.
     run.env["CLAIM_CRASH_AFTER_COMMIT"] = CRASH_ID
