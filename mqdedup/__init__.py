@@ -9,6 +9,7 @@ from mqdedup import interrupts as _interrupts  # noqa: F401
 
 # isort: split
 from mqdedup import ids
+from mqdedup.claiming import AsyncClaim, Claim, ClaimError, async_claim, claim
 from mqdedup.consumers import (
     AsyncConsumer,
     AsyncContext,
@@ -59,9 +60,12 @@ from mqdedup.outbox.async_writer import AsyncOutboxWriter
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncClaim",
     "AsyncConsumer",
     "AsyncContext",
     "AsyncOutboxWriter",
+    "Claim",
+    "ClaimError",
     "ClaimStore",
     "ConfigurationError",
     "Consumer",
@@ -92,7 +96,9 @@ __all__ = [
     "UndecodableMessageError",
     "Worker",
     "__version__",
+    "async_claim",
     "async_insert_or_get",
+    "claim",
     "create_async_engine",
     "create_engine",
     "ids",

@@ -3,6 +3,7 @@
 #   1. a virtualenv in .venv with mqdedup and every extra installed from PyPI,
 #   2. the services the tests need started natively on loopback (scripts/services.sh),
 #   3. ruff, mypy and lint-imports (the architecture's import contracts in pyproject.toml),
+#      the documentation site (`mkdocs build --strict`: a broken link or reference fails),
 #      then pytest (unit, integration, acceptance) and, in a full run,
 #      beside it the unit tests on the declared minimum versions (scripts/min_versions.sh).
 # Extra arguments go to pytest, e.g. `scripts/test.sh tests/unit -x`.
@@ -23,6 +24,10 @@ eval "$(bash scripts/services.sh env)"
 .venv/bin/ruff check .
 .venv/bin/mypy
 .venv/bin/lint-imports --no-cache
+site=$(mktemp -d)
+# Not --quiet: it hides the warnings that --strict turns into a failure.
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site"
+rm -rf "$site"
 min_pid=
 if [[ $# -eq 0 ]]; then
     # A full run also proves the declared minimum versions (the unit tests in .venv-min),

@@ -410,7 +410,7 @@ def violations(scenario: Scenario, outcome: Outcome) -> list[str]:
         found.append(f"the healthy database was waited out {outcome.database_retries} times")
     # A handle_batch call that ended the transaction is the culprit as a whole: what it
     # committed for a message before that is there, and the message runs again alone
-    # (at least once; documented in docs/guide.md).
+    # (at least once; documented in docs/concepts.md).
     batch_call_ended = scenario.batch_handler and any(
         ends_transaction(behaviour, outcome.dialect) for behaviour in scenario.behaviours
     )

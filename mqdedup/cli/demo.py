@@ -122,8 +122,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 @dataclass
 class DemoResult:
-    """What the demo saw and checked."""
+    """What the demo saw and checked.
 
+    Two counts, two words: a *message* is one record put on the queue (the orders, the
+    producers' resends, the malformed ones): ``sent`` of them, each settled once; a
+    *delivery* is one hand-off of a message to a worker: ``delivered``, which is ``sent``
+    plus the redeliveries of messages whose batch committed but was not acked.
+    """
+
+    sent: int
     delivered: int
     unique: int
     processed: int
@@ -198,9 +205,9 @@ def _run(
     broker.publish(QUEUE, b"{not json", message_id="malformed-1")
     broker.publish(QUEUE, b'{"order_id": "x"}')  # no message id at all
     expected_dead = 2
-    delivered_total = broker.pending(QUEUE)
+    sent = broker.pending(QUEUE)
 
-    bar = _ProgressBar(delivered_total, progress)
+    bar = _ProgressBar(sent, progress)
     # Moves once per committed batch (the count settled so far, this batch not yet acked).
     consumer = DemoOrderConsumer(
         crash_rate, rng, on_batch=lambda: bar.update(broker.settled_count.get(QUEUE, 0))
@@ -223,6 +230,7 @@ def _run(
             select(demo_orders.c.order_id, func.count()).group_by(demo_orders.c.order_id)
         ).all()
     return DemoResult(
+        sent=sent,
         delivered=delivered,
         unique=messages,
         processed=processed,
@@ -246,7 +254,11 @@ def existing_demo_rows(engine: Engine) -> int:
 
 
 class _ProgressBar:
-    """A bar redrawn per batch on a terminal; elsewhere a plain line every quarter."""
+    """A bar redrawn per batch on a terminal; elsewhere a plain line every quarter.
+
+    It counts messages settled out of the messages sent (the summary's first line), not
+    deliveries: a redelivered message is settled once.
+    """
 
     #: Without a terminal, one line each time this share of the messages is settled.
     LINE_STEP = 25
@@ -272,7 +284,7 @@ class _ProgressBar:
             )
         elif percent >= self._last_line + self.LINE_STEP:
             self._last_line = percent - percent % self.LINE_STEP
-            self.stream.write(f"demo: {done}/{self.total} deliveries settled ({percent}%)\n")
+            self.stream.write(f"demo: {done}/{self.total} messages settled ({percent}%)\n")
         else:
             return
         self.stream.flush()
@@ -283,7 +295,7 @@ class _ProgressBar:
         if self.tty:
             self.stream.write("\n")
         elif self._last_line < 100:
-            self.stream.write(f"demo: {self.total}/{self.total} deliveries settled (100%)\n")
+            self.stream.write(f"demo: {self.total}/{self.total} messages settled (100%)\n")
         self.stream.flush()
 
 
@@ -296,7 +308,8 @@ def format_summary(result: DemoResult) -> str:
     lines = [
         "mqdedup demo: orders through the in-memory broker into the database",
         "",
-        f"  {'deliveries (incl. redeliveries)':<34}{result.delivered:>10}",
+        f"  {'messages sent (incl. resends)':<34}{result.sent:>10}",
+        f"  {'deliveries (sent + redelivered)':<34}{result.delivered:>10}",
         f"  {'unique orders':<34}{result.unique:>10}",
         f"  {'processed (handler committed)':<34}{result.processed:>10}",
         f"  {'duplicates skipped':<34}{result.duplicates:>10}",

@@ -627,5 +627,5 @@ def json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print JSON (stable keys, listed in docs/guide.md, JSON output)",
+        help="print JSON (stable keys, listed in docs/running.md, JSON output)",
     )

@@ -91,7 +91,7 @@ def wait_for_consumer_broker(
 
     ``say`` gets one line when the first attempt fails, naming what is awaited; after the
     timeout BrokerUnavailableError says how long it waited. Kafka and RabbitMQ workers
-    behave the same (docs/guide.md, "Start-up").
+    behave the same (docs/running.md, "Start-up: an unreachable broker").
     """
     broker = consumer_broker(consumer)
     if broker is None:

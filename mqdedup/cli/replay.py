@@ -268,7 +268,7 @@ def format_replay_report(report: Any) -> str:
             f"\nnote: {report.without_id} message(s) carry no message id, so dedup cannot "
             f"recognise them: {'a replay would dead-letter' if report.dry_run else 'dead-lettered'}"
             " them again (every replay over this range does); give the consumer a message-id "
-            "fallback to process them instead (docs/guide.md, Replays)"
+            "fallback to process them instead (docs/message-ids.md)"
         )
     return text
 

@@ -41,9 +41,9 @@ INSTALLS = re.compile(r"\bpip\d*(\.\d+)?\s+install\b|-m\s+venv\b|\bpip\s+uninsta
 
 
 def doc_files(repo: Path) -> list[Path]:
-    """README.md, docs/*.md, examples/README.md, examples/*/README.md and the services
-    script's page, in that order."""
-    files = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    """README.md, CONTRIBUTING.md, docs/**/*.md (the site's pages), examples/README.md,
+    examples/*/README.md and the services script's page, in that order."""
+    files = [repo / "README.md", repo / "CONTRIBUTING.md", *sorted((repo / "docs").rglob("*.md"))]
     files += [repo / "examples" / "README.md", *sorted((repo / "examples").glob("*/README.md"))]
     files.append(repo / "scripts" / "README-services.md")
     return [path for path in files if path.is_file()]
@@ -105,6 +105,28 @@ class Block:
         if self.language == "console":
             return "\n".join(command for command, _ in self.console_steps()) + "\n"
         return self.text
+
+
+def python_blocks(path: Path, repo: Path) -> list[tuple[str, str]]:
+    """``(ident, code)`` of each fenced ``python`` block of ``path`` (``page.md:L12``)."""
+    relative = path.relative_to(repo).as_posix()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found: list[tuple[str, str]] = []
+    index = 0
+    while index < len(lines):
+        match = FENCE.match(lines[index])
+        if not match:
+            index += 1
+            continue
+        end = index + 1
+        while end < len(lines) and not lines[end].strip().startswith(match["fence"]):
+            end += 1
+        if match["info"].strip().split()[:1] == ["python"]:
+            indent = len(match["indent"])
+            code = "\n".join(line[indent:] for line in lines[index + 1 : end])
+            found.append((f"{relative}:L{index + 1}", code))
+        index = end + 1
+    return found
 
 
 def parse_directive(body: str) -> Directive:

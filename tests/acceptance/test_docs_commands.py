@@ -1,5 +1,6 @@
-"""Every shell command of README.md, docs/*.md, the examples' READMEs and the services
-script's page (scripts/README-services.md) runs as written.
+"""Every shell command of README.md, CONTRIBUTING.md, the site's pages (docs/**/*.md), the
+examples' READMEs and the services script's page (scripts/README-services.md) runs as
+written.
 
 Each fenced ``bash`` / ``sh`` / ``shell`` / ``console`` block is one test, named after
 its file and line (``README.md:L28``), run in document order in its own
@@ -18,6 +19,7 @@ that install packages run in a throw-away copy of the checkout with its own ``.v
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -38,7 +40,7 @@ import pytest
 from sqlalchemy import make_url, text
 
 from mqdedup.db import create_engine
-from tests.acceptance.docs_blocks import Block, doc_files, parse
+from tests.acceptance.docs_blocks import Block, doc_files, parse, python_blocks
 from tests.services import REPO, require_service
 
 pytestmark = [pytest.mark.integration]
@@ -57,7 +59,7 @@ ANNOTATION_ERRORS: list[str] = [error for _, errors in PARSED.values() for error
 ALLOWED_SKIPS: dict[tuple[str, str], str] = {
     ("README.md", "bash scripts/test.sh"): "the whole suite, this test included (recursion)",
     ("docs/benchmarks.md", ".venv/bin/python -m bench "): "the 8-minute full run",
-    ("docs/guide.md", "mqdedup replay shop.consumers:PaymentStream"): "a RabbitMQ stream",
+    ("docs/replay.md", "mqdedup replay shop.consumers:PaymentStream"): "a RabbitMQ stream",
     ("examples/README.md", "docker compose up"): "no Docker here",
     ("docs/tools.md", "mqdedup worker myapp.sms:SendSms"): (
         "an illustration; tests/acceptance/test_cli_redis_worker.py runs a RedisDedup consumer so"
@@ -108,6 +110,9 @@ class DocsEnv:
             "API_SHIPPING_GROUP": f"{name}-api-shipping",
             "FLASH_SALE_QUEUE": f"{name}-flash-sale-orders",
             "FLASH_SALE_EVENTS_QUEUE": f"{name}-flash-sale-events",
+            "CLAIM_TOPIC": f"{name}-claim-payments",
+            "CLAIM_QUEUE": f"{name}-claim-payments",
+            "CLAIM_GROUP": f"{name}-claim-payments",
         }
 
 
@@ -194,8 +199,9 @@ def _delete_broker_names(docs: DocsEnv) -> None:
     try:
         channel = connection.channel()
         for page in pages:
-            queue = docs.for_page(page)["PAYMENTS_QUEUE"]
-            for name in (queue, f"{queue}.dlq"):
+            names = docs.for_page(page)
+            queue = names["PAYMENTS_QUEUE"]
+            for name in (queue, f"{queue}.dlq", names["CLAIM_QUEUE"]):
                 channel.queue_delete(name)
     finally:
         connection.close()
@@ -521,7 +527,7 @@ def test_docs_annotations_are_well_formed_and_skips_allow_listed() -> None:
     executed = [b for b in BLOCKS if not _skipped(b)]
     assert len(executed) >= MIN_EXECUTED, f"only {len(executed)} blocks run"
     pages = {b.relative for b in executed}
-    assert {"README.md", "docs/guide.md", "docs/benchmarks.md"} <= pages
+    assert {"README.md", "docs/tutorial/1-in-memory.md", "docs/benchmarks.md"} <= pages
 
 
 def test_annotation_parser_rejects_what_it_does_not_know(tmp_path: Path) -> None:
@@ -579,3 +585,18 @@ def test_the_runner_fails_a_block_on_its_first_failing_line_and_checks_console_o
         run_foreground(failing_chain, env, tmp_path)
     with pytest.raises(AssertionError, match="left processes running"):
         run_foreground(leaking, env, tmp_path)
+
+
+def test_every_python_block_of_the_docs_is_valid_python() -> None:
+    """Python blocks are examples, not commands: each must at least compile (top-level
+    ``await`` allowed, as in an async function's body); the ones a test runs as written
+    (the tutorial's first block: ``tests/acceptance/test_examples.py``) say so nearby."""
+    broken = []
+    blocks = [block for path in doc_files(REPO) for block in python_blocks(path, REPO)]
+    for ident, code in blocks:
+        try:
+            compile(code, ident, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+        except SyntaxError as error:
+            broken.append(f"{ident} (+{error.lineno}): {error.msg}")
+    assert len(blocks) >= 50, f"only {len(blocks)} python blocks found"
+    assert not broken, "python blocks that do not compile:\n" + "\n".join(broken)

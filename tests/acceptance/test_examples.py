@@ -312,8 +312,9 @@ def test_order_service_and_payments_examples_run_end_to_end(
 
 
 def test_guide_quick_start_runs_as_written(tmp_path: Path) -> None:
-    """The first Python block of docs/guide.md runs unchanged and prints what it says."""
-    guide = (REPO / "docs" / "guide.md").read_text()
+    """The first Python block of the tutorial (docs/tutorial/1-in-memory.md) runs
+    unchanged and prints what it says."""
+    guide = (REPO / "docs" / "tutorial" / "1-in-memory.md").read_text()
     block = guide.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "quickstart.py"
     script.write_text(block)
