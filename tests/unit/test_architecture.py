@@ -8,13 +8,17 @@ cycles are broken by the layering, never by hiding an import from the run time.
 
 from __future__ import annotations
 
+import ast
 from collections import defaultdict
+from pathlib import Path
 
 from tests.services import require_module
 
 #: import-linter's own dependency (the dev extra); the minimum-versions run has no linters
 #: (the one module allowed to be missing in CI: ``tests.services.CI_OPTIONAL_MODULES``)
 grimp = require_module("grimp")
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sibling_graphs() -> dict[str, dict[str, set[str]]]:
@@ -80,3 +84,83 @@ def test_no_import_cycle_between_the_modules_of_a_package() -> None:
         if (components := _cycles(edges))
     }
     assert cycles == {}, f"import cycles (type-checking imports included): {cycles}"
+
+
+# -- the relay asks its coordination object (issue 41) -------------------------------------
+
+#: Words that name a coordination mode or the objects that used to stand for one.
+_MODE_WORDS = ("coordinat", "_control", "_turns", "shard_locks", "yielding", "notifies")
+_MODE_NAMES = {"session", "transaction", "advisory", "named"}
+
+
+def _mentions_the_mode(node: ast.AST) -> str | None:
+    """What in ``node`` names the coordination mode (an identifier or a mode's name)."""
+    for child in ast.walk(node):
+        name = None
+        if isinstance(child, ast.Name):
+            name = child.id
+        elif isinstance(child, ast.Attribute):
+            name = child.attr
+        elif isinstance(child, ast.Constant) and child.value in _MODE_NAMES:
+            return repr(child.value)
+        if name is not None and any(word in name.lower() for word in _MODE_WORDS):
+            return name
+        if name in {"SharedShards", "TakingTurns", "SingleRelay", "ShardCoordinator"}:
+            return name
+    return None
+
+
+def _mode_tests(source: str) -> list[str]:
+    """Each decision in ``source`` (if / while / ternary / comparison / match /
+    isinstance) that looks at the coordination mode, as ``line: what``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        tested: ast.AST | None = None
+        if isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+            tested = node.test
+        elif isinstance(node, (ast.Compare, ast.BoolOp)):
+            tested = node
+        elif isinstance(node, ast.Match):
+            parts = [node.subject, *(case.pattern for case in node.cases)]
+            tested = ast.Module(body=[ast.Expr(value=part) for part in parts], type_ignores=[])  # type: ignore[misc]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in {
+            "isinstance",
+            "getattr",
+            "hasattr",
+        }:
+            tested = node
+        elif isinstance(node, ast.comprehension):
+            tested = ast.Module(body=[ast.Expr(value=test) for test in node.ifs], type_ignores=[])
+        if tested is not None and (what := _mentions_the_mode(tested)) is not None:
+            found.append(f"{node.lineno if hasattr(node, 'lineno') else '?'}: {what}")
+    return found
+
+
+def test_the_relay_never_tests_its_coordination_mode() -> None:
+    source = (ROOT / "mqdedup" / "outbox" / "relay.py").read_text()
+    assert _mode_tests(source) == [], (
+        "outbox/relay.py decides by the coordination mode; ask its RelayCoordination "
+        "(mqdedup/outbox/relay_coordination.py) instead"
+    )
+    imported = {
+        alias.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module == "mqdedup.outbox.coordination"
+        for alias in node.names
+    }
+    assert imported == set(), f"relay.py reaches past its RelayCoordination: {imported}"
+
+
+def test_the_mode_check_finds_a_branch_on_the_mode() -> None:
+    """The check above is not vacuous: each way the relay used to branch is found."""
+    samples = [
+        "if self._turns is not None:\n    pass",
+        "x = a if self._control is not None else b",
+        "if self.config.coordination == 'transaction':\n    pass",
+        "match mode:\n    case 'session':\n        pass",
+        "assert isinstance(self.coordination, SharedShards)",
+        "if control is not None and control.notifies:\n    pass",
+    ]
+    for sample in samples:
+        assert _mode_tests(sample), sample
+    assert _mode_tests("self.coordination.claim(run, brokers, in_flight)") == []

@@ -430,13 +430,15 @@ def test_a_relay_on_mysql_or_mariadb_uses_named_lock_shards_and_polls() -> None:
     from sqlalchemy import create_engine
 
     from mqdedup.outbox.coordination import MySQLCoordinator
+    from mqdedup.outbox.relay_coordination import SharedShards
 
     for url in ("mysql+pymysql://u:p@127.0.0.1:1/db", "mariadb+pymysql://u:p@127.0.0.1:1/db"):
         engine = create_engine(url)  # never connects: the relay opens connections lazily
         relay = Relay(engine, {"kafka": MemoryPublisher()}, config=RelayConfig(shards=8))
-        assert isinstance(relay._control, MySQLCoordinator)
-        assert relay._control.shards == 8
-        assert relay._control.notifies is False  # no LISTEN: _idle sleeps the poll interval
+        assert isinstance(relay.coordination, SharedShards)
+        assert isinstance(relay.coordination.coordinator, MySQLCoordinator)
+        assert relay.coordination.coordinator.shards == 8
+        assert relay.coordination.coordinator.notifies is False  # no LISTEN: _idle sleeps the poll interval
         relay.close()
         engine.dispose()
 
