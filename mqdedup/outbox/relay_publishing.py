@@ -16,8 +16,8 @@ from mqdedup import tracing
 from mqdedup.outbox.publishers import (
     PUBLISHED,
     OutboxRecord,
-    Outcome,
     Publisher,
+    PublishOutcome,
     PublishResult,
 )
 from mqdedup.tracing import TRACE_HEADERS, PublishTrace
@@ -77,13 +77,13 @@ def publish_records(
         for index, result in zip(indexes, outcome, strict=True):
             results[index] = result
         for span, result in zip(traces, outcome, strict=False):  # no traces: nothing to end
-            span.end(None if result.outcome is Outcome.PUBLISHED else result.error)
+            span.end(None if result.outcome is PublishOutcome.PUBLISHED else result.error)
         broker_result(broker, outcome)
     report = CycleReport(claimed=len(records))
     for record, result in zip(records, results, strict=True):
-        if result.outcome is Outcome.PUBLISHED:
+        if result.outcome is PublishOutcome.PUBLISHED:
             report.published.append(record)
-        elif result.outcome is Outcome.REJECTED:
+        elif result.outcome is PublishOutcome.REJECTED:
             report.rejected.append((record, result.error or "rejected"))
         else:
             report.unavailable.append(record)
@@ -127,7 +127,7 @@ class BrokerPauses:
     def record(self, broker: str, results: Sequence[PublishResult]) -> bool:
         """Note ``broker``'s results of one batch; True when an outage begins."""
         state = self._brokers[broker]
-        down = [r for r in results if r.outcome is Outcome.UNAVAILABLE]
+        down = [r for r in results if r.outcome is PublishOutcome.UNAVAILABLE]
         if not down:
             if state.failures:
                 log.info("broker available again", extra={"broker": broker})

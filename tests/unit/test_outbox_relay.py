@@ -438,7 +438,8 @@ def test_a_relay_on_mysql_or_mariadb_uses_named_lock_shards_and_polls() -> None:
         assert isinstance(relay.coordination, SharedShards)
         assert isinstance(relay.coordination.coordinator, MySQLCoordinator)
         assert relay.coordination.coordinator.shards == 8
-        assert relay.coordination.coordinator.notifies is False  # no LISTEN: _idle sleeps the poll interval
+        # no LISTEN: idle sleeps the poll interval
+        assert relay.coordination.coordinator.notifies is False
         relay.close()
         engine.dispose()
 
