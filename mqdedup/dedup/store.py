@@ -89,6 +89,12 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def aware(moment: datetime) -> datetime:
+    """A timestamp read back from the database, in UTC (databases without time zones,
+    SQLite and MySQL, hand back naive UTC datetimes)."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
 class DedupStore:
     """Reads and writes ``<prefix>processed_messages`` and ``<prefix>message_attempts``.
 

@@ -36,7 +36,7 @@ from mqdedup.outages import Outages
 from mqdedup.outbox.publishers import OutboxRecord, Publisher, PublishResult
 from mqdedup.outbox.relay_coordination import (
     RelayCoordination,
-    check_mode,
+    check_coordination_mode,
     relay_coordination,
 )
 from mqdedup.outbox.relay_publishing import BrokerPauses, CycleReport, publish_records
@@ -103,7 +103,7 @@ class RelayConfig:
     coordination: str = "session"
 
     def __post_init__(self) -> None:
-        check_mode(self.coordination)
+        check_coordination_mode(self.coordination)
         if self.batch_size < 1:
             raise ConfigurationError("relay batch_size must be at least 1")
         if self.max_attempts < 1:

@@ -43,7 +43,7 @@ T = TypeVar("T")
 COORDINATIONS = ("session", "transaction")
 
 
-def check_mode(coordination: str) -> None:
+def check_coordination_mode(coordination: str) -> None:
     """ConfigurationError (one line) for a coordination mode that does not exist."""
     if coordination not in COORDINATIONS:
         raise ConfigurationError(
