@@ -12,7 +12,6 @@ import contextlib
 import functools
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -26,6 +25,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 
+from mqdedup.backoff import Backoff
 from mqdedup.db.dialects import is_transient, prepare_relay_connection, traits
 from mqdedup.db.pooling import session_state_works
 from mqdedup.db.schema import DEFAULT_PREFIX
@@ -119,8 +119,7 @@ class RelayConfig:
 
     def row_backoff(self, attempts: int) -> float:
         """Seconds before a refused row's next try (exponential, capped, ±10% jitter)."""
-        base = min(self.max_backoff, self.initial_backoff * 2.0 ** (attempts - 1))
-        return float(base * random.uniform(0.9, 1.1))
+        return Backoff(self.initial_backoff, self.max_backoff, jitter=(0.9, 1.1)).delay(attempts)
 
 
 @dataclass

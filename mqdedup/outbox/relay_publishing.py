@@ -7,12 +7,12 @@ broker paused with backoff until its rows go through again."""
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mqdedup import tracing
+from mqdedup.backoff import Backoff
 from mqdedup.outbox.publishers import (
     PUBLISHED,
     OutboxRecord,
@@ -122,7 +122,7 @@ class BrokerPauses:
 
     def __init__(self, brokers: Iterable[str], backoff_max: float) -> None:
         self._brokers: dict[str, _BrokerState] = {name: _BrokerState() for name in brokers}
-        self._backoff_max = backoff_max
+        self._backoff = Backoff(0.25, backoff_max, jitter=(0.8, 1.0))
 
     def record(self, broker: str, results: Sequence[PublishResult]) -> bool:
         """Note ``broker``'s results of one batch; True when an outage begins."""
@@ -135,7 +135,7 @@ class BrokerPauses:
             state.paused_until = 0.0
             return False
         state.failures += 1
-        pause = min(self._backoff_max, 0.25 * 2 ** (state.failures - 1)) * random.uniform(0.8, 1.0)
+        pause = self._backoff.delay(state.failures)
         state.paused_until = time.monotonic() + pause
         log.warning(
             "broker unavailable; its rows wait",

@@ -164,3 +164,65 @@ def test_the_mode_check_finds_a_branch_on_the_mode() -> None:
     for sample in samples:
         assert _mode_tests(sample), sample
     assert _mode_tests("self.coordination.claim(run, brokers, in_flight)") == []
+
+
+# -- one backoff (issue 41) -----------------------------------------------------------------
+
+
+#: What a growing wait is called (``min(pause * 2, cap)``).
+_WAIT_WORDS = ("pause", "backoff", "delay", "wait", "sleep")
+
+
+def _hand_written_backoffs(source: str) -> list[str]:
+    """Backoff formulas written out in ``source``: a power (``2 ** attempt``), a jitter
+    draw (``random.uniform``), a doubling capped by ``min(x * 2, …)`` or one of tenacity's
+    ``wait_*`` objects, as ``line: code``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            found.append(node)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr == "uniform":
+                found.append(node)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "min":
+            grown = [
+                arg
+                for arg in node.args
+                if isinstance(arg, ast.BinOp)
+                and isinstance(arg.op, ast.Mult)
+                and any(word in ast.unparse(arg) for word in _WAIT_WORDS)
+            ]
+            if grown:
+                found.append(node)
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("tenacity")
+            and any(alias.name.startswith("wait") for alias in node.names)
+        ):
+            found.append(node)
+    return [f"{node.lineno}: {ast.unparse(node)[:60]}" for node in found]  # type: ignore[attr-defined]
+
+
+def test_every_wait_uses_the_one_backoff() -> None:
+    package = ROOT / "mqdedup"
+    formulas = {
+        str(path.relative_to(ROOT)): found
+        for path in sorted(package.rglob("*.py"))
+        # The aio_* stacks are being removed (issue 41, part 1) and may not come back.
+        if path != package / "backoff.py"
+        and not path.name.startswith("aio_")
+        and (found := _hand_written_backoffs(path.read_text()))
+    }
+    assert formulas == {}, "use mqdedup.backoff.Backoff instead of writing a backoff out"
+
+
+def test_the_backoff_check_finds_each_old_formula() -> None:
+    samples = [
+        "pause = min(cap, 0.25 * 2 ** (failures - 1)) * random.uniform(0.8, 1.0)",
+        "time.sleep(backoff * 2 ** (attempt - 1))",
+        "self._pause = min(self._pause * 2, _BLOCKED_PAUSE_MAX)",
+        "from tenacity import Retrying, wait_random_exponential",
+    ]
+    for sample in samples:
+        assert _hand_written_backoffs(sample), sample
+    assert _hand_written_backoffs("pause = BACKOFF.delay(failures)") == []
