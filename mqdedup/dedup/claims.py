@@ -6,7 +6,7 @@ settle the broker. Only *where claims live* differs, and that is all a
 :class:`ClaimStore` answers (after watermill's deduplicator middleware: dedup behind
 a small repository interface):
 
-* :class:`~mqdedup.dedup.sql_claims.SqlClaimStore` (the default): the dedup table, in
+* :class:`~mqdedup.dedup.store.DedupStore` (the default): the dedup table, in
   the handler's own database transaction. Claim, business writes, outbox rows and
   results commit together; a failing handler's claim is rolled back or forgotten in
   that transaction. ``transactional`` is True.
