@@ -74,7 +74,7 @@ def _sql_harness(kind: str, engine: Engine) -> Iterator[Harness]:
             yield session
 
     def purge() -> None:
-        store.table.purge(engine, older_than=timedelta(0))
+        store.purge(engine, older_than=timedelta(0))
 
     try:
         yield Harness(kind, store, unit, purge, attempt_unit=lease)
