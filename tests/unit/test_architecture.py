@@ -226,3 +226,66 @@ def test_the_backoff_check_finds_each_old_formula() -> None:
     for sample in samples:
         assert _hand_written_backoffs(sample), sample
     assert _hand_written_backoffs("pause = BACKOFF.delay(failures)") == []
+
+
+# -- third-party internals in the core (issue 41) ---------------------------------------------
+
+#: The undocumented third-party pieces the core keeps, each listed with its reason, the
+#: versions tested, its bound and its fallback in docs/architecture.md.
+_DOCUMENTED_CORE_INTERNALS = {"mqdedup/bridge.py": {"sqlalchemy.util.concurrency"}}
+_THIRD_PARTY = ("sqlalchemy", "psycopg", "greenlet", "pymysql", "redis")
+
+
+def _private_reaches(source: str) -> set[str]:
+    """Undocumented modules imported (``sqlalchemy.util``, ``x._private``) and private
+    attributes read by name (``getattr(obj, "_name")``) in ``source``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        modules: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] in _THIRD_PARTY and (
+                module.startswith("sqlalchemy.util")
+                or any(part.startswith("_") for part in parts[1:])
+            ):
+                found.add(module)
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) in {"getattr", "hasattr", "setattr"}
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and node.args[1].value.startswith("_")
+            and not node.args[1].value.startswith("__")
+        ):
+            found.add(f"getattr {node.args[1].value}")
+    return found
+
+
+def test_the_core_reaches_no_third_party_internal_beyond_the_documented_ones() -> None:
+    package = ROOT / "mqdedup"
+    reaches = {
+        relative: found
+        for path in sorted(package.rglob("*.py"))
+        if path.relative_to(package).parts[0] not in {"kafka", "rabbitmq"}
+        and (found := _private_reaches(path.read_text()))
+        and found != _DOCUMENTED_CORE_INTERNALS.get(relative := str(path.relative_to(ROOT)))
+    }
+    assert reaches == {}, "document it in docs/architecture.md (with a fallback) or drop it"
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    for where, modules in _DOCUMENTED_CORE_INTERNALS.items():
+        assert where.removeprefix("mqdedup/") in architecture
+        assert all(module in architecture for module in modules)
+
+
+def test_the_internals_check_finds_what_alembic_support_used_to_read() -> None:
+    old = 'x = getattr(index, "_ddl_if", None)\ny = getattr(t, "_variant_mapping", {})'
+    assert _private_reaches(old) == {"getattr _ddl_if", "getattr _variant_mapping"}
+    assert _private_reaches("from sqlalchemy.util.concurrency import await_") == {
+        "sqlalchemy.util.concurrency"
+    }
+    assert _private_reaches("from sqlalchemy.ext.asyncio import AsyncSession") == set()
