@@ -56,6 +56,12 @@ class Claims:
     done: dict[str, Any] = field(default_factory=dict)
     busy: dict[str, float] = field(default_factory=dict)
 
+    def __bool__(self) -> bool:
+        """Refused: "did the claim find something" has three answers; ask ``new``,
+        ``done`` or ``busy`` (``DedupStore.claim`` returned the new ids as a set before
+        it became the claim store, and ``if store.claim(...)`` must not silently hold)."""
+        raise TypeError("test Claims.new, .done or .busy, not the Claims itself")
+
 
 class ClaimStore(Protocol):
     """Where claims live: claim ids, store results, forget claims, count attempts.

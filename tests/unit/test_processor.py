@@ -502,3 +502,16 @@ def test_ids_are_checked_once_but_always_whatever_the_strategy(sqlite_engine: En
             "message id is longer than 255 characters (256, the consumer's message id)",
         ]
         assert (metrics.processed, metrics.dead_lettered) == (1, 2)
+
+
+def test_claims_refuse_a_truth_test_so_old_set_style_callers_fail_loudly(
+    sqlite_engine: Engine,
+) -> None:
+    """``DedupStore.claim`` returns ``Claims`` now (it used to return the new ids)."""
+    store = DedupStore(sessions=session_factory(sqlite_engine))
+    with session_factory(sqlite_engine)() as session, session.begin():
+        claims = store.claim(session, "orders", ["a"])
+        assert claims.new == {"a"}
+        with pytest.raises(TypeError, match=r"Claims\.new"):
+            bool(claims)
+        assert store.claim(session, "orders", ["a"]).new == set()
