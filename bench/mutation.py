@@ -16,7 +16,7 @@ Mutations: comparisons flipped (``==``/``!=``, ``<``/``>=``, ``is``/``is not``,
 reduced to one operand; ``if``/``while`` conditions negated, ``not`` dropped; ``True`` /
 ``False`` flipped; ``a + b`` reduced to one operand (``processed + duplicates``); one
 fate list or outcome named for another (``report.unsettled`` -> ``report.duplicates``,
-``Outcome.PUBLISHED`` -> ``Outcome.REJECTED``); a call statement, ``continue`` or
+``PublishOutcome.PUBLISHED`` -> ``PublishOutcome.REJECTED``); a call statement, ``continue`` or
 ``break`` dropped; a key dropped from a dict literal (a producer setting).
 
 Prints mutants / killed / survived per module and every survivor (file:line, the

@@ -21,9 +21,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
-from sqlalchemy.util.concurrency import await_, greenlet_spawn, in_greenlet
-
 from mqdedup.errors import ConfigurationError
+
+# SQLAlchemy's greenlet bridge (undocumented; why it is kept, the versions tested and the
+# bound: docs/architecture.md, "Third-party internals"). Without it (a SQLAlchemy that
+# moved it) async consumers refuse to start with one line; sync ones are unaffected.
+try:
+    from sqlalchemy.util.concurrency import await_, greenlet_spawn, in_greenlet
+
+    SQLALCHEMY_BRIDGE = True
+except ImportError:  # pragma: no cover (tests switch SQLALCHEMY_BRIDGE off)
+    SQLALCHEMY_BRIDGE = False
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -36,7 +44,7 @@ class NotInBridgeError(RuntimeError):
 def in_bridge() -> bool:
     """True when running inside :func:`run_bridged` (on an event loop's greenlet)."""
     # Without greenlet loaded (the asyncio extra not installed or unused) there is no bridge.
-    return sys.modules.get("greenlet") is not None and in_greenlet()
+    return SQLALCHEMY_BRIDGE and sys.modules.get("greenlet") is not None and in_greenlet()
 
 
 def wait_for(awaitable: Awaitable[T]) -> T:
@@ -100,6 +108,12 @@ async def run_bridged(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 def _require_greenlet() -> None:
+    if not SQLALCHEMY_BRIDGE:
+        raise ConfigurationError(
+            "async consumers need SQLAlchemy's greenlet bridge (sqlalchemy.util.concurrency), "
+            "which this SQLAlchemy does not have: install the version mqdedup pins "
+            "(pip install 'mqdedup[asyncio]')"
+        )
     try:
         import greenlet  # type: ignore[import-untyped]  # noqa: F401  the asyncio extra
     except ImportError:

@@ -138,7 +138,7 @@ def claim(
     consumer = _check_consumer(consumer)
     session = _session_of(session_or_connection)
     store = _store(prefix)
-    if store.claim(session, consumer, [message_id]):
+    if store.claim(session, consumer, [message_id]).new:
         return Claim(consumer, message_id, False, None, session, prefix)
     stored = store.results(session, consumer, [message_id]).get(message_id)
     return Claim(consumer, message_id, True, stored, None, prefix)

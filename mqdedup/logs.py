@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from mqdedup.backoff import Backoff
 from mqdedup.masking import mask_text
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
@@ -159,7 +160,7 @@ class RepeatedLog:
                 return False
             else:
                 suppressed = wait.suppressed
-                wait.interval = min(self.max_interval, wait.interval * 2)
+                wait.interval = Backoff(self.first_interval, self.max_interval).after(wait.interval)
                 wait.next_at = now + wait.interval
                 wait.suppressed = 0
                 wait.last_seen = now

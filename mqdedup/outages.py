@@ -31,9 +31,9 @@ from tenacity import (
     Retrying,
     retry_if_exception,
     stop_never,
-    wait_random_exponential,
 )
 
+from mqdedup.backoff import FULL_JITTER, Backoff
 from mqdedup.stopping import StopToken
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class Outages:
             self._waiting(1, error)
         retrying = Retrying(
             retry=retry_if_exception(self.is_transient),
-            wait=wait_random_exponential(multiplier=0.1, max=self.backoff_max),
+            wait=Backoff(0.1, self.backoff_max, jitter=FULL_JITTER),
             stop=stop_never,
             sleep=self._sleep_quietly if background else self._sleep,
             before_sleep=self._before_sleep,

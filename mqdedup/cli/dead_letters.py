@@ -448,7 +448,7 @@ def _reset_attempts(
         while rows := table.list(session, consumer, after_id=after, ids=ids, limit=500):
             after = rows[-1].id
             store.forget_attempts(
-                session, consumer, [row.message.id for row in rows if row.message.id is not None]
+                consumer, [row.message.id for row in rows if row.message.id is not None], session
             )
 
 

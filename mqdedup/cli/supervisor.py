@@ -25,6 +25,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
+from mqdedup.backoff import Backoff
 from mqdedup.cli import exitcodes
 from mqdedup.cli.health import HealthServer, process_stats, snapshot_ready
 from mqdedup.cli.lineage import Bond, Lifeline, watch_supervisor
@@ -290,7 +291,7 @@ class Supervisor:
             return
         if lived >= STABLE_AFTER:
             child.restarts = 0
-        backoff = min(RESTART_BACKOFF_MAX, RESTART_BACKOFF_INITIAL * 2**child.restarts)
+        backoff = Backoff(RESTART_BACKOFF_INITIAL, RESTART_BACKOFF_MAX).delay(child.restarts + 1)
         child.restarts += 1
         child.restart_at = time.monotonic() + backoff
         log.warning(

@@ -9,7 +9,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from mqdedup.consumers.report import BatchAbandonedError, BatchReport
 from mqdedup.consumers.transport import DeadLetter, Delivery, Transport
-from mqdedup.dedup.dead_letters import DeadLetterCause, DeadLetterTable, clean_text
+from mqdedup.dedup.dead_letters import DeadLetterCause, DeadLetterTable
+from mqdedup.dedup.store import clean_text
 from mqdedup.errors import DeadLetterRefusedError, MessageError
 
 if TYPE_CHECKING:

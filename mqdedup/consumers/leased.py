@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mqdedup.consumers.handling import Handlers
-from mqdedup.consumers.report import Outcome, log_failure
+from mqdedup.consumers.report import WorkOutcome, log_failure
 
 if TYPE_CHECKING:
     from mqdedup.consumers.metrics import Metrics
@@ -53,11 +53,11 @@ class LeasedRuns:
         #: Identifies this worker's claims; unique per processor.
         self.worker_id = worker_id or uuid.uuid4().hex
 
-    def batch(self, deliveries: Sequence[Delivery[Any]]) -> Outcome:
+    def batch(self, deliveries: Sequence[Delivery[Any]]) -> WorkOutcome:
         """Run a batch until every message is claimed by us or done."""
         return self._until_claimed(deliveries)
 
-    def one(self, delivery: Delivery[Any], lease: _WorkerLease | None = None) -> Outcome:
+    def one(self, delivery: Delivery[Any], lease: _WorkerLease | None = None) -> WorkOutcome:
         """One message on its own claim round."""
         return self._until_claimed([delivery])
 
@@ -65,8 +65,8 @@ class LeasedRuns:
         """This worker's id, for careful mode's attempts."""
         return _WorkerLease(self.worker_id)
 
-    def _until_claimed(self, deliveries: Sequence[Delivery[Any]]) -> Outcome:
-        total = Outcome()
+    def _until_claimed(self, deliveries: Sequence[Delivery[Any]]) -> WorkOutcome:
+        total = WorkOutcome()
         waiting = list(deliveries)
         while waiting:
             outcome, busy = self._round(waiting)
@@ -82,10 +82,10 @@ class LeasedRuns:
 
     def _round(
         self, deliveries: Sequence[Delivery[Any]]
-    ) -> tuple[Outcome, list[tuple[Delivery[Any], float]]]:
+    ) -> tuple[WorkOutcome, list[tuple[Delivery[Any], float]]]:
         """Claim ``deliveries`` (one round trip) and run the handler for the new ones."""
         store, outages, name, worker = self.store, self.outages, self.name, self.worker_id
-        outcome = Outcome()
+        outcome = WorkOutcome()
         busy: list[tuple[Delivery[Any], float]] = []
         ids = [str(d.message.id) for d in deliveries]
         started = time.monotonic()
@@ -113,7 +113,7 @@ class LeasedRuns:
             self._handle_one(delivery, outcome)
         return outcome, busy
 
-    def _handle_one(self, delivery: Delivery[Any], outcome: Outcome) -> None:
+    def _handle_one(self, delivery: Delivery[Any], outcome: WorkOutcome) -> None:
         store, outages, name, worker = self.store, self.outages, self.name, self.worker_id
         message_id = str(delivery.message.id)
         try:

@@ -3,7 +3,7 @@
 Each step has one module: :mod:`~mqdedup.consumers.identity` takes message ids and
 finds in-batch repeats; :mod:`~mqdedup.consumers.handling` calls the handlers and checks
 their results; a unit of work runs them against the claim store and returns an
-:class:`~mqdedup.consumers.report.Outcome` (:mod:`~mqdedup.consumers.transactions`: one
+:class:`~mqdedup.consumers.report.WorkOutcome` (:mod:`~mqdedup.consumers.transactions`: one
 database transaction per batch or per message; :mod:`~mqdedup.consumers.leased`: Redis
 leases); :mod:`~mqdedup.consumers.dead_lettering` dead-letters and parks. The Processor
 does the bookkeeping: outcomes into the report, hooks, retries, careful mode, settling.
@@ -38,7 +38,7 @@ from mqdedup.consumers.handling import Handlers
 from mqdedup.consumers.identity import identify, resolve_repeats
 from mqdedup.consumers.leased import LeasedRuns
 from mqdedup.consumers.metrics import Metrics
-from mqdedup.consumers.report import BatchAbandonedError, BatchReport, Outcome
+from mqdedup.consumers.report import BatchAbandonedError, BatchReport, WorkOutcome
 from mqdedup.consumers.transactions import SQLiteSelfDeadlockError, TransactionalRuns
 from mqdedup.consumers.transport import DeadLetter
 from mqdedup.db.dialects import (
@@ -92,11 +92,11 @@ class _Lease(Protocol):
 class _Runs(Protocol):
     """A claim store's unit of work, as the Processor drives it."""
 
-    def batch(self, deliveries: Sequence[Delivery[Any]]) -> Outcome:
+    def batch(self, deliveries: Sequence[Delivery[Any]]) -> WorkOutcome:
         """Run a batch (one transaction, one claim round); failures in the outcome."""
         ...
 
-    def one(self, delivery: Delivery[Any], lease: Any = None) -> Outcome:
+    def one(self, delivery: Delivery[Any], lease: Any = None) -> WorkOutcome:
         """Run one message on its own (on ``lease`` if given)."""
         ...
 
@@ -308,7 +308,9 @@ class Processor:
             self._committed(outcome, report)
             failures.extend(outcome.failures)
 
-    def _one(self, delivery: Delivery[Any], lease: Any = None, *, again: bool = True) -> Outcome:
+    def _one(
+        self, delivery: Delivery[Any], lease: Any = None, *, again: bool = True
+    ) -> WorkOutcome:
         """One message in a unit of work of its own; an error that looks like an outage
         while the database answers is the message's failure (see :class:`Outages`)."""
         try:
@@ -318,7 +320,7 @@ class Processor:
         except NotAnOutageError as answered:
             return self._not_an_outage(delivery, answered)
 
-    def _not_an_outage(self, delivery: Delivery[Any], answered: NotAnOutageError) -> Outcome:
+    def _not_an_outage(self, delivery: Delivery[Any], answered: NotAnOutageError) -> WorkOutcome:
         """The message's failure, in words naming the limit it hit; one log line."""
         error = explain(answered.error, self.probe, answered=True) or answered.error
         short = is_pool_timeout(answered.error) or is_pooler_queue_timeout(answered.error)
@@ -327,9 +329,9 @@ class Processor:
             f"not an outage: {error}",
             extra={"consumer": self.name, "message_id": delivery.message.id},
         )
-        return Outcome(failures=[(delivery, error)])
+        return WorkOutcome(failures=[(delivery, error)])
 
-    def _committed(self, outcome: Outcome, report: BatchReport) -> None:
+    def _committed(self, outcome: WorkOutcome, report: BatchReport) -> None:
         """After a unit of work is durable: the report, the after-commit hook, duplicate
         callbacks. A hook that raises is logged; what committed stays committed."""
         report.processed.extend(outcome.processed)
@@ -417,7 +419,7 @@ class Processor:
             return deliveries
         duplicates = [d for d in deliveries if d.message.id in done]
         stored = {key: value for key, value in done.items() if value is not None}
-        self._committed(Outcome(duplicates=duplicates, stored_results=stored), report)
+        self._committed(WorkOutcome(duplicates=duplicates, stored_results=stored), report)
         return [d for d in deliveries if d.message.id not in done]
 
     def _careful_one(

@@ -229,7 +229,7 @@ class ReplayTally:
             return set()
         store = DedupStore(self.consumer.table_prefix)
         with self.sessions() as session:  # a read per batch, split under the parameter limit
-            return set(store.processed(session, self.consumer.consumer_name, ids))
+            return set(store.processed(self.consumer.consumer_name, ids, session))
 
 
 class ParkedTransport:

@@ -36,7 +36,7 @@ class BatchReport:
 
 
 @dataclass
-class Outcome:
+class WorkOutcome:
     """What one unit of work did (a committed transaction, a round of Redis claims)."""
 
     processed: list[Delivery[Any]] = field(default_factory=list)
@@ -49,7 +49,7 @@ class Outcome:
     #: When its last claim or completion became durable (``time.monotonic()``).
     durable_at: float | None = None
 
-    def add(self, other: Outcome) -> None:
+    def add(self, other: WorkOutcome) -> None:
         """Add what another (committed) unit of work did."""
         self.processed.extend(other.processed)
         self.duplicates.extend(other.duplicates)

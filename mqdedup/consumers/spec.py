@@ -8,11 +8,11 @@ depends on this protocol, not on the class: no import cycle between them.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
+from mqdedup.backoff import Backoff
 from mqdedup.dedup.claims import Dedup
 from mqdedup.dedup.ids import MessageIdStrategy
 from mqdedup.errors import ConfigurationError
@@ -46,10 +46,9 @@ class RetryPolicy:
 
     def backoff(self, failed_attempts: int) -> float:
         """Seconds to wait after ``failed_attempts`` failures (exponential, capped, jittered)."""
-        base = min(
-            self.max_backoff, self.initial_backoff * self.multiplier ** (failed_attempts - 1)
-        )
-        return base * (1 + random.uniform(-self.jitter, self.jitter))
+        jitter = (1 - self.jitter, 1 + self.jitter)
+        backoff = Backoff(self.initial_backoff, self.max_backoff, self.multiplier, jitter)
+        return backoff.delay(failed_attempts)
 
 
 class ConsumerSpec(Protocol):

@@ -28,7 +28,7 @@ it (a commit or rollback by a route the guard cannot refuse, an implicit commit)
 too, what is still open is rolled back, and the claims it committed without their
 writes are forgotten so that its batch-mates run again (:meth:`_after_ended`).
 
-The unit of work returns an :class:`~mqdedup.consumers.report.Outcome`; it never calls
+The unit of work returns an :class:`~mqdedup.consumers.report.WorkOutcome`; it never calls
 back into the Processor. Transient errors (a lost connection, a deadlock) are raised for
 the Processor to wait out and retry.
 """
@@ -54,7 +54,7 @@ from mqdedup.consumers.context import (
     unguard_session,
 )
 from mqdedup.consumers.handling import Handlers
-from mqdedup.consumers.report import Outcome, log_failure
+from mqdedup.consumers.report import WorkOutcome, log_failure
 from mqdedup.consumers.staging import StagedWrites, close_stage, open_stage
 from mqdedup.db import sqlite_lock
 from mqdedup.db.dialects import (
@@ -186,7 +186,7 @@ class TransactionalRuns:
         mode)."""
         return SessionLease(self.sessions)
 
-    def batch(self, deliveries: Sequence[Delivery[Any]]) -> Outcome:
+    def batch(self, deliveries: Sequence[Delivery[Any]]) -> WorkOutcome:
         """One transaction over ``deliveries`` (run again without the failing messages
         until it commits); the outcome includes the failures."""
         isolation = self.consumer.failure_isolation
@@ -196,7 +196,7 @@ class TransactionalRuns:
         )
         pending = list(deliveries)
         failed: list[tuple[Delivery[Any], Exception]] = []
-        done = Outcome()  # committed by a handler that ended its transaction
+        done = WorkOutcome()  # committed by a handler that ended its transaction
         while pending:
             try:
                 with self.sessions() as session:
@@ -205,7 +205,7 @@ class TransactionalRuns:
                 if is_transient(commit_error) or not is_data_error(commit_error):
                     raise
                 result = _RolledBack(unattributed=commit_error)  # at commit, say
-            if isinstance(result, Outcome):
+            if isinstance(result, WorkOutcome):
                 for delivery, error in result.failures:  # failed in their savepoints
                     log_failure(self.name, delivery, error)
                 result.failures[:0] = failed
@@ -236,7 +236,7 @@ class TransactionalRuns:
         done.failures = failed
         return done
 
-    def one(self, delivery: Delivery[Any], lease: SessionLease | None = None) -> Outcome:
+    def one(self, delivery: Delivery[Any], lease: SessionLease | None = None) -> WorkOutcome:
         """One message in a transaction of its own (on ``lease``'s session if given)."""
         if lease is None:
             with self.sessions() as session:
@@ -249,7 +249,7 @@ class TransactionalRuns:
 
     # -- transactions ----------------------------------------------------------------------
 
-    def _alone(self, session: Session, delivery: Delivery[Any]) -> Outcome:
+    def _alone(self, session: Session, delivery: Delivery[Any]) -> WorkOutcome:
         # ``handle`` when implemented (handle_batch with this one message otherwise)
         mode = _Mode(batch_handler=False, savepoints=False)
         try:
@@ -260,7 +260,7 @@ class TransactionalRuns:
             result = _RolledBack(unattributed=commit_error)  # a deferred constraint, say
         finally:
             session.expunge_all()  # the next message starts with an empty session
-        if isinstance(result, Outcome):
+        if isinstance(result, WorkOutcome):
             return result
         # its handler's, its staged rows', its batch handler's or its commit's error
         own = result.failed[0][1] if result.failed else result.batch_handler
@@ -268,16 +268,16 @@ class TransactionalRuns:
         if own is None:
             raise AssertionError("a one-message transaction rolled back without an error")
         log_failure(self.name, delivery, own)
-        return Outcome(failures=[(delivery, own)])
+        return WorkOutcome(failures=[(delivery, own)])
 
     def _each_alone(
         self,
         pending: list[Delivery[Any]],
         failed: list[tuple[Delivery[Any], Exception]],
         error: Exception,
-    ) -> Outcome:
+    ) -> WorkOutcome:
         """A data error no message's writes reproduce alone: each message on its own."""
-        outcome = Outcome(failures=list(failed))
+        outcome = WorkOutcome(failures=list(failed))
         if not pending:
             return outcome
         if len(pending) == 1:
@@ -290,10 +290,10 @@ class TransactionalRuns:
 
     def _transaction(
         self, session: Session, deliveries: Sequence[Delivery[Any]], mode: _Mode
-    ) -> Outcome | _RolledBack:
+    ) -> WorkOutcome | _RolledBack:
         """Claim, handle, write the staged rows and store results in one transaction of
         ``session``; commit, or roll back and say why."""
-        outcome = Outcome()
+        outcome = WorkOutcome()
         store = self.store
         started = time.monotonic()
         transaction = session.begin()
@@ -336,7 +336,7 @@ class TransactionalRuns:
         return outcome
 
     def _claim(
-        self, session: Session, deliveries: Sequence[Delivery[Any]], outcome: Outcome
+        self, session: Session, deliveries: Sequence[Delivery[Any]], outcome: WorkOutcome
     ) -> list[Delivery[Any]]:
         """Claim the ids (the transaction's first statement); return the new deliveries."""
         ids = [d.message.id for d in deliveries if d.message.id is not None]
@@ -356,7 +356,7 @@ class TransactionalRuns:
         self,
         session: Session,
         new: list[Delivery[Any]],
-        outcome: Outcome,
+        outcome: WorkOutcome,
         mode: _Mode,
         staged: StagedWrites,
         encoding: str | None,
@@ -490,7 +490,7 @@ class TransactionalRuns:
         session: Session,
         watch: TransactionWatch,
         new: list[Delivery[Any]],
-        outcome: Outcome,
+        outcome: WorkOutcome,
         staged: StagedWrites,
         rolled_back: _RolledBack,
     ) -> _RolledBack:

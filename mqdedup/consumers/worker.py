@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from mqdedup.backoff import Backoff
 from mqdedup.bridge import in_bridge, run_blocking
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.processor import BatchAbandonedError, BatchReport, Processor
@@ -173,9 +174,8 @@ class Worker:
             self._unsettled_rounds = 0
             return
         self._unsettled_rounds += 1
-        seconds = min(
-            self.consumer.retry_policy.infrastructure_backoff_max,
-            0.5 * 2 ** (self._unsettled_rounds - 1),
+        seconds = Backoff(0.5, self.consumer.retry_policy.infrastructure_backoff_max).delay(
+            self._unsettled_rounds
         )
         log.warning(
             "messages left unsettled were given back; fetching them again after a back-off",

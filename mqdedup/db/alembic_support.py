@@ -20,7 +20,8 @@ can manage them next to your own. Two things need help, and these hooks give it:
   import, and the JSON/JSONB variant without Alembic's unimportable ``Text()``.
 * :func:`include_object` keeps indexes meant for other databases out of the migration
   (the outbox has MySQL/MariaDB-only indexes and PostgreSQL/SQLite-only partial ones,
-  created by ``ddl_if``, which autogenerate does not see).
+  created by ``ddl_if``, which autogenerate does not see; :func:`~mqdedup.db.schema.only_on`
+  records them in each index's public ``info``).
 
 Generate the migration against each kind of database you deploy to (the index set
 differs). ``mqdedup db check`` then agrees with what was created.
@@ -33,9 +34,11 @@ from typing import Any, Literal
 from sqlalchemy import JSON, Index
 from sqlalchemy.dialects import postgresql
 
-from mqdedup.db.schema import KeyString
+from mqdedup.db.schema import INDEX_DIALECTS, KeyString
 
 __all__ = ["include_object", "render_item"]
+
+_POSTGRESQL = postgresql.dialect()  # type: ignore[no-untyped-call]
 
 
 def render_item(type_: str, obj: Any, autogen_context: Any) -> str | Literal[False]:
@@ -66,14 +69,13 @@ def include_object(
 
 
 def index_dialects(index: Index) -> tuple[str, ...] | None:
-    """The databases an index is created on (``Index.ddl_if``), or None for all."""
-    condition = getattr(index, "_ddl_if", None)
-    dialect = getattr(condition, "dialect", None)
-    if dialect is None:
-        return None
-    return (dialect,) if isinstance(dialect, str) else tuple(dialect)
+    """The databases an index is created on, or None for all (recorded in the index's
+    public ``info`` by :func:`mqdedup.db.schema.only_on`)."""
+    dialects = index.info.get(INDEX_DIALECTS)
+    return None if dialects is None else tuple(dialects)
 
 
 def _jsonb_on_postgresql(json_type: JSON) -> bool:
-    variants = getattr(json_type, "_variant_mapping", {})
-    return isinstance(variants.get("postgresql"), postgresql.JSONB)
+    """True for a JSON type that is JSONB on PostgreSQL (``with_variant``), asked through
+    the public ``TypeEngine.dialect_impl``."""
+    return isinstance(json_type.dialect_impl(_POSTGRESQL), postgresql.JSONB)

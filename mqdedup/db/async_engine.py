@@ -16,10 +16,10 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL
 
 from mqdedup.db import dialects
-from mqdedup.db.engine import database_url_from_env, mask_url, parse_url
+from mqdedup.db.engine import database_url_from_env, parse_url
 from mqdedup.db.pooling import configure_pooling
 from mqdedup.errors import ConfigurationError
-from mqdedup.masking import mask_text
+from mqdedup.masking import mask_text, mask_url
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine

@@ -17,8 +17,7 @@ from mqdedup.db import dialects
 from mqdedup.db.pooling import configure_pooling, pooler_of, split_hosts
 from mqdedup.db.schema import DEFAULT_PREFIX, schema
 from mqdedup.errors import ConfigurationError, DatabaseUnavailableError
-from mqdedup.masking import mask_text
-from mqdedup.masking import mask_url as _mask_url
+from mqdedup.masking import mask_text, mask_url
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +55,6 @@ def parse_url(url: str | URL) -> URL:
     if parsed.get_backend_name() == "postgresql":
         pooler_of(parsed)  # ConfigurationError for a pooler mqdedup does not know
     return parsed.set(drivername=driver)
-
-
-def mask_url(url: str | URL) -> str:
-    """The URL with its password and secret query parameters replaced by ``***``.
-
-    The same function as :func:`mqdedup.masking.mask_url` (kept here for importers).
-    """
-    return _mask_url(url)
 
 
 def _escape_user_info(url: str) -> str:

@@ -54,8 +54,6 @@ log = logging.getLogger(__name__)
 
 POOLER_PARAMETER = "pooler"
 POOLERS = ("auto", "none", "session", "transaction", "transaction-prepared")
-#: Poolers that keep a session's state (session ``SET``, advisory locks, ``LISTEN``).
-_SESSION_KEEPING = ("none", "session")
 
 _MULTI_HOST = re.compile(
     r"^(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://(?:[^/?#]*@)?)(?P<hosts>[^@/?#]*,[^@/?#]*)(?P<tail>(?:[/?#].*)?)$"

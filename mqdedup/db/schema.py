@@ -61,10 +61,21 @@ MYSQL_TABLE_OPTIONS: dict[str, Any] = {
 }
 
 
+#: ``Index.info`` key: the databases an index is created on (see :func:`only_on`).
+INDEX_DIALECTS = "mqdedup_dialects"
+
 # Dialect names for ``Index.ddl_if`` (it takes a tuple; its annotation says ``str``).
 _PARTIAL_INDEX_DIALECTS: Any = ("postgresql", "sqlite")
 _MYSQL_DIALECTS: Any = ("mysql", "mariadb")
 _BTREE_RETENTION_DIALECTS: Any = ("mysql", "mariadb", "sqlite")
+
+
+def only_on(index: Index, dialects: Any) -> Index:
+    """``index``, created on ``dialects`` only (``Index.ddl_if``), which it also records
+    in its public ``info`` (``INDEX_DIALECTS``) for the tools that must know, such as the
+    Alembic hook (:func:`mqdedup.db.alembic_support.include_object`)."""
+    index.info[INDEX_DIALECTS] = (dialects,) if isinstance(dialects, str) else tuple(dialects)
+    return index.ddl_if(dialect=dialects)
 
 
 class KeyString(TypeDecorator[str]):
@@ -305,15 +316,16 @@ def _retention_indexes(prefix: str) -> tuple[Index, Index]:
     MySQL/MariaDB and SQLite have no BRIN: they keep a btree.
     """
     return (
-        Index(f"{prefix}processed_at_idx", "processed_at").ddl_if(
-            dialect=_BTREE_RETENTION_DIALECTS
+        only_on(Index(f"{prefix}processed_at_idx", "processed_at"), _BTREE_RETENTION_DIALECTS),
+        only_on(
+            Index(
+                f"{prefix}processed_at_brin",
+                "processed_at",
+                postgresql_using="brin",
+                postgresql_with={"autosummarize": "on"},
+            ),
+            "postgresql",
         ),
-        Index(
-            f"{prefix}processed_at_brin",
-            "processed_at",
-            postgresql_using="brin",
-            postgresql_with={"autosummarize": "on"},
-        ).ddl_if(dialect="postgresql"),
     )
 
 
@@ -455,22 +467,28 @@ def _outbox_table(prefix: str, metadata: MetaData) -> Table:
         Column("available_at", PreciseDateTime, nullable=False),
         Column("published_at", PreciseDateTime, nullable=True),
         UniqueConstraint("message_id", name=f"{prefix}outbox_message_id_key"),
-        Index(
-            f"{prefix}outbox_pending_idx", "id", postgresql_where=pending, sqlite_where=pending
-        ).ddl_if(dialect=_PARTIAL_INDEX_DIALECTS),
+        only_on(
+            Index(
+                f"{prefix}outbox_pending_idx", "id", postgresql_where=pending, sqlite_where=pending
+            ),
+            _PARTIAL_INDEX_DIALECTS,
+        ),
         # Rows waiting for a retry hold back later rows of their key (small: failures only).
-        Index(
-            f"{prefix}outbox_retrying_idx",
-            "message_key",
-            "id",
-            postgresql_where=retrying,
-            sqlite_where=retrying,
-        ).ddl_if(dialect=_PARTIAL_INDEX_DIALECTS),
+        only_on(
+            Index(
+                f"{prefix}outbox_retrying_idx",
+                "message_key",
+                "id",
+                postgresql_where=retrying,
+                sqlite_where=retrying,
+            ),
+            _PARTIAL_INDEX_DIALECTS,
+        ),
         # MySQL/MariaDB: the claim's range (pending rows in id order) and the hold-back's
         # lookup (a key's pending rows), in place of the partial indexes above.
-        Index(f"{prefix}outbox_claim_idx", "state", "id").ddl_if(dialect=_MYSQL_DIALECTS),
-        Index(f"{prefix}outbox_key_state_idx", "message_key", "state", "id").ddl_if(
-            dialect=_MYSQL_DIALECTS
+        only_on(Index(f"{prefix}outbox_claim_idx", "state", "id"), _MYSQL_DIALECTS),
+        only_on(
+            Index(f"{prefix}outbox_key_state_idx", "message_key", "state", "id"), _MYSQL_DIALECTS
         ),
         Index(
             f"{prefix}outbox_published_idx",

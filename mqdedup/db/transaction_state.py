@@ -147,12 +147,6 @@ def _probe_for(driver: Any) -> _Probe:
     return probe
 
 
-def driver_state(connection: Connection) -> State:
-    """The driver's view of ``connection``'s transaction (no round trip)."""
-    driver = connection.connection.driver_connection
-    return _probe_for(driver)(driver, None)
-
-
 # -- the watch ----------------------------------------------------------------------------
 
 

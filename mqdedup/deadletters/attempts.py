@@ -26,4 +26,4 @@ def forget_attempts(
     store = DedupStore(prefix)
     with Session(engine) as session, session.begin():
         for consumer, ids in sorted(by_consumer.items()):
-            store.forget_attempts(session, consumer, sorted(ids))
+            store.forget_attempts(consumer, sorted(ids), session)

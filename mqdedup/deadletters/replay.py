@@ -174,4 +174,4 @@ def _forget_attempts(
         return
     store = DedupStore(consumer.table_prefix)
     with sessions() as session, session.begin():
-        store.forget_attempts(session, consumer.consumer_name, ids)
+        store.forget_attempts(consumer.consumer_name, ids, session)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from mqdedup.dedup.claims import ClaimStore
 from mqdedup.dedup.redis_settings import DEFAULT_REDIS_NAMESPACE, expiry_seconds
-from mqdedup.dedup.sql_claims import SqlClaimStore
+from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class SqlDedup:
                 "this consumer keeps its claims in the database (the default dedup): "
                 "pass a database engine or session factory"
             )
-        return SqlClaimStore(sessions, prefix)
+        return DedupStore(prefix, sessions)
 
     def check(self) -> None:
         """Nothing here: the CLI checks the database itself."""

@@ -6,7 +6,7 @@ settle the broker. Only *where claims live* differs, and that is all a
 :class:`ClaimStore` answers (after watermill's deduplicator middleware: dedup behind
 a small repository interface):
 
-* :class:`~mqdedup.dedup.sql_claims.SqlClaimStore` (the default): the dedup table, in
+* :class:`~mqdedup.dedup.store.DedupStore` (the default): the dedup table, in
   the handler's own database transaction. Claim, business writes, outbox rows and
   results commit together; a failing handler's claim is rolled back or forgotten in
   that transaction. ``transactional`` is True.
@@ -55,6 +55,12 @@ class Claims:
     new: set[str] = field(default_factory=set)
     done: dict[str, Any] = field(default_factory=dict)
     busy: dict[str, float] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        """Refused: "did the claim find something" has three answers; ask ``new``,
+        ``done`` or ``busy`` (``DedupStore.claim`` returned the new ids as a set before
+        it became the claim store, and ``if store.claim(...)`` must not silently hold)."""
+        raise TypeError("test Claims.new, .done or .busy, not the Claims itself")
 
 
 class ClaimStore(Protocol):

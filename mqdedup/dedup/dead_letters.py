@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from mqdedup.db import dialects
 from mqdedup.db.schema import DEFAULT_PREFIX, schema
-from mqdedup.dedup.store import id_chunks, utcnow
+from mqdedup.dedup.store import clean_text, id_chunks, utcnow
 from mqdedup.message import HeaderValue, Message
 
 #: Longest reason / error text kept (the full text is in the worker's log).
@@ -133,13 +133,6 @@ class DeadLetterTable:
         """Remove every kept dead letter of ``consumer``."""
         result = session.execute(delete(self.table).where(self.table.c.consumer_name == consumer))
         return int(getattr(result, "rowcount", 0) or 0)
-
-
-def clean_text(text: str) -> str:
-    """``text`` as every database stores it: no NUL, valid UTF-8 (escaped otherwise)."""
-    if "\x00" not in text and text.isascii():
-        return text
-    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
 
 def encode_headers(headers: Mapping[str, HeaderValue]) -> list[list[str | None]]:

@@ -258,13 +258,6 @@ class RedisClaimStore:
             return _load_result(value[2:].decode())
         return None
 
-    def erase(self, consumer: str, ids: Sequence[str]) -> int:
-        """Delete the records of ``ids`` (an operator's tool: they will be processed again)."""
-        if not ids:
-            return 0
-        keys = self._keys(consumer, ids) + [self.attempts_key(consumer, i) for i in ids]
-        return int(self.redis.delete(*keys))
-
 
 def scope_tag(consumer: str) -> str:
     """``consumer`` as the text of a key's hash tag: ``%``, ``{`` and ``}`` escaped.

@@ -1,4 +1,8 @@
-"""The processed-messages table: claim, forget, stored results, purge.
+"""The processed-messages table: claim, forget, stored results, attempts, purge.
+
+:class:`DedupStore` is also the SQL claim store (the
+:class:`~mqdedup.dedup.claims.ClaimStore` seam, ``SqlDedup()``): the processor's claim
+goes from it straight to the dialect's statement (:func:`mqdedup.db.dialects.claim_ids`).
 
 A statement with one parameter per message id is split into statements of at most
 :func:`ids_per_statement` ids (in the caller's transaction, in sorted order for the
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -29,11 +34,13 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.types import UserDefinedType
 
 from mqdedup.db import dialects
 from mqdedup.db.schema import DEFAULT_PREFIX, Schema, schema
+from mqdedup.dedup.claims import Claims
+from mqdedup.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
@@ -89,37 +96,79 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-class DedupStore:
-    """Reads and writes ``<prefix>processed_messages`` and ``<prefix>message_attempts``.
+def clean_text(text: str) -> str:
+    """``text`` as every database stores it: no NUL, valid UTF-8 (escaped otherwise)."""
+    if "\x00" not in text and text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
 
-    Every method that takes a ``session`` runs inside the caller's transaction: the claim
-    commits or rolls back together with the business writes.
+
+def aware(moment: datetime) -> datetime:
+    """A timestamp read back from the database, in UTC (databases without time zones,
+    SQLite and MySQL, hand back naive UTC datetimes)."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+class DedupStore:
+    """Reads and writes ``<prefix>processed_messages`` and ``<prefix>message_attempts``;
+    the SQL :class:`~mqdedup.dedup.claims.ClaimStore` (``SqlDedup()``, the default).
+
+    Every method that takes a ``session`` (the claim store's ``unit``) runs inside the
+    caller's transaction: the claim is the first statement of the business transaction
+    (``INSERT … ON CONFLICT DO NOTHING RETURNING``), so a concurrent duplicate blocks on
+    the unique index until the first transaction ends, and commits or rolls back
+    together with the business writes. Attempt counts (and careful mode's
+    counted-before-running attempts) use short transactions of their own from
+    ``sessions``, needed only by those methods.
     """
 
-    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+    transactional = True
+    infrastructure = "database"
+    lease: float | None = None
+
+    def __init__(
+        self, prefix: str = DEFAULT_PREFIX, sessions: sessionmaker[Session] | None = None
+    ) -> None:
         self.schema: Schema = schema(prefix)
+        self.sessions = sessions
         self._processed = self.schema.processed
         self._attempts = self.schema.attempts
 
-    def claim(self, session: Session, consumer: str, ids: Iterable[str]) -> set[str]:
+    def is_transient(self, error: BaseException) -> bool:
+        """Connection losses, deadlocks, serialization failures (see ``db.dialects``)."""
+        return isinstance(error, Exception) and dialects.is_transient(error)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Session]:
+        """A short transaction of its own (attempt counts)."""
+        if self.sessions is None:
+            raise ConfigurationError("this DedupStore was built without sessions")
+        with self.sessions() as session, session.begin():
+            yield session
+
+    def claim(self, session: Session, consumer: str, ids: Iterable[str]) -> Claims:
         """Claim ``ids`` for ``consumer`` in one statement (a batch over the database's
-        parameter limit: one per slice, in order); return the ids that were new.
+        parameter limit: one per slice, in order); ``new``: the ids that were new
+        (``done`` is left empty: see :meth:`results`).
 
         Ids are de-duplicated and sorted first so concurrent batches lock index entries
         in the same order and cannot deadlock on each other.
         """
         ordered = sorted(set(ids))
         if not ordered:
-            return set()
+            return Claims()
         now = utcnow()
         # A claim row binds 3 parameters (consumer, id, time) on SQLite and MySQL.
         size = ids_per_statement(session, 3)
         if len(ordered) <= size:
-            return dialects.claim_ids(session, self._processed, consumer, ordered, now)
+            return Claims(new=dialects.claim_ids(session, self._processed, consumer, ordered, now))
         new: set[str] = set()
         for chunk in chunked(ordered, size):  # in order: no deadlock between batches
             new |= dialects.claim_ids(session, self._processed, consumer, chunk, now)
-        return new
+        return Claims(new=new)
+
+    def renew(self, session: Session, consumer: str, ids: Sequence[str]) -> None:
+        """Nothing: a claim is held until its transaction ends."""
 
     def forget(self, session: Session, consumer: str, ids: Iterable[str]) -> None:
         """Remove claims (a failed handler must not leave its message marked processed)."""
@@ -132,7 +181,9 @@ class DedupStore:
             )
 
     def save_results(self, session: Session, consumer: str, results: Mapping[str, Any]) -> None:
-        """Store handlers' JSON results next to their claims (one executemany)."""
+        """Store handlers' JSON results next to their claims (one executemany; ``None``
+        results need no write)."""
+        results = {key: value for key, value in results.items() if value is not None}
         if not results:
             return
         table = self._processed
@@ -174,14 +225,24 @@ class DedupStore:
         ).first()
         return found is not None
 
-    def record_failure(self, session: Session, consumer: str, message_id: str, error: str) -> int:
-        """Count one failed handler attempt; return the attempts so far (across redeliveries)."""
-        return dialects.increment_attempts(
-            session, self._attempts, consumer, message_id, error[:2000], utcnow()
-        )
+    def record_failure(self, consumer: str, message_id: str, error: str) -> int:
+        """Count one failed handler attempt in a transaction of its own; return the
+        attempts so far (across redeliveries)."""
+        with self._transaction() as session:
+            # The error text may carry NUL or a lone surrogate, which PostgreSQL refuses.
+            return dialects.increment_attempts(
+                session, self._attempts, consumer, message_id, clean_text(error)[:2000], utcnow()
+            )
 
-    def forget_attempts(self, session: Session, consumer: str, ids: Iterable[str]) -> None:
-        """Remove attempt counts: those messages get their full retries again (a replay)."""
+    def forget_attempts(
+        self, consumer: str, ids: Iterable[str], session: Session | None = None
+    ) -> None:
+        """Remove attempt counts: those messages get their full retries again (a replay);
+        in ``session``'s transaction, else in one of its own."""
+        if session is None:
+            with self._transaction() as own:
+                self.forget_attempts(consumer, ids, own)
+            return
         table = self._attempts
         for chunk in id_chunks(session, ids):
             session.execute(
@@ -193,44 +254,54 @@ class DedupStore:
     def start_attempt(
         self, session: Session, consumer: str, message_id: str, marker: str, max_attempts: int
     ) -> tuple[int, str | None, bool]:
-        """Count an attempt before its handler runs (careful mode).
+        """Count an attempt before its handler runs (careful mode), in ``session``'s own
+        transaction.
 
         Returns ``(attempts, last_error, started)``. ``started`` is False when
         ``max_attempts`` attempts were already recorded: nothing is written and the
         message must not run again.
         """
-        return dialects.start_attempt(
-            session, self._attempts, consumer, message_id, marker, max_attempts, utcnow()
-        )
+        with session.begin():
+            return dialects.start_attempt(
+                session, self._attempts, consumer, message_id, marker, max_attempts, utcnow()
+            )
 
-    def finish_attempt(self, session: Session, consumer: str, message_id: str, error: str) -> None:
+    def finish_attempt(self, consumer: str, message_id: str, error: str) -> None:
         """Record how an attempt counted by :meth:`start_attempt` failed (no second count)."""
         table = self._attempts
-        session.execute(
-            update(table)
-            .where(table.c.consumer_name == consumer, table.c.message_id == message_id)
-            .values(last_error=error[:2000], updated_at=utcnow())
-        )
+        with self._transaction() as session:
+            session.execute(
+                update(table)
+                .where(table.c.consumer_name == consumer, table.c.message_id == message_id)
+                .values(last_error=clean_text(error)[:2000], updated_at=utcnow())
+            )
 
-    def undo_attempt(self, session: Session, consumer: str, message_id: str) -> None:
+    def undo_attempt(self, consumer: str, message_id: str) -> None:
         """Take back an attempt counted by :meth:`start_attempt` whose handler never ran."""
         table = self._attempts
-        session.execute(
-            update(table)
-            .where(
-                table.c.consumer_name == consumer,
-                table.c.message_id == message_id,
-                table.c.attempts > 0,
+        with self._transaction() as session:
+            session.execute(
+                update(table)
+                .where(
+                    table.c.consumer_name == consumer,
+                    table.c.message_id == message_id,
+                    table.c.attempts > 0,
+                )
+                .values(attempts=table.c.attempts - 1)
             )
-            .values(attempts=table.c.attempts - 1)
-        )
 
-    def processed(self, session: Session, consumer: str, ids: Sequence[str]) -> dict[str, Any]:
+    def processed(
+        self, consumer: str, ids: Sequence[str], session: Session | None = None
+    ) -> dict[str, Any]:
         """The ids among ``ids`` with a committed claim, each with its stored result or None.
 
-        One read. Only a filter: an id absent here may still be claimed concurrently, so
-        whoever runs its handler claims it first as usual.
+        One read (in ``session``, else in a transaction of its own). Only a filter: an id
+        absent here may still be claimed concurrently, so whoever runs its handler claims
+        it first as usual.
         """
+        if session is None:
+            with self._transaction() as own:
+                return self.processed(consumer, ids, own)
         table = self._processed
         found: dict[str, Any] = {}
         for chunk in id_chunks(session, ids):

@@ -35,7 +35,7 @@ import logging
 import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
@@ -45,6 +45,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from mqdedup.db import dialects
 from mqdedup.db.engine import session_factory
 from mqdedup.db.schema import DEFAULT_PREFIX, schema
+from mqdedup.dedup.store import aware, utcnow
 from mqdedup.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -140,16 +141,6 @@ def plausible_token(token: object) -> bool:
     )
 
 
-def utcnow() -> datetime:
-    """The current time, timezone-aware (UTC)."""
-    return datetime.now(UTC)
-
-
-def _aware(moment: datetime) -> datetime:
-    """Databases without time zones (SQLite, MySQL) hand back naive UTC datetimes."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
-
-
 class DatabaseTokenStore:
     """One-time tokens in the ``<prefix>tokens`` table.
 
@@ -174,7 +165,7 @@ class DatabaseTokenStore:
         self._clock = clock
 
     def _now(self) -> datetime:
-        return _aware(self._clock())
+        return aware(self._clock())
 
     @contextmanager
     def _transaction(self, session: Session | None) -> Iterator[Session]:
@@ -263,7 +254,7 @@ class DatabaseTokenStore:
             return TokenOutcome.UNKNOWN
         if found.used_at is not None:
             return TokenOutcome.ALREADY_USED
-        if _aware(found.expires_at) <= now:
+        if aware(found.expires_at) <= now:
             return TokenOutcome.EXPIRED
         # Unused, live and ours: it was issued (committed) between our two statements,
         # or a concurrent use rolled back in between. Try the UPDATE again.

@@ -43,7 +43,6 @@ run the transaction with :func:`run_transaction`, which does the same.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from sqlalchemy import Column, Engine, Table, inspect, select, update
 from sqlalchemy.exc import NoInspectionAvailable
 from sqlalchemy.orm import Mapper, Session, sessionmaker
 
+from mqdedup.backoff import Backoff
 from mqdedup.db.dialects import is_transient, latest_committed
 from mqdedup.db.engine import session_factory
 from mqdedup.errors import ConfigurationError, MqdedupError
@@ -412,5 +412,5 @@ def run_transaction(
                 "transient database error; rerunning the transaction",
                 extra={"attempt": attempt, "error": type(error).__name__},
             )
-            time.sleep(backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+            time.sleep(Backoff(backoff, jitter=(0.5, 1.5)).delay(attempt))
     raise AssertionError("unreachable")  # pragma: no cover

@@ -20,7 +20,7 @@ import kafka.errors as kafka_errors
 
 from mqdedup.consumers.transport import DeadLetter
 from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
-from mqdedup.kafka.producer import Outcome, ProducerRecord, RecoveringProducer, Sent
+from mqdedup.kafka.producer import ProducerRecord, RecoveringProducer, SendOutcome, Sent
 from mqdedup.kafka.records import KafkaToken, dead_letter_headers, describe_error
 
 if TYPE_CHECKING:
@@ -60,10 +60,10 @@ class KafkaDeadLetters:
             topic, token.record.key, token.record.value, dead_letter_headers(token, record)
         )
         sent = self._producer.send_all([outgoing], self.settings.dead_letter_timeout)[0]
-        if sent.outcome is Outcome.NO_METADATA:
+        if sent.outcome is SendOutcome.NO_METADATA:
             sent = self._no_metadata(topic, sent)
         source = f"{token.partition[0]}/{token.partition[1]}/{token.offset}"
-        if sent.outcome is Outcome.REFUSED:
+        if sent.outcome is SendOutcome.REFUSED:
             log.warning(
                 "the broker refused the dead letter",
                 extra={
@@ -98,10 +98,10 @@ class KafkaDeadLetters:
                 else "it could not be created"
             )
             return Sent(
-                Outcome.REFUSED,
+                SendOutcome.REFUSED,
                 f"the topic does not exist and the broker does not create it ({why})",
             )
-        return Sent(Outcome.UNAVAILABLE, sent.error)
+        return Sent(SendOutcome.UNAVAILABLE, sent.error)
 
     def _ensure_dead_letter_topic(self, topic: str, source_topic: str) -> None:
         """Check once that the dead-letter topic exists; create it if missing (when allowed).

@@ -74,7 +74,7 @@ PRODUCER_REFUSED_ERRORS: tuple[type[BaseException], ...] = (
 MAX_ROUNDS = 6
 
 
-class Outcome(enum.Enum):
+class SendOutcome(enum.Enum):
     """What became of one record."""
 
     PUBLISHED = "published"
@@ -87,17 +87,17 @@ class Outcome(enum.Enum):
 class Sent:
     """The outcome of one record, with the error text when it was not published."""
 
-    outcome: Outcome
+    outcome: SendOutcome
     error: str | None = None
     exception: BaseException | None = None
 
     @property
     def ok(self) -> bool:
         """True when the broker acknowledged the record."""
-        return self.outcome is Outcome.PUBLISHED
+        return self.outcome is SendOutcome.PUBLISHED
 
 
-SENT = Sent(Outcome.PUBLISHED)
+SENT = Sent(SendOutcome.PUBLISHED)
 
 
 class ProducerRecord(NamedTuple):
@@ -237,10 +237,12 @@ class RecoveringProducer:
                     )
             for index in pending:
                 results[index] = Sent(
-                    Outcome.UNAVAILABLE,
+                    SendOutcome.UNAVAILABLE,
                     "aborted by another record's producer failure and not sent again in time",
                 )
-            return [r if r is not None else Sent(Outcome.UNAVAILABLE, "not sent") for r in results]
+            return [
+                r if r is not None else Sent(SendOutcome.UNAVAILABLE, "not sent") for r in results
+            ]
 
     def _round_marked(
         self,
@@ -288,10 +290,10 @@ class RecoveringProducer:
             except kafka_errors.KafkaTimeoutError as error:
                 # The topic's metadata did not arrive within max_block_ms.
                 results[index] = no_metadata[record.topic] = Sent(
-                    Outcome.NO_METADATA, _describe(error), error
+                    SendOutcome.NO_METADATA, _describe(error), error
                 )
             except REFUSAL_ERRORS as error:  # checked on the client: too large, bad header
-                results[index] = Sent(Outcome.REFUSED, _describe(error), error)
+                results[index] = Sent(SendOutcome.REFUSED, _describe(error), error)
             except Exception as error:
                 results[index] = _classify(error)
         if futures:
@@ -300,7 +302,9 @@ class RecoveringProducer:
         fatal: BaseException | None = None
         for index, future in futures.items():
             if not future.is_done:
-                results[index] = Sent(Outcome.UNAVAILABLE, f"not acknowledged within {timeout} s")
+                results[index] = Sent(
+                    SendOutcome.UNAVAILABLE, f"not acknowledged within {timeout} s"
+                )
                 continue
             if future.succeeded():
                 results[index] = SENT
@@ -322,7 +326,7 @@ class RecoveringProducer:
                 # kafka-python makes the producer fatal with it (e.g. InitProducerId
                 # refused): a fresh producer, once the permission is there, can write.
                 fatal = fatal or failure
-            if result.outcome is Outcome.REFUSED:
+            if result.outcome is SendOutcome.REFUSED:
                 fatal = fatal or failure  # kafka-python's idempotent producer is fatal now
                 if aborted is None and len(indexes) > 1:
                     # Refused or aborted with the refused record? Only a send alone tells.
@@ -381,17 +385,17 @@ def _classify(error: BaseException | None) -> Sent:
     """A failed record: refused for its own reason, else unavailable."""
     text = _describe(error)
     if isinstance(error, PRODUCER_REFUSED_ERRORS):
-        return Sent(Outcome.UNAVAILABLE, text, error)
+        return Sent(SendOutcome.UNAVAILABLE, text, error)
     if isinstance(error, REFUSAL_ERRORS):
-        return Sent(Outcome.REFUSED, text, error)
+        return Sent(SendOutcome.REFUSED, text, error)
     if isinstance(error, kafka_errors.BrokerResponseError) and not error.retriable:
         # A non-retriable answer of the broker about this record's batch.
-        return Sent(Outcome.REFUSED, text, error)
-    return Sent(Outcome.UNAVAILABLE, text, error)
+        return Sent(SendOutcome.REFUSED, text, error)
+    return Sent(SendOutcome.UNAVAILABLE, text, error)
 
 
 def _unavailable(error: BaseException) -> Sent:
-    return Sent(Outcome.UNAVAILABLE, _describe(error), error)
+    return Sent(SendOutcome.UNAVAILABLE, _describe(error), error)
 
 
 def _describe(error: BaseException | None) -> str:

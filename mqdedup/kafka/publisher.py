@@ -32,9 +32,9 @@ import kafka
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.producer import (
     KeyHashPartitioner,
-    Outcome,
     ProducerRecord,
     RecoveringProducer,
+    SendOutcome,
 )
 from mqdedup.outbox.publishers import PUBLISHED, OutboxRecord, PublishResult, header_text
 
@@ -119,11 +119,11 @@ class KafkaPublisher:
         results: list[PublishResult] = []
         missing: dict[str, PublishResult] = {}  # one question to the cluster per topic
         for record, result in zip(records, sent, strict=True):
-            if result.outcome is Outcome.PUBLISHED:
+            if result.outcome is SendOutcome.PUBLISHED:
                 results.append(PUBLISHED)
-            elif result.outcome is Outcome.REFUSED:
+            elif result.outcome is SendOutcome.REFUSED:
                 results.append(PublishResult.rejected(result.error or "refused"))
-            elif result.outcome is Outcome.NO_METADATA:
+            elif result.outcome is SendOutcome.NO_METADATA:
                 if record.destination not in missing:
                     missing[record.destination] = self._metadata_failure(
                         record.destination, result.error

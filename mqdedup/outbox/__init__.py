@@ -14,7 +14,7 @@ The Kafka and RabbitMQ publishers live in the adapter packages (``mqdedup.kafka`
 
 from mqdedup.outbox.async_writer import AsyncOutboxWriter
 from mqdedup.outbox.memory import MemoryPublisher
-from mqdedup.outbox.publishers import OutboxRecord, Outcome, Publisher, PublishResult
+from mqdedup.outbox.publishers import OutboxRecord, Publisher, PublishOutcome, PublishResult
 from mqdedup.outbox.relay import Relay, RelayConfig, RelayMetrics
 from mqdedup.outbox.store import DestinationStatus, OutboxStatus, OutboxStore
 from mqdedup.outbox.writer import (
@@ -33,8 +33,8 @@ __all__ = [
     "OutboxStatus",
     "OutboxStore",
     "OutboxWriter",
-    "Outcome",
     "OutgoingMessage",
+    "PublishOutcome",
     "PublishResult",
     "Publisher",
     "Relay",

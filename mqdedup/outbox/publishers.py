@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 
-class Outcome(enum.Enum):
+class PublishOutcome(enum.Enum):
     """What became of one record."""
 
     PUBLISHED = "published"
@@ -35,26 +35,26 @@ class Outcome(enum.Enum):
 class PublishResult:
     """The outcome of publishing one record, with the error text when it failed."""
 
-    outcome: Outcome
+    outcome: PublishOutcome
     error: str | None = None
 
     @classmethod
     def rejected(cls, error: str) -> PublishResult:
         """The record's own failure; it is retried, then marked failed."""
-        return cls(Outcome.REJECTED, error)
+        return cls(PublishOutcome.REJECTED, error)
 
     @classmethod
     def unavailable(cls, error: str) -> PublishResult:
         """The broker's failure; the record waits for the broker, attempts unchanged."""
-        return cls(Outcome.UNAVAILABLE, error)
+        return cls(PublishOutcome.UNAVAILABLE, error)
 
     @property
     def ok(self) -> bool:
         """True when the broker accepted the record."""
-        return self.outcome is Outcome.PUBLISHED
+        return self.outcome is PublishOutcome.PUBLISHED
 
 
-PUBLISHED = PublishResult(Outcome.PUBLISHED)
+PUBLISHED = PublishResult(PublishOutcome.PUBLISHED)
 
 
 class OutboxRecord(NamedTuple):

@@ -12,7 +12,6 @@ import contextlib
 import functools
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -26,6 +25,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 
+from mqdedup.backoff import Backoff
 from mqdedup.db.dialects import is_transient, prepare_relay_connection, traits
 from mqdedup.db.pooling import session_state_works
 from mqdedup.db.schema import DEFAULT_PREFIX
@@ -33,23 +33,18 @@ from mqdedup.dedup.store import utcnow
 from mqdedup.errors import ConfigurationError
 from mqdedup.histograms import Histograms
 from mqdedup.outages import Outages
-from mqdedup.outbox.coordination import (
-    LeaseTakeover,
-    ShardCoordinator,
-    check_coordination,
-    create_coordinator,
-)
 from mqdedup.outbox.publishers import OutboxRecord, Publisher, PublishResult
+from mqdedup.outbox.relay_coordination import (
+    RelayCoordination,
+    check_coordination_mode,
+    relay_coordination,
+)
 from mqdedup.outbox.relay_publishing import BrokerPauses, CycleReport, publish_records
-from mqdedup.outbox.store import OutboxStatus, OutboxStore, ShardFilter
+from mqdedup.outbox.store import OutboxStatus, OutboxStore
 from mqdedup.stopping import StopToken, graceful_signals
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-#: How relays of one table take turns (see :class:`RelayConfig`).
-COORDINATIONS = ("session", "transaction")
 
 
 @dataclass(frozen=True)
@@ -108,11 +103,7 @@ class RelayConfig:
     coordination: str = "session"
 
     def __post_init__(self) -> None:
-        if self.coordination not in COORDINATIONS:
-            raise ConfigurationError(
-                f"relay coordination must be one of {', '.join(COORDINATIONS)}, "
-                f"not {self.coordination!r}"
-            )
+        check_coordination_mode(self.coordination)
         if self.batch_size < 1:
             raise ConfigurationError("relay batch_size must be at least 1")
         if self.max_attempts < 1:
@@ -128,8 +119,7 @@ class RelayConfig:
 
     def row_backoff(self, attempts: int) -> float:
         """Seconds before a refused row's next try (exponential, capped, ±10% jitter)."""
-        base = min(self.max_backoff, self.initial_backoff * 2.0 ** (attempts - 1))
-        return float(base * random.uniform(0.9, 1.1))
+        return Backoff(self.initial_backoff, self.max_backoff, jitter=(0.9, 1.1)).delay(attempts)
 
 
 @dataclass
@@ -196,11 +186,11 @@ class Relay:
 
     Several relays can run at once on PostgreSQL and MySQL/MariaDB: rows are sharded by
     key hash and each shard is owned by one relay through a lock, so a key's rows are
-    published by one relay in id order. The relay sees this only through
-    :class:`~mqdedup.outbox.coordination.ShardCoordinator`, built by
-    :func:`~mqdedup.outbox.coordination.create_coordinator` from the database's traits.
-    SQLite has neither row locks nor advisory locks: run a single relay there, which
-    polls.
+    published by one relay in id order. The relay sees this only through its
+    :class:`~mqdedup.outbox.relay_coordination.RelayCoordination`, one class per mode,
+    chosen once by :func:`~mqdedup.outbox.relay_coordination.relay_coordination` from the
+    configured mode and the database's traits. SQLite has neither row locks nor advisory
+    locks: run a single relay there, which polls.
     """
 
     def __init__(
@@ -224,27 +214,25 @@ class Relay:
         self.metrics = RelayMetrics()
         self.stop = StopToken()
         self._brokers = BrokerPauses(publishers, self.config.broker_backoff_max)
-        #: ``transaction`` coordination: the claims' transaction-level lock (else None).
-        self._turns = check_coordination(
-            engine, control_engine, self.config.coordination, table_name=self.store.table.name
+        #: How this relay shares its table (its mode, chosen once).
+        self.coordination: RelayCoordination = relay_coordination(
+            engine,
+            control_engine,
+            coordination=self.config.coordination,
+            store=self.store,
+            relay_id=self.relay_id,
+            brokers=list(publishers),
+            shards=self.config.shards,
+            listen=self.config.listen,
+            rebalance_interval=self.config.rebalance_interval,
+            batch_size=self.config.batch_size,
+            lease=self.config.lease,
         )
-        self._control: ShardCoordinator | None = None
-        if self._turns is None:
-            self._control = create_coordinator(
-                control_engine or engine,
-                table_name=self.store.table.name,
-                channel=self.store.channel,
-                shards=self.config.shards,
-                fingerprint=",".join(sorted(publishers)),
-                listen=self.config.listen,
-            )
-        self._next_rebalance = 0.0
         self._next_purge = 0.0
-        self._takeover = LeaseTakeover(engine, self.store, self.relay_id)
-        self._connections = RelayConnections(engine, dedicated=self._control is not None)
+        self._connections = RelayConnections(
+            engine, dedicated=self.coordination.dedicated_connections
+        )
         self._metrics_lock = threading.Lock()
-        #: ``transaction`` coordination: session relays own the table now.
-        self._yielding = False
 
     # -- the daemon ----------------------------------------------------------------------------
 
@@ -329,7 +317,7 @@ class Relay:
         at maintenance time (shards may move between bursts only) and on a stop request.
         """
         if until is None:
-            due = [self._next_rebalance] if self._control is not None else []
+            due = [self.coordination.next_maintenance()]
             if self.config.retention is not None:
                 due.append(self._next_purge)
             until = min(due, default=float("inf"))
@@ -385,8 +373,7 @@ class Relay:
                 publisher.close()
             except Exception:
                 log.exception("closing publisher failed", extra={"broker": name})
-        if self._control is not None:
-            self._control.close()
+        self.coordination.close()
 
     # -- operators -----------------------------------------------------------------------------
 
@@ -417,58 +404,7 @@ class Relay:
         brokers = [name for name in self.publishers if name not in self._paused_brokers()]
         if not brokers:
             return []
-        if self._turns is not None:  # transaction coordination: one relay at a time
-            records = self._on(
-                "claim",
-                self.store.claim_in_turn,
-                self.relay_id,
-                self.config.batch_size,
-                timedelta(seconds=self.config.lease),
-                brokers=brokers,
-                lock_class=self._turns,
-                in_flight=in_flight,
-            )
-            self._note_session_relays(records is None)
-            return records or []
-        shard_filter: ShardFilter | None = None
-        control = self._control
-        if control is not None:
-            if not control.connected or not control.owned:
-                return []
-            claimable = self._takeover.claimable(set(control.owned))
-            if not claimable:
-                return []
-            shard_filter = control.shard_filter(claimable)
-        elif not self._takeover.claimable({0}):
-            return []
-        return self._on(
-            "claim",
-            self.store.claim,
-            self.relay_id,
-            self.config.batch_size,
-            timedelta(seconds=self.config.lease),
-            brokers=brokers,
-            shard_filter=shard_filter,
-            in_flight=in_flight,
-        )
-
-    def _note_session_relays(self, present: bool) -> None:
-        """Say once when relays with session coordination own the table (and when they
-        are gone): this relay, taking turns, publishes nothing meanwhile."""
-        if present == self._yielding:
-            return
-        self._yielding = present
-        if present:
-            log.warning(
-                "relays with coordination 'session' run on this outbox table; this relay "
-                "(coordination 'transaction') publishes nothing while they do",
-                extra={"relay": self.relay_id, "table": self.store.table.name},
-            )
-        else:
-            log.info(
-                "no relay with coordination 'session' left on this outbox table; taking turns",
-                extra={"relay": self.relay_id, "table": self.store.table.name},
-            )
+        return self.coordination.claim(functools.partial(self._on, "claim"), brokers, in_flight)
 
     def _end_lease(self) -> None:
         """Remove this relay's lease once its batches are settled (shards may move)."""
@@ -589,23 +525,9 @@ class Relay:
         next_retry = self._brokers.next_retry()
         if next_retry is not None:
             timeout = min(timeout, max(0.0, next_retry - time.monotonic()))
-        control = self._control
-        if control is not None and control.notifies and control.connected and control.owned:
-            deadline = time.monotonic() + timeout
-            # Short slices: heartbeats and stop requests are served while listening.
-            while (remaining := deadline - time.monotonic()) > 0 and not self.stop.requested:
-                try:
-                    if control.wait(min(remaining, 0.5)):
-                        break
-                except Exception as error:
-                    if not is_transient(error):
-                        raise
-                    log.warning("relay control connection lost", extra={"error": str(error)})
-                    control.close()
-                    break
-                self._keepalive()
-        else:
-            self._pause(timeout)
+        self.coordination.idle(
+            timeout, pause=self._pause, keepalive=self._keepalive, stop=self.stop
+        )
 
     def _pause(self, seconds: float) -> bool:
         """Sleep, serving publisher heartbeats; False if a stop was requested."""
@@ -616,27 +538,10 @@ class Relay:
 
     def _maintain(self) -> None:
         now = time.monotonic()
-        control = self._control
-        if control is not None and (
-            not control.connected or not control.owned or now >= self._next_rebalance
-        ):
-            self._with_database_retry(self._rebalance)
-            self._next_rebalance = now + self.config.rebalance_interval
+        self.coordination.maintain(now, self._with_database_retry)
         if self.config.retention is not None and now >= self._next_purge:
             self._next_purge = now + self.config.purge_interval
             self._with_database_retry(self.purge)
-
-    def _rebalance(self) -> None:
-        control = self._control
-        assert control is not None
-        try:
-            if not control.connected:
-                self._takeover.reset()
-                control.open()
-            control.rebalance()
-        except Exception:
-            control.close()
-            raise
 
     # -- infrastructure ------------------------------------------------------------------------
 

@@ -7,18 +7,18 @@ broker paused with backoff until its rows go through again."""
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mqdedup import tracing
+from mqdedup.backoff import Backoff
 from mqdedup.logs import RepeatedLog
 from mqdedup.outbox.publishers import (
     PUBLISHED,
     OutboxRecord,
-    Outcome,
     Publisher,
+    PublishOutcome,
     PublishResult,
 )
 from mqdedup.tracing import TRACE_HEADERS, PublishTrace
@@ -81,13 +81,13 @@ def publish_records(
         for index, result in zip(indexes, outcome, strict=True):
             results[index] = result
         for span, result in zip(traces, outcome, strict=False):  # no traces: nothing to end
-            span.end(None if result.outcome is Outcome.PUBLISHED else result.error)
+            span.end(None if result.outcome is PublishOutcome.PUBLISHED else result.error)
         broker_result(broker, outcome)
     report = CycleReport(claimed=len(records))
     for record, result in zip(records, results, strict=True):
-        if result.outcome is Outcome.PUBLISHED:
+        if result.outcome is PublishOutcome.PUBLISHED:
             report.published.append(record)
-        elif result.outcome is Outcome.REJECTED:
+        elif result.outcome is PublishOutcome.REJECTED:
             report.rejected.append((record, result.error or "rejected"))
         else:
             report.unavailable.append(record)
@@ -126,12 +126,12 @@ class BrokerPauses:
 
     def __init__(self, brokers: Iterable[str], backoff_max: float) -> None:
         self._brokers: dict[str, _BrokerState] = {name: _BrokerState() for name in brokers}
-        self._backoff_max = backoff_max
+        self._backoff = Backoff(0.25, backoff_max, jitter=(0.8, 1.0))
 
     def record(self, broker: str, results: Sequence[PublishResult]) -> bool:
         """Note ``broker``'s results of one batch; True when an outage begins."""
         state = self._brokers[broker]
-        down = [r for r in results if r.outcome is Outcome.UNAVAILABLE]
+        down = [r for r in results if r.outcome is PublishOutcome.UNAVAILABLE]
         if not down:
             if state.failures:
                 log.info("broker available again", extra={"broker": broker})
@@ -140,7 +140,7 @@ class BrokerPauses:
             state.paused_until = 0.0
             return False
         state.failures += 1
-        pause = min(self._backoff_max, 0.25 * 2 ** (state.failures - 1)) * random.uniform(0.8, 1.0)
+        pause = self._backoff.delay(state.failures)
         state.paused_until = time.monotonic() + pause
         _WAITS.warning(
             BROKER_WAIT,

@@ -60,7 +60,7 @@ from mqdedup.db.dialects import (
     traits,
 )
 from mqdedup.db.schema import DEFAULT_PREFIX, schema
-from mqdedup.dedup.store import utcnow
+from mqdedup.dedup.store import aware, utcnow
 from mqdedup.outbox.notify import channel_name
 from mqdedup.outbox.publishers import OutboxRecord
 from mqdedup.outbox.writer import FAILED, PENDING, PUBLISHED
@@ -713,7 +713,7 @@ def _records(rows: Sequence[Any]) -> list[OutboxRecord]:
                 None if row[7] is None else loads(row[7]),
                 row[8],
                 row[9],
-                _aware(row[10]) if naive else row[10],
+                aware(row[10]) if naive else row[10],
             ),
         )
         for row in rows
@@ -762,11 +762,6 @@ def _array_literal(ids: Sequence[int]) -> str:
 def _hour(moment: datetime) -> datetime:
     """The start of ``moment``'s hour (the bucket of ``<prefix>outbox_counts``)."""
     return moment.replace(minute=0, second=0, microsecond=0)
-
-
-def _aware(moment: datetime) -> datetime:
-    """A timestamp read back from the database, in UTC (MySQL and SQLite return naive)."""
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
 
 
 def _not_in_flight(row_id: Any, postgresql: bool) -> ColumnElement[bool]:

@@ -30,6 +30,7 @@ from typing import Any
 import pika
 import pika.exceptions
 
+from mqdedup.backoff import Backoff
 from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
 from mqdedup.rabbitmq.reconnecting import describe
 from mqdedup.rabbitmq.topology import (
@@ -216,7 +217,7 @@ class DeadLetterPublisher:
     def _on_blocked_timeout(self) -> None:
         self._drop()
         self._refuse_until = time.monotonic() + self._pause
-        self._pause = min(self._pause * 2, _BLOCKED_PAUSE_MAX)
+        self._pause = Backoff(1.0, _BLOCKED_PAUSE_MAX).after(self._pause)
 
     def _drop(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None

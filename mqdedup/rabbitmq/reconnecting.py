@@ -21,9 +21,9 @@ from tenacity import (
     retry_if_exception,
     stop_after_delay,
     stop_never,
-    wait_random_exponential,
 )
 
+from mqdedup.backoff import FULL_JITTER, Backoff
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 
 # The transport's logger, as before these helpers moved out of mqdedup.rabbitmq.transport.
@@ -78,7 +78,7 @@ def connect_retrying(
 
     retrying = Retrying(
         retry=retry_if_exception(lambda error: retry_connect(error, first)),
-        wait=wait_random_exponential(multiplier=0.2, max=backoff_max),
+        wait=Backoff(0.2, backoff_max, jitter=FULL_JITTER),
         stop=stop_after_delay(startup_timeout) if first else stop_never,
         sleep=sleep_unless_closing,
         before_sleep=log_connect_retry,

@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 import pika
 import pika.exceptions
 
+from mqdedup.backoff import Backoff
 from mqdedup.consumers.context import Context
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
@@ -113,7 +114,7 @@ class ReplyPublisher:
                     extra={"error": type(error).__name__, "backoff": backoff},
                 )
                 time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = Backoff(0.1, 5.0).after(backoff)
 
     def _open(self) -> Any:
         if self._channel is not None and self._channel.is_open:

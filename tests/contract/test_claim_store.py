@@ -27,7 +27,7 @@ from mqdedup.db import check_connection, create_engine, init_schema
 from mqdedup.db.engine import session_factory
 from mqdedup.db.schema import schema
 from mqdedup.dedup.claims import AttemptLog, ClaimStore
-from mqdedup.dedup.sql_claims import SqlClaimStore
+from mqdedup.dedup.store import DedupStore
 from mqdedup.errors import DatabaseUnavailableError
 from tests.services import require_module, require_service, wait_for
 
@@ -61,7 +61,7 @@ def _sql_harness(kind: str, engine: Engine) -> Iterator[Harness]:
     prefix = f"c_{uuid.uuid4().hex[:8]}_"
     init_schema(engine, prefix)
     sessions = session_factory(engine)
-    store = SqlClaimStore(sessions, prefix)
+    store = DedupStore(prefix, sessions)
 
     @contextmanager
     def unit() -> Iterator[Any]:
@@ -74,7 +74,7 @@ def _sql_harness(kind: str, engine: Engine) -> Iterator[Harness]:
             yield session
 
     def purge() -> None:
-        store.table.purge(engine, older_than=timedelta(0))
+        store.purge(engine, older_than=timedelta(0))
 
     try:
         yield Harness(kind, store, unit, purge, attempt_unit=lease)

@@ -12,7 +12,7 @@ import json
 import time
 from collections import defaultdict
 
-from mqdedup.outbox.publishers import Outcome
+from mqdedup.outbox.publishers import PublishOutcome
 from tests.contract.conftest import PublisherKit
 
 
@@ -22,7 +22,7 @@ def test_published_records_are_on_the_broker_when_publish_returns(
     records = [publisher_kit.record(f"p{n:03d}", b'{"n": %d}' % n, b"k") for n in range(20)]
     results = publisher_kit.publisher().publish_batch(records)
 
-    assert [result.outcome for result in results] == [Outcome.PUBLISHED] * 20
+    assert [result.outcome for result in results] == [PublishOutcome.PUBLISHED] * 20
     assert publisher_kit.on_broker() == 20, "PUBLISHED before the broker confirmed"
 
 
@@ -75,9 +75,11 @@ def test_a_refused_record_fails_alone_and_the_records_after_it_are_published(
     results = publisher_kit.publisher().publish_batch(records)
 
     outcomes = {record.message_id: result for record, result in zip(records, results, strict=True)}
-    assert outcomes["refused"].outcome is Outcome.REJECTED
+    assert outcomes["refused"].outcome is PublishOutcome.REJECTED
     assert outcomes["refused"].error, "a refusal names the broker's reason"
-    assert all(r.outcome is Outcome.PUBLISHED for mid, r in outcomes.items() if mid != "refused")
+    assert all(
+        r.outcome is PublishOutcome.PUBLISHED for mid, r in outcomes.items() if mid != "refused"
+    )
     received = {str(item.message_id) for item in publisher_kit.read(expected=6)}
     # At least once: a record aborted with the refused one may be on the log twice
     # (same message id, absorbed by the consumers' dedup); the refused one never is.
@@ -91,6 +93,6 @@ def test_a_broker_that_is_down_is_an_outage_for_every_record_not_a_refusal(
     started = time.monotonic()
     results = publisher_kit.publisher(reachable=False).publish_batch(records)
 
-    assert [result.outcome for result in results] == [Outcome.UNAVAILABLE] * 3
+    assert [result.outcome for result in results] == [PublishOutcome.UNAVAILABLE] * 3
     assert all(result.error for result in results)
     assert time.monotonic() - started < 30, "an outage is reported within the timeouts"

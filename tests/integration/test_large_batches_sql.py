@@ -23,7 +23,7 @@ from sqlalchemy import event, func, select
 from mqdedup.db.engine import session_factory
 from mqdedup.db.schema import schema
 from mqdedup.dedup.dead_letters import DeadLetterTable
-from mqdedup.dedup.sql_claims import SqlClaimStore
+from mqdedup.dedup.store import DedupStore
 from tests.services import TestDatabase, prefixed_database
 
 pytestmark = pytest.mark.integration
@@ -66,7 +66,7 @@ def count(db: TestDatabase, table_name: str) -> int:
 def test_a_batch_over_the_parameter_limit_is_claimed_read_and_forgotten(
     db: TestDatabase, ids: list[str]
 ) -> None:
-    store = SqlClaimStore(session_factory(db.engine), db.prefix)
+    store = DedupStore(db.prefix, session_factory(db.engine))
     sessions = store.sessions
 
     with sessions() as session, session.begin():

@@ -14,7 +14,7 @@ from typing import Any
 
 import kafka.errors as kafka_errors
 
-from mqdedup.kafka.producer import Outcome, ProducerRecord, RecoveringProducer, _was_aborted
+from mqdedup.kafka.producer import ProducerRecord, RecoveringProducer, SendOutcome, _was_aborted
 
 
 class Future:
@@ -79,7 +79,11 @@ def test_with_the_internal_aborted_batch_mates_go_again_together() -> None:
     }
     producer, made = recovering(first, {})
     sent = producer.send_all(records(b"a", b"big", b"b"), 5.0)
-    assert [s.outcome for s in sent] == [Outcome.PUBLISHED, Outcome.REFUSED, Outcome.PUBLISHED]
+    assert [s.outcome for s in sent] == [
+        SendOutcome.PUBLISHED,
+        SendOutcome.REFUSED,
+        SendOutcome.PUBLISHED,
+    ]
     assert made[1].sent == [b"a", b"b"]  # one round, the refused record not again
 
 
@@ -89,7 +93,11 @@ def test_without_the_internal_every_suspect_is_sent_alone_and_the_outcomes_are_t
     alone = {b"big": Future(TOO_LARGE)}
     producer, made = recovering(first, alone)
     sent = producer.send_all(records(b"a", b"big", b"b"), 5.0)
-    assert [s.outcome for s in sent] == [Outcome.PUBLISHED, Outcome.REFUSED, Outcome.PUBLISHED]
+    assert [s.outcome for s in sent] == [
+        SendOutcome.PUBLISHED,
+        SendOutcome.REFUSED,
+        SendOutcome.PUBLISHED,
+    ]
     assert "MessageSizeTooLargeError" in str(sent[1].error)
     assert [value for producer in made[1:] for value in producer.sent] == [b"a", b"big", b"b"]
 
@@ -110,7 +118,7 @@ def test_a_producer_the_cluster_refuses_is_replaced_without_reading_its_internal
     denied = {b"x": Future(kafka_errors.ClusterAuthorizationFailedError())}
     producer, made = recovering(denied, {})
     [first] = producer.send_all(records(b"x"), 5.0)
-    assert first.outcome is Outcome.UNAVAILABLE  # an outage to fix, not the record's fault
+    assert first.outcome is SendOutcome.UNAVAILABLE  # an outage to fix, not the record's fault
     assert made[0].closed and producer.replacements == 1
     [second] = producer.send_all(records(b"x"), 5.0)
-    assert second.outcome is Outcome.PUBLISHED
+    assert second.outcome is SendOutcome.PUBLISHED

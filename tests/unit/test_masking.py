@@ -8,12 +8,11 @@ import logging
 import pytest
 from sqlalchemy.engine import make_url
 
-from mqdedup.db.engine import check_connection, create_engine, mask_url, parse_url
+from mqdedup.db.engine import check_connection, create_engine, parse_url
 from mqdedup.dedup.redis_client import mask_redis_url
 from mqdedup.errors import DatabaseUnavailableError
 from mqdedup.logs import KeyValueFormatter
-from mqdedup.masking import mask_text
-from mqdedup.masking import mask_url as one_mask
+from mqdedup.masking import mask_text, mask_url
 from mqdedup.rabbitmq.topology import connection_parameters, mask_amqp_url
 
 SECRET = "S3cretPW"
@@ -45,7 +44,7 @@ URLS = [
 
 @pytest.mark.parametrize(("url", "visible"), URLS)
 def test_mask_url_hides_every_secret(url: str, visible: str) -> None:
-    masked = one_mask(url)
+    masked = mask_url(url)
     assert SECRET not in masked
     assert "retPW" not in masked  # the tail after an unescaped @
     assert visible in masked
@@ -53,7 +52,7 @@ def test_mask_url_hides_every_secret(url: str, visible: str) -> None:
 
 @pytest.mark.parametrize(("url", "_visible"), URLS)
 def test_every_masker_is_the_one_function(url: str, _visible: str) -> None:
-    assert mask_url(url) == mask_amqp_url(url) == mask_redis_url(url) == one_mask(url)
+    assert mask_url(url) == mask_amqp_url(url) == mask_redis_url(url)
 
 
 def test_urls_without_secrets_are_unchanged() -> None:
@@ -64,12 +63,12 @@ def test_urls_without_secrets_are_unchanged() -> None:
         "amqp://rabbit/%2F",
         "redis://redis:6379/0",
     ):
-        assert one_mask(url) == url
+        assert mask_url(url) == url
 
 
 def test_sqlalchemy_url_objects_are_masked_with_their_query() -> None:
     url = make_url(f"postgresql://app:{SECRET}@db/app?password={SECRET}")
-    masked = one_mask(url)
+    masked = mask_url(url)
     assert SECRET not in masked and "db/app" in masked
 
 

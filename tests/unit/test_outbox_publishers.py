@@ -11,7 +11,7 @@ from kafka import errors as kafka_errors
 
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka import KafkaPublisher
-from mqdedup.outbox.publishers import OutboxRecord, Outcome
+from mqdedup.outbox.publishers import OutboxRecord, PublishOutcome
 
 
 def record(number: int, topic: str = "t", payload: bytes = b"x") -> OutboxRecord:
@@ -103,20 +103,20 @@ def test_retriable_broker_errors_and_missing_acks_are_unavailable_not_refused() 
         }
     )
     results = publisher.publish_batch([record(1, payload=b"leader"), record(2, payload=b"pending")])
-    assert [r.outcome for r in results] == [Outcome.UNAVAILABLE, Outcome.UNAVAILABLE]
+    assert [r.outcome for r in results] == [PublishOutcome.UNAVAILABLE, PublishOutcome.UNAVAILABLE]
 
 
 def test_metadata_timeout_is_unavailable_until_the_cluster_has_answered() -> None:
     timeout = kafka_errors.KafkaTimeoutError("Failed to update metadata after 10.0 secs.")
     publisher, _ = publisher_with({b"lost": timeout})
     [first] = publisher.publish_batch([record(1, topic="missing", payload=b"lost")])
-    assert first.outcome is Outcome.UNAVAILABLE  # nothing proves the cluster is up
+    assert first.outcome is PublishOutcome.UNAVAILABLE  # nothing proves the cluster is up
 
     publisher._last_ack = time.monotonic()  # other records were acknowledged just now
     results = publisher.publish_batch(
         [record(2, topic="missing", payload=b"lost"), record(3, topic="missing")]
     )
-    assert [r.outcome for r in results] == [Outcome.REJECTED, Outcome.REJECTED]
+    assert [r.outcome for r in results] == [PublishOutcome.REJECTED, PublishOutcome.REJECTED]
     assert "unknown or unavailable topic 'missing'" in str(results[0].error)
 
 
@@ -124,7 +124,7 @@ def test_a_producer_in_a_fatal_state_is_replaced_and_the_record_sent_again() -> 
     fenced = FakeFuture(kafka_errors.OutOfOrderSequenceNumberError())
     publisher, made = publisher_with({b"x": fenced}, {})
     [result] = publisher.publish_batch([record(1)])
-    assert result.outcome is Outcome.PUBLISHED  # on the fresh producer
+    assert result.outcome is PublishOutcome.PUBLISHED  # on the fresh producer
     assert len(made) == 2 and made[0].closed and not made[1].closed
     assert publisher.replacements == 1
 
@@ -142,9 +142,9 @@ def test_a_refused_record_fails_alone_its_aborted_batch_mates_are_sent_again() -
     batch = [record(1, payload=b"a"), record(2, payload=b"big"), record(3, payload=b"b")]
     results = publisher.publish_batch(batch)
     assert [r.outcome for r in results] == [
-        Outcome.PUBLISHED,
-        Outcome.REJECTED,
-        Outcome.PUBLISHED,
+        PublishOutcome.PUBLISHED,
+        PublishOutcome.REJECTED,
+        PublishOutcome.PUBLISHED,
     ]
     assert "MessageSizeTooLargeError" in str(results[1].error)
     assert [value for _, value, _ in made[1].sent] == [b"a", b"b"]  # not the refused one
@@ -158,7 +158,7 @@ def test_without_the_abort_marker_suspects_are_sent_one_by_one() -> None:
     alone = {b"big": FakeFuture(too_large)}
     publisher, _ = publisher_with(everything_fails, alone)
     results = publisher.publish_batch([record(1, payload=b"a"), record(2, payload=b"big")])
-    assert [r.outcome for r in results] == [Outcome.PUBLISHED, Outcome.REJECTED]
+    assert [r.outcome for r in results] == [PublishOutcome.PUBLISHED, PublishOutcome.REJECTED]
 
 
 def test_empty_bootstrap_is_a_configuration_error() -> None:
@@ -170,7 +170,7 @@ def test_a_producer_that_may_not_write_at_all_is_an_outage_not_the_records_fault
     denied = FakeFuture(kafka_errors.ClusterAuthorizationFailedError())
     publisher, _ = publisher_with({b"x": denied})
     [result] = publisher.publish_batch([record(1)])
-    assert result.outcome is Outcome.UNAVAILABLE
+    assert result.outcome is PublishOutcome.UNAVAILABLE
 
 
 def test_a_topic_the_cluster_says_does_not_exist_is_refused_at_once() -> None:
@@ -178,7 +178,7 @@ def test_a_topic_the_cluster_says_does_not_exist_is_refused_at_once() -> None:
     publisher, _ = publisher_with({b"lost": timeout})
     publisher.topic_exists = lambda topic: topic != "missing"
     [result] = publisher.publish_batch([record(1, topic="missing", payload=b"lost")])
-    assert result.outcome is Outcome.REJECTED
+    assert result.outcome is PublishOutcome.REJECTED
     assert "'missing' does not exist" in str(result.error)
 
 
@@ -190,5 +190,5 @@ def test_the_cluster_is_asked_once_per_missing_topic_and_batch() -> None:
     results = publisher.publish_batch(
         [record(n, topic="missing", payload=b"lost") for n in range(5)]
     )
-    assert {r.outcome for r in results} == {Outcome.REJECTED}
+    assert {r.outcome for r in results} == {PublishOutcome.REJECTED}
     assert asked == ["missing"]

@@ -430,13 +430,16 @@ def test_a_relay_on_mysql_or_mariadb_uses_named_lock_shards_and_polls() -> None:
     from sqlalchemy import create_engine
 
     from mqdedup.outbox.coordination import MySQLCoordinator
+    from mqdedup.outbox.relay_coordination import SharedShards
 
     for url in ("mysql+pymysql://u:p@127.0.0.1:1/db", "mariadb+pymysql://u:p@127.0.0.1:1/db"):
         engine = create_engine(url)  # never connects: the relay opens connections lazily
         relay = Relay(engine, {"kafka": MemoryPublisher()}, config=RelayConfig(shards=8))
-        assert isinstance(relay._control, MySQLCoordinator)
-        assert relay._control.shards == 8
-        assert relay._control.notifies is False  # no LISTEN: _idle sleeps the poll interval
+        assert isinstance(relay.coordination, SharedShards)
+        assert isinstance(relay.coordination.coordinator, MySQLCoordinator)
+        assert relay.coordination.coordinator.shards == 8
+        # no LISTEN: idle sleeps the poll interval
+        assert relay.coordination.coordinator.notifies is False
         relay.close()
         engine.dispose()
 
@@ -463,3 +466,26 @@ def test_the_mysql_claim_reads_without_row_locks() -> None:
     assert "FOR UPDATE" not in claim_sql and "SKIP LOCKED" not in claim_sql
     assert "ORDER BY candidate.id" in claim_sql and "LIMIT" in claim_sql
     assert "pg_locks" not in claim_sql  # the named locks are checked by IS_USED_LOCK
+
+
+def test_a_relay_gets_one_coordination_object_for_its_mode_chosen_once() -> None:
+    """Built without connecting: the mode and the database pick the class."""
+    from sqlalchemy import create_engine
+
+    from mqdedup.outbox.relay_coordination import SharedShards, SingleRelay, TakingTurns
+
+    cases = [
+        ("sqlite://", "session", SingleRelay, False),
+        ("mysql+pymysql://u:p@127.0.0.1:1/db", "session", SharedShards, True),
+        ("postgresql+psycopg://u:p@127.0.0.1:1/db", "session", SharedShards, True),
+        ("postgresql+psycopg://u:p@127.0.0.1:1/db", "transaction", TakingTurns, False),
+    ]
+    for url, mode, kind, dedicated in cases:
+        engine = create_engine(url)
+        relay = Relay(engine, {"kafka": MemoryPublisher()}, config=RelayConfig(coordination=mode))
+        assert type(relay.coordination) is kind, (url, mode)
+        assert relay.coordination.dedicated_connections is dedicated
+        relay.close()
+        engine.dispose()
+    with pytest.raises(ConfigurationError, match="coordination must be one of"):
+        RelayConfig(coordination="turns")

@@ -14,6 +14,7 @@ from mqdedup.consumers.context import Context
 from mqdedup.consumers.memory import MemoryTransport
 from mqdedup.consumers.transport import Delivery
 from mqdedup.consumers.worker import Worker
+from mqdedup.db.engine import session_factory
 from mqdedup.db.schema import schema
 from mqdedup.dedup import ids as id_strategies
 from mqdedup.dedup.store import DedupStore
@@ -128,13 +129,9 @@ def test_attempts_are_counted_across_redeliveries(sqlite_engine: Engine) -> None
         fail_ids = frozenset({"m0"})
         retry_policy = RetryPolicy(max_attempts=3, initial_backoff=0.001)
 
-    store = DedupStore()
-    with sqlite_engine.begin() as connection:
-        from sqlalchemy.orm import Session
-
-        with Session(bind=connection) as session:
-            store.record_failure(session, "orders", "m0", "earlier life")
-            store.record_failure(session, "orders", "m0", "earlier life")
+    store = DedupStore(sessions=session_factory(sqlite_engine))
+    store.record_failure("orders", "m0", "earlier life")
+    store.record_failure("orders", "m0", "earlier life")
     broker = InMemoryBroker()
     publish_orders(broker, 1)
     metrics = run_until_idle(AlwaysFails(), broker.transport("orders"), sqlite_engine)
@@ -505,3 +502,16 @@ def test_ids_are_checked_once_but_always_whatever_the_strategy(sqlite_engine: En
             "message id is longer than 255 characters (256, the consumer's message id)",
         ]
         assert (metrics.processed, metrics.dead_lettered) == (1, 2)
+
+
+def test_claims_refuse_a_truth_test_so_old_set_style_callers_fail_loudly(
+    sqlite_engine: Engine,
+) -> None:
+    """``DedupStore.claim`` returns ``Claims`` now (it used to return the new ids)."""
+    store = DedupStore(sessions=session_factory(sqlite_engine))
+    with session_factory(sqlite_engine)() as session, session.begin():
+        claims = store.claim(session, "orders", ["a"])
+        assert claims.new == {"a"}
+        with pytest.raises(TypeError, match=r"Claims\.new"):
+            bool(claims)
+        assert store.claim(session, "orders", ["a"]).new == set()

@@ -38,7 +38,7 @@ from mqdedup.dedup.dead_letters import DeadLetterTable
 from mqdedup.errors import DeadLetterRefusedError
 from mqdedup.outages import Outages
 from mqdedup.outbox import MemoryPublisher, OutboxWriter, Relay, RelayConfig
-from mqdedup.outbox.publishers import OutboxRecord, Outcome, PublishResult
+from mqdedup.outbox.publishers import OutboxRecord, PublishOutcome, PublishResult
 from mqdedup.stopping import StopToken
 from tests.support import OrderConsumer, order_counts
 
@@ -525,9 +525,9 @@ def test_only_the_records_rabbitmq_confirmed_late_count_as_published_without_a_p
     finally:
         publisher.close()
     assert [r.outcome for r in results] == [
-        Outcome.UNAVAILABLE,
-        Outcome.PUBLISHED,
-        Outcome.UNAVAILABLE,
+        PublishOutcome.UNAVAILABLE,
+        PublishOutcome.PUBLISHED,
+        PublishOutcome.UNAVAILABLE,
     ]
 
 
@@ -546,5 +546,5 @@ def test_rows_published_during_a_rabbitmq_resource_alarm_are_unavailable_not_ref
         results = publisher.publish_batch(records)
     finally:
         publisher.close()
-    assert [r.outcome for r in results] == [Outcome.UNAVAILABLE] * 3
+    assert [r.outcome for r in results] == [PublishOutcome.UNAVAILABLE] * 3
     assert all("resource alarm" in (r.error or "") for r in results)

@@ -113,7 +113,7 @@ def test_a_paused_broker_says_so_once_then_less_often(
             pauses.record("kafka", down)
             clock.now += 0.5
         assert len(_lines(caplog, BROKER_WAIT)) == 6
-        pauses.record("kafka", [PublishResult(relay_publishing.Outcome.PUBLISHED)])
+        pauses.record("kafka", [PublishResult(relay_publishing.PublishOutcome.PUBLISHED)])
         caplog.clear()
         pauses.record("kafka", down)  # a new outage: said at once
         assert len(_lines(caplog, BROKER_WAIT)) == 1

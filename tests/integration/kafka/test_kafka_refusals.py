@@ -236,7 +236,7 @@ def test_a_refused_record_fails_alone_with_or_without_kafka_pythons_internals(
     from datetime import UTC, datetime
 
     from mqdedup.kafka import KafkaPublisher
-    from mqdedup.outbox.publishers import OutboxRecord, Outcome
+    from mqdedup.outbox.publishers import OutboxRecord, PublishOutcome
 
     topic = kafka_helper.create_topic(partitions=3, config={"max.message.bytes": "512000"})
     publisher = KafkaPublisher(
@@ -267,7 +267,7 @@ def test_a_refused_record_fails_alone_with_or_without_kafka_pythons_internals(
     finally:
         publisher.close()
     assert [r.outcome for r in results] == [
-        Outcome.REJECTED if n == big else Outcome.PUBLISHED for n in range(300)
+        PublishOutcome.REJECTED if n == big else PublishOutcome.PUBLISHED for n in range(300)
     ]
     assert "MessageSizeTooLargeError" in str(results[big].error)
     on_topic = {

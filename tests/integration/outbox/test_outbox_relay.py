@@ -16,6 +16,7 @@ from mqdedup.consumers.context import Context
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka import KafkaPublisher
 from mqdedup.outbox import MemoryPublisher, OutboxWriter, Relay, RelayConfig
+from mqdedup.outbox.relay_coordination import SharedShards
 from mqdedup.outbox.writer import outgoing_message_id
 from mqdedup.rabbitmq import RabbitMQPublisher
 from tests.integration.outbox.helpers import (
@@ -134,8 +135,8 @@ def test_notify_wakes_the_relay_long_before_its_poll_interval(
         poll_until(
             lambda: (
                 relay.metrics.batches == 0
-                and relay._control is not None
-                and bool(relay._control.owned)
+                and isinstance(relay.coordination, SharedShards)
+                and bool(relay.coordination.coordinator.owned)
             ),
             30,
             "the relay to own its shards",

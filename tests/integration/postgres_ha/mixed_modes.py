@@ -104,7 +104,7 @@ class RunningRelay:
             engine.dispose()
 
     def _control_engine(self) -> Engine | None:
-        control = self.relay._control
+        control = getattr(self.relay.coordination, "coordinator", None)
         engine = getattr(control, "engine", None)
         return engine if isinstance(engine, Engine) and engine is not self.relay.engine else None
 

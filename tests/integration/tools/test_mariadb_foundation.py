@@ -33,7 +33,9 @@ FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.05)
 def claim_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """MariaDB's RETURNING claim, or the MySQL claim decided by INSERT IGNORE row counts."""
     if request.param == "rowcount":
-        monkeypatch.setattr("mqdedup.db.dialects.mysql_supports_returning", lambda _dialect: False)
+        monkeypatch.setattr(
+            "mqdedup.db.dialects.claims.mysql_supports_returning", lambda _dialect: False
+        )
     yield request.param
 
 
