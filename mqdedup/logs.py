@@ -183,6 +183,11 @@ class RepeatedLog:
             if now - wait.last_seen > self.max_interval:
                 del self._waits[wait_key]
 
+    def forget(self) -> None:
+        """Every wait is over: the next line of each is written at once."""
+        with self._lock:
+            self._waits.clear()
+
     def done(self, message: str, *, key: Hashable = None) -> None:
         """The wait of ``message`` (and ``key``) is over: its next line is written at once."""
         with self._lock:

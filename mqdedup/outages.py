@@ -34,6 +34,7 @@ from tenacity import (
 )
 
 from mqdedup.backoff import FULL_JITTER, Backoff
+from mqdedup.logs import RepeatedLog
 from mqdedup.stopping import StopToken
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,9 @@ class Outages:
         self.slice_seconds = slice_seconds
         self.answers = answers
         self.cause = cause
+        # One outage's "retrying" line: at once, then after 1 s, 2 s, 4 s ... (at most
+        # every minute, with the count left out), not one per attempt.
+        self._repeats = RepeatedLog(log)
 
     def run(
         self,
@@ -202,6 +206,7 @@ class Outages:
             return retrying(work)
         finally:
             self.on_change(None)  # the outage is over (or no longer ours to wait out)
+            self._repeats.forget()
 
     def _blamable(self, work: Callable[[], T], again: bool) -> T:
         """``work``, NotAnOutageError when it fails so while the database answers."""
@@ -256,13 +261,13 @@ class Outages:
         cause = self.cause(error) if error is not None else None
         if cause is not None:
             self.on_change(cause)
-            log.warning(
+            self._repeats.warning(
                 f"{cause}; retrying",
                 extra={**self.context, "attempt": attempt, "error": type(error).__name__},
             )
             return
         self.on_change(f"{self.what} unavailable: {type(error).__name__ if error else '?'}")
-        log.warning(
+        self._repeats.warning(
             f"{self.what} unavailable; retrying",
             extra={
                 **self.context,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import pytest
 
+from mqdedup.logs import RepeatedLog
 from mqdedup.outages import Outages, StoppedDuringOutageError
 from mqdedup.stopping import StopToken
 
@@ -45,7 +47,8 @@ def test_an_outage_is_retried_logged_counted_and_flagged_until_it_ends(
     assert len(calls) == 5 and len(retries) == 4
     assert flags[:-1] == ["redis unavailable: Down"] * 4 and flags[-1] is None  # ready again
     lines = [r for r in caplog.records if r.getMessage() == "redis unavailable; retrying"]
-    assert [r.attempt for r in lines] == [1, 2, 3, 4]  # type: ignore[attr-defined]
+    # One line for the outage, not one per attempt (the next after 1 s, 2 s, 4 s ...).
+    assert [r.attempt for r in lines] == [1]  # type: ignore[attr-defined]
     assert all(r.consumer == "sms" and r.error == "Down" for r in lines)  # type: ignore[attr-defined]
 
 
@@ -120,3 +123,38 @@ def test_the_flag_clears_when_the_outage_ends_in_another_error() -> None:
     with pytest.raises(ValueError, match="own fault"):
         outages.run(work)
     assert flags[0] == "database unavailable: Down" and flags[-1] is None
+
+
+def test_a_long_outage_says_so_again_at_a_growing_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The "retrying" line of one outage is written at once, then after 1 s, 2 s, 4 s ...
+    with the attempts left out counted; the next outage starts over at once."""
+    now = [0.0]
+
+    def tick_then_flaky(failures: int) -> Any:
+        work: Any = flaky(failures, [])
+
+        def run() -> Any:
+            now[0] += 0.5  # each attempt half a second later
+            return work()
+
+        return run
+
+    outages = Outages(
+        stop=StopToken(),
+        is_transient=lambda error: isinstance(error, Down),
+        what="redis",
+        backoff_max=0.001,
+    )
+    outages._repeats = RepeatedLog(logging.getLogger("mqdedup.outages"), clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="mqdedup.outages"):
+        assert outages.run(tick_then_flaky(12)) == "done"  # type: ignore[arg-type]
+        first = [r for r in caplog.records if r.getMessage() == "redis unavailable; retrying"]
+        # attempts at 0.5 s steps: written at 0.5 (1st), 1.5 (3rd), 3.5 (7th), 7.5 would be the 15th
+        assert [r.attempt for r in first] == [1, 3, 7]  # type: ignore[attr-defined]
+        assert [getattr(r, "suppressed", 0) for r in first] == [0, 1, 3]
+        caplog.clear()
+        assert outages.run(tick_then_flaky(1)) == "done"  # type: ignore[arg-type]
+    again = [r for r in caplog.records if r.getMessage() == "redis unavailable; retrying"]
+    assert [r.attempt for r in again] == [1]  # type: ignore[attr-defined]
