@@ -1,11 +1,10 @@
-"""The RabbitMQ adapter (pika): consumer, transport, topology, replay, publisher; and the
-aio-pika transport of async consumers (``AsyncRabbitMQConsumer``).
+"""The RabbitMQ adapter (pika): consumers (sync and async, on one transport), transport,
+topology, replay, publisher.
 
-This package is the only importer of pika and aio-pika in mqdedup; aio-pika is imported
-only when an async consumer creates its transport (the ``asyncio`` extra).
+This package is the only importer of pika in mqdedup.
 """
 
-from mqdedup.rabbitmq.aio_consumer import AsyncRabbitMQConsumer
+from mqdedup.rabbitmq.async_consumer import AsyncRabbitMQConsumer
 from mqdedup.rabbitmq.consumer import RabbitMQConsumer
 from mqdedup.rabbitmq.publisher import RabbitMQPublisher
 from mqdedup.rabbitmq.replies import ReplyPublisher, RequestReplyConsumer
