@@ -1,8 +1,9 @@
 """Noticing a Kafka outage that the client rides out inside its own poll.
 
 kafka-python absorbs a broker outage: its poll keeps returning nothing, it reconnects
-on its own, and no error reaches the transport. So the transport samples the client's connection state through a public API, at most once per
-:data:`CHECK_INTERVAL` while polls return nothing, and log the outage through
+on its own, and no error reaches the transport. So the transport samples the client's
+connection state through a public API, at most once per :data:`CHECK_INTERVAL` while
+polls return nothing, and logs the outage through
 :class:`~mqdedup.outages.OutageLog`: one WARNING when it starts, one INFO with its
 duration when it ends (the Transport contract's recovery bounds).
 
