@@ -104,6 +104,7 @@ async def run_with_outage(
         seen.update(during())
         await proxy.open()  # the database is back
         await wait_for_on_loop(lambda: metrics.processed >= total, 120, "every message")
+        seen["done_at"] = time.time()  # before the stop (leaving the group revokes)
     finally:
         stop.request()
         await asyncio.wait_for(task, 60)
@@ -112,20 +113,20 @@ async def run_with_outage(
     return seen
 
 
-def logged_since(
+def logged_during(
     caplog: pytest.LogCaptureFixture,
     logger: str,
-    since: float,
+    seen: dict[str, Any],
     text: str = "",
     level: int = logging.INFO,
 ) -> list[logging.LogRecord]:
     """Records of ``logger`` (and its children) at ``level`` or above containing ``text``,
-    logged at or after ``since``."""
+    logged from the cut until every message was processed (not the stop after it)."""
     return [
         r
         for r in caplog.records
         if (r.name == logger or r.name.startswith(f"{logger}."))
-        and r.created >= since
+        and seen["cut_at"] <= r.created <= seen["done_at"]
         and r.levelno >= level
         and text in r.getMessage()
     ]
@@ -210,7 +211,7 @@ def test_async_consumers_database_stopped_20s_wait_keep_member_and_connection_lo
 
     # Kafka: waited, kept the member, lost and doubled nothing.
     assert str(kafka_seen["outage"]).startswith("database unavailable"), kafka_seen
-    revoked = logged_since(caplog, KAFKA_LOGGER, kafka_seen["cut_at"], "partitions revoked")
+    revoked = logged_during(caplog, KAFKA_LOGGER, kafka_seen, "partitions revoked")
     assert revoked == [], "the group dropped the member during the outage"
     assert kafka_metrics.dead_lettered == 0
     assert row_counts(kafka_db.engine, kafka_db.prefix) == dict.fromkeys(kafka_ids, 1)
@@ -219,7 +220,7 @@ def test_async_consumers_database_stopped_20s_wait_keep_member_and_connection_lo
     # RabbitMQ: waited, kept its connection and consumer, lost and doubled nothing.
     assert str(rabbit_seen["outage"]).startswith("database unavailable"), rabbit_seen
     assert rabbit_seen["consumers"] == 1, "the worker's consumer left the queue in the outage"
-    lost = logged_since(caplog, RABBIT_LOGGER, rabbit_seen["cut_at"], level=logging.WARNING)
+    lost = logged_during(caplog, RABBIT_LOGGER, rabbit_seen, level=logging.WARNING)
     assert lost == [], f"the connection was lost during the outage: {lost}"
     assert rabbit_metrics.duplicates == 0, "the unacked batch was redelivered: connection broke"
     assert rabbit_metrics.dead_lettered == 0
