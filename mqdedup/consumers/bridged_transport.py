@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
@@ -56,11 +57,29 @@ class BridgedTransport(Generic[TokenT]):
     ) -> BridgedTransport[TokenT]:
         """``start()`` (connect, join, declare: a started transport), run in a thread
         inside the bridge, wrapped. ``start`` must give up when its stop token is
-        requested (every transport's ``start`` does)."""
+        requested (every transport's ``start`` does). A start whose await was abandoned
+        (a second cancel) closes the transport it started, in its thread."""
         executor = _executor(name)
+        lock = threading.Lock()
+        state: dict[str, Any] = {"abandoned": False, "started": None}
+
+        def guarded() -> Transport[TokenT]:
+            transport = start()
+            with lock:
+                state["started"] = transport
+                abandoned = state["abandoned"]
+            if abandoned:
+                transport.close()
+            return transport
+
         try:
-            inner = _call(executor, start)
+            inner = _call(executor, guarded)
         except BaseException:
+            with lock:
+                state["abandoned"] = True
+                started = state["started"]
+            if started is not None:  # started meanwhile: nobody else will close it
+                executor.submit(started.close)
             executor.shutdown(wait=False)
             raise
         return cls(inner, executor)

@@ -5,6 +5,7 @@
 * ``task.cancel()`` while the fetch waits ends ``run_async`` within the 2 s bound with
   ``CancelledError`` (a graceful stop: nothing in flight);
 * outside the bridge, :class:`BridgedTransport` is the transport itself (plain calls);
+* a start abandoned by a second cancel closes the transport it started;
 * ``aiokafka_config`` (the removed aiokafka stack's settings) is a one-line
   configuration error naming what to use instead;
 * the adapters load neither aiokafka nor aio-pika.
@@ -130,6 +131,43 @@ def test_outside_the_bridge_the_calls_go_straight_to_the_transport() -> None:
     finally:
         transport.close()
     assert broker.settled_count["orders"] == 1
+
+
+def test_a_start_whose_await_is_cancelled_closes_what_it_started() -> None:
+    """A second cancel abandons the await of a start still connecting; when that start
+    finishes in its thread, the transport it started is closed, not leaked."""
+    import threading
+
+    from mqdedup.bridge import run_bridged
+
+    release, closed = threading.Event(), threading.Event()
+    broker = InMemoryBroker()
+
+    class Slow:
+        def __init__(self) -> None:
+            self.inner = broker.transport("orders")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def close(self) -> None:
+            closed.set()
+            self.inner.close()
+
+    def start() -> Any:
+        release.wait(10)
+        return Slow()
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(run_bridged(BridgedTransport.start, start))
+        await asyncio.sleep(0.2)  # in the start's await
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    release.set()
+    assert closed.wait(10), "the transport started after the cancel was never closed"
 
 
 def test_aiokafka_config_is_refused_naming_its_replacement() -> None:
