@@ -18,8 +18,8 @@ from tests.services import REPO
 INTERNAL = {
     "BatchAbandonedError",  # a stop during a claim-store outage, caught by the worker
     "ClosingError",  # the RabbitMQ transport is closing: ends its reconnect loop
-    "ImmediateStop",
-    "InvalidBodiesError",  # a batch with invalid bodies: rerun without them, each dead-lettered  # a second signal, turned into exit code 130
+    "ImmediateStop",  # a second signal, turned into exit code 130
+    "InvalidBodiesError",  # invalid bodies in a batch: it reruns without them
     "MessageDatabaseError",  # the outage probe's verdict, turned into a message failure
     "NotAnOutageError",  # the same, for the outage wait
     "RelayStoppedError",  # a stop while the relay waited for the database
