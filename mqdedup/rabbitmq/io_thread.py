@@ -399,10 +399,12 @@ class ConsumingConnection:
             connection.process_data_events(time_limit=0.2)
             channel = self._channel
             if channel is not None and channel.is_closed:
-                # Closed by the broker (consumer_timeout, 403/404/406): pika only logs it,
+                # Closed by the broker (consumer_timeout, 403/404/406): pika only logs it
+                # (its WARNING "Received remote Channel.Close" names the broker's reason),
                 # and acks on a closed channel would be dropped silently.
                 raise _ChannelLostError(
-                    "the broker closed the consuming channel: " + channel_close_reason(channel)
+                    "the broker closed the consuming channel (its reason: pika's warning "
+                    "'Received remote Channel.Close' before this line)"
                 )
             if self._lag_interval > 0 and time.monotonic() >= self._next_lag_update:
                 self._update_lag()
@@ -560,14 +562,3 @@ class ConsumingConnection:
             return
         self.metrics.lag[self.queue] = int(frame.method.message_count)
 
-
-def channel_close_reason(channel: Any) -> str:
-    """Why the broker closed ``channel`` (a ``BlockingChannel``), for the log line.
-
-    pika keeps it only in ``BlockingChannel._closing_reason`` (an internal; see
-    docs/architecture.md, "Third-party internals in the adapters"), e.g.
-    ``ChannelClosedByBroker(406, 'PRECONDITION_FAILED - delivery acknowledgement on
-    channel 1 timed out...')``; without it: "no reason given".
-    """
-    reason = getattr(channel, "_closing_reason", None)
-    return describe(reason) if isinstance(reason, BaseException) else "no reason given"

@@ -9,36 +9,10 @@ and on the broker in ``tests/integration/rabbitmq``.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-import pika.exceptions
 import pytest
 
-from mqdedup.rabbitmq.io_thread import channel_close_reason
 from mqdedup.rabbitmq.publisher import RabbitMQPublisher
-
-
-class _Channel:
-    """A closed ``BlockingChannel``; ``reason`` given: pika keeps it (its internal)."""
-
-    is_closed = True
-
-    def __init__(self, **reason: Any) -> None:
-        if "reason" in reason:
-            self._closing_reason = reason["reason"]
-
-
-def test_the_reason_the_broker_closed_the_channel_is_named_when_pika_keeps_it() -> None:
-    closed = pika.exceptions.ChannelClosedByBroker(406, "PRECONDITION_FAILED - unknown tag")
-    assert channel_close_reason(_Channel(reason=closed)) == (
-        "ChannelClosedByBroker(406, 'PRECONDITION_FAILED - unknown tag')"
-    )
-
-
-def test_without_pikas_closing_reason_the_channel_is_still_known_closed() -> None:
-    assert channel_close_reason(_Channel()) == "no reason given"
-    assert channel_close_reason(_Channel(reason=None)) == "no reason given"
-    assert channel_close_reason(_Channel(reason="not an exception")) == "no reason given"
 
 
 class _UnclosableConnection:

@@ -8,8 +8,9 @@
   closing the publisher during a memory alarm, its connection goes from the broker as
   soon as the alarm is over; without it the close returns all the same, and the
   connection stays on the broker until the process ends;
-* the reason the broker closed the consuming channel (``_closing_reason``), named in the
-  consumer's log.
+* the reason the broker closed the consuming channel: pika keeps it only in
+  ``_closing_reason``, which the adapter no longer reads (issue 41: it bought a log line's
+  wording); pika's own WARNING names it, and the consumer reattaches.
 
 The consumer's decoding of deliveries (``io_frames``) is in ``test_rabbitmq_decoding.py``.
 """
@@ -153,9 +154,9 @@ def test_closing_the_relay_publisher_during_a_memory_alarm(
 def test_the_log_names_why_the_broker_closed_the_consuming_channel(
     rabbitmq_url: str, rabbit: RabbitAdmin, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """pika keeps the broker's reason only in ``BlockingChannel._closing_reason``: the
-    consumer's log line names it (here an ack of a tag the broker never sent: 406); the
-    consumer reattaches either way."""
+    """An ack of a tag the broker never sent: the broker closes the consuming channel
+    (406). pika's own WARNING names the broker's reason, the consumer's line says the
+    broker closed the channel and points at it, and the consumer reattaches."""
     queue = rabbit.queue("close-reason")
     transport = RabbitMQTransport(
         Topology(queue), rabbitmq_url, connection_name=f"close-reason-{queue}", prefetch=10
@@ -163,7 +164,7 @@ def test_the_log_names_why_the_broker_closed_the_consuming_channel(
     try:
         generation = transport.live_generation
         assert generation is not None
-        with caplog.at_level(logging.WARNING, logger="mqdedup.rabbitmq.transport"):
+        with caplog.at_level(logging.WARNING):
             transport._submit(
                 lambda: transport._channel.basic_ack(delivery_tag=987_654),
                 generation,
@@ -176,5 +177,11 @@ def test_the_log_names_why_the_broker_closed_the_consuming_channel(
     [detached] = [
         r for r in caplog.records if r.getMessage().startswith("RabbitMQ consumer detached")
     ]
-    assert "406" in detached.error and "PRECONDITION_FAILED" in detached.error, detached.error
+    assert "the broker closed the consuming channel" in detached.error, detached.error
+    assert "Received remote Channel.Close" in detached.error, detached.error
+    [pikas] = [
+        r for r in caplog.records if r.getMessage().startswith("Received remote Channel.Close")
+    ]
+    assert pikas.created <= detached.created  # the reason comes first
+    assert "406" in pikas.getMessage() and "PRECONDITION_FAILED" in pikas.getMessage()
     rabbit.delete(f"{queue}.dlq")
