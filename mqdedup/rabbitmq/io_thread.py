@@ -399,15 +399,22 @@ class ConsumingConnection:
             connection.process_data_events(time_limit=0.2)
             channel = self._channel
             if channel is not None and channel.is_closed:
-                # Closed by the broker (consumer_timeout, 403/404/406): pika only logs it
-                # (its WARNING "Received remote Channel.Close" names the broker's reason),
+                # Closed by the broker (consumer_timeout, 403/404/406): pika only logs it,
                 # and acks on a closed channel would be dropped silently.
                 raise _ChannelLostError(
-                    "the broker closed the consuming channel (its reason: pika's warning "
-                    "'Received remote Channel.Close' before this line)"
+                    "the broker closed the consuming channel: " + self._channel_close_reason()
                 )
             if self._lag_interval > 0 and time.monotonic() >= self._next_lag_update:
                 self._update_lag()
+
+    def _channel_close_reason(self) -> str:
+        """The broker's reason, as the fast path read it from its ``channel.close`` (pika
+        keeps it in no public place); without the fast path, pika's own WARNING
+        ("Received remote Channel.Close") names it."""
+        reason = None if self._fast_path is None else self._fast_path.closed_by_broker
+        if reason is None:
+            return "its reason is in pika's warning 'Received remote Channel.Close'"
+        return describe(reason)
 
     def _decode_deliveries_ourselves(self, connection: Any) -> None:
         """From now on, decode our deliveries without pika's layers (:mod:`.io_frames`).
@@ -561,4 +568,3 @@ class ConsumingConnection:
             )
             return
         self.metrics.lag[self.queue] = int(frame.method.message_count)
-

@@ -1,5 +1,6 @@
 """The RabbitMQ adapter's pika internals: each has a public-API fallback, used when a pika
-version lacks it (docs/architecture.md, "Third-party internals in the adapters").
+version lacks it (docs/architecture.md, "Third-party internals in the adapters"); and what
+replaced the two it no longer uses (issue 41).
 
 The fast paths' own fallbacks (``io_frames.install`` and ``PublishFrames.open`` give
 None) are tested in ``test_rabbitmq_io_frames.py`` and ``test_rabbitmq_publish_frames.py``,
@@ -16,8 +17,7 @@ from mqdedup.rabbitmq.publisher import RabbitMQPublisher
 
 
 class _UnclosableConnection:
-    """A ``SelectConnection`` whose close handshake never completes (a blocked broker),
-    from a pika without ``_terminate_stream``."""
+    """A ``SelectConnection`` whose close handshake never completes (a blocked broker)."""
 
     is_open = True
     is_closed = False
@@ -29,7 +29,7 @@ class _UnclosableConnection:
         self.close_requested = True
 
 
-def test_without_terminate_stream_a_stuck_connection_is_dropped_and_said_so(
+def test_a_connection_that_cannot_close_is_dropped_and_said_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     publisher = RabbitMQPublisher("amqp://guest:guest@127.0.0.1:1/%2F", connect_timeout=0.1)
@@ -39,4 +39,4 @@ def test_without_terminate_stream_a_stuck_connection_is_dropped_and_said_so(
         publisher.close()
     assert connection.close_requested  # the public close was asked for first
     assert publisher._connection is None and publisher._channel is None
-    assert "no _terminate_stream" in caplog.text
+    assert "did not close; dropped" in caplog.text  # pika's _terminate_stream is not used
