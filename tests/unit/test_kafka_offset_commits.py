@@ -69,10 +69,9 @@ def policy(
 
 
 def settle(tracker: OffsetTracker, key: tuple[str, int], offsets: range) -> None:
-    for offset in offsets:
-        epoch = tracker.track(key, offset)
-        assert epoch is not None
-        tracker.settle(key, offset, epoch)
+    for offset, tracked in zip(offsets, tracker.track_many(key, offsets), strict=True):
+        assert tracked is not None
+        tracker.settle_many([(key, offset, tracked[0])])
 
 
 @pytest.fixture
@@ -151,7 +150,7 @@ def test_the_first_records_of_an_assignment_leave_a_trace(previous: Any, careful
     tracker.assign([P0])
     consumer = FakeConsumer([P0], previous=previous)
     commits.first_records(consumer, TopicPartition(*P0), 7)
-    tracked = tracker.track_redelivered(P0, 7)
+    [tracked] = tracker.track_many(P0, [7])
     assert tracked is not None
     # Not careful: its start is committed without the marker, so a death leaves a trace.
     assert tracked[1] is careful
