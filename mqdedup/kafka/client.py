@@ -183,7 +183,7 @@ class KafkaClient:
         """True after :meth:`close`."""
         return self._closed
 
-    # -- the Transport protocol ----------------------------------------------------------
+    # -- any thread ----------------------------------------------------------------------
 
     def settle(self, deliveries: Sequence[Delivery[KafkaToken]]) -> None:
         """Mark deliveries settled (any thread); the owner thread's next turn commits
