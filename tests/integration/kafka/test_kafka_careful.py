@@ -129,5 +129,5 @@ def test_the_aiokafka_transport_reads_the_previous_owners_stop_through_the_publi
             await commits.consumer.stop()
 
     asyncio.run(check())
-    [tracked] = tracker.track_many((topic, 0), [5])
+    tracked = tracker.track_redelivered((topic, 0), 5)
     assert tracked is not None and tracked[1] is careful
