@@ -114,7 +114,7 @@ class DeliveryFastPath:
             if frame_value is None:
                 break
             position += consumed
-            if frame_value.channel_number == self._channel:
+            if getattr(frame_value, "channel_number", None) == self._channel:
                 self._note_close(frame_value)
             # pika's state, then its own handling of this one frame (which may close the
             # connection and reset the buffer: read it back afterwards).
