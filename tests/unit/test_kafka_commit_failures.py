@@ -38,7 +38,13 @@ def commit_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
 def test_kafka_python_commits_failing_through_an_outage_log_two_lines(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    commits = OffsetCommits("orders", OffsetTracker())
+    class Settings:  # what OffsetCommits reads of a consumer's KafkaSettings
+        consumer_name = "orders"
+        commit_interval = 0.0
+        commit_timeout = 1.0
+
+    settings: Any = Settings()
+    commits = OffsetCommits(settings, OffsetTracker())
     client = FlakyClient(8, kafka_errors.KafkaConnectionError)
     caplog.set_level(logging.DEBUG, logger="mqdedup.kafka.offset_commits")
     results = [commits.commit(client, {("orders", 0): n}, 1.0) for n in range(1, 10)]
