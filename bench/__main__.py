@@ -12,7 +12,7 @@ Measures side by side, medians over several runs, on the real services of
   commit-to-publish latency (p50/p99) with NOTIFY and with polling;
 * claim: claim cost with 0 / 1M / 10M rows in the dedup table, and purge speed;
 * memory: peak RSS of a worker subprocess over 1,000,000 messages (in-memory broker);
-* async (``--only async``): asyncio consumers (aiokafka, aio-pika, ``AsyncSession``)
+* async (``--only async``): asyncio consumers (``async def`` handlers, ``AsyncSession``)
   next to the synchronous ones, bulk and per-message (``bench/suite_async.py``).
 
 Writes ``bench/results/results.md``, ``results.json`` and PNG charts, and in full mode

@@ -24,11 +24,11 @@ and tables per run). ``crash``: 3,000 messages, a worker child killed with SIGKI
 times (2 s apart after the previous restart was back at work); ``poison``: 500 messages,
 one of which kills the process handling it (``os.kill(getpid(), SIGKILL)``) until it is
 dead-lettered. The figure is the drain time: first message produced to the last row
-committed. ``--client sync|async`` picks KafkaConsumer (kafka-python) or
-AsyncKafkaConsumer (aiokafka); ``--variant before`` runs them as before issue 33
-(dynamic members; kafka-python's 45 s session timeout), ``after`` with today's
-defaults. ``--all`` runs every combination ``--runs`` times, interleaved, and prints the
-medians side by side::
+committed. ``--client sync|async`` picks KafkaConsumer or AsyncKafkaConsumer (both on
+the kafka-python transport since issue 41; on aiokafka before); ``--variant before``
+runs them as before issue 33 (dynamic members; kafka-python's 45 s session timeout),
+``after`` with today's defaults. ``--all`` runs every combination ``--runs`` times,
+interleaved, and prints the medians side by side::
 
     .venv/bin/python bench/kafka_recovery_bench.py --all --runs 3
 """
@@ -242,7 +242,7 @@ class CrashSync(KafkaConsumer):
 
 
 class CrashAsync(AsyncKafkaConsumer):
-    """One row per message (aiokafka); ``poison`` kills its process."""
+    """One row per message (async handler); ``poison`` kills its process."""
 
     async def handle(self, message: Message, ctx: Any) -> Any:
         _kill_if_poison(message)
@@ -396,7 +396,7 @@ def crash_main(args: argparse.Namespace) -> None:
             for variant in ("before", "after"):
                 values = figures.get((scenario, client, variant))
                 cells.append(f"{statistics.median(values):.1f}" if values else "-")
-            name = "kafka-python" if client == "sync" else "aiokafka"
+            name = "KafkaConsumer" if client == "sync" else "AsyncKafkaConsumer"
             print(f"| {scenario} | {name} | {cells[0]} | {cells[1]} | {args.runs} |")
 
 

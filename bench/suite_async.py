@@ -5,9 +5,9 @@ PostgreSQL (claim + one business INSERT per message, one transaction per batch o
 
 * synchronous (kafka-python / pika transports, psycopg): a bulk ``handle_batch`` (one
   ``unnest`` INSERT) and a per-message ``handle`` (one SQLAlchemy ``insert()`` each);
-* asyncio (``AsyncKafkaConsumer`` on aiokafka / ``AsyncRabbitMQConsumer`` on aio-pika,
-  ``async def`` handlers awaiting the ``AsyncSession`` on psycopg's async driver, one
-  event loop): the same two handlers.
+* asyncio (``AsyncKafkaConsumer`` / ``AsyncRabbitMQConsumer``: the same kafka-python /
+  pika transports driven from the event loop, ``async def`` handlers awaiting the
+  ``AsyncSession`` on psycopg's async driver, one event loop): the same two handlers.
 
 The synchronous rows are ``bench/kafka_bench.py``'s and ``bench/rabbitmq_bench.py``'s
 consumers, measured the same way (Kafka: first record to the last commit; RabbitMQ:
@@ -51,7 +51,7 @@ BATCH = 500
 
 
 class AsyncKafkaPerMessage(AsyncKafkaConsumer):
-    """``kafka_bench.PerMessage`` with ``async def handle`` on aiokafka."""
+    """``kafka_bench.PerMessage`` with ``async def handle``."""
 
     batch_size = BATCH
     poll_timeout = 0.5
@@ -129,7 +129,7 @@ def kafka_rows(settings: Settings, sizes: Sizes) -> dict[str, list[float]]:
 
 
 class AsyncRabbitPerMessage(AsyncRabbitMQConsumer):
-    """``rabbitmq_bench.BenchConsumer`` with ``async def handle`` on aio-pika."""
+    """``rabbitmq_bench.BenchConsumer`` with ``async def handle``."""
 
     orders: ClassVar[Table]
     poll_timeout = 1.0
@@ -239,9 +239,10 @@ def async_suite(settings: Settings, sizes: Sizes) -> Section:
         "asyncio consumers next to synchronous ones (→ PostgreSQL)",
         f"{n:,} small JSON messages per variant, batches of {BATCH} (RabbitMQ: prefetch "
         f"{BATCH}); claim + one business INSERT per message in one transaction per batch. "
-        "Synchronous: kafka-python / pika transports, psycopg. asyncio: aiokafka / aio-pika "
-        "transports and `async def` handlers awaiting an `AsyncSession` (psycopg async) on "
-        "one event loop; the same Worker and Processor run inside the greenlet bridge.",
+        "Both on the kafka-python / pika transports. Synchronous: psycopg. asyncio: the "
+        "transports driven from one event loop and `async def` handlers awaiting an "
+        "`AsyncSession` (psycopg async); the same Worker and Processor run inside the "
+        "greenlet bridge.",
     )
     for broker, measure in (("Kafka", kafka_rows), ("RabbitMQ", rabbitmq_rows)):
         values = measure(settings, sizes)

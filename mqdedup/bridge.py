@@ -1,9 +1,10 @@
 """Running the one synchronous pipeline on an asyncio event loop (the greenlet bridge).
 
-Async consumers (aiokafka / aio-pika transports, ``async def handle`` with an
-``AsyncSession``) run through the same Worker and Processor as the synchronous ones:
-the pipeline runs inside a greenlet on the event loop (:func:`run_bridged`), and every
-place where it would block hands the loop an awaitable instead (:func:`wait_for`). This
+Async consumers (``async def handle`` with an ``AsyncSession``) run through the same
+Worker, Processor and transport as the synchronous ones: the pipeline runs inside a
+greenlet on the event loop (:func:`run_bridged`), and every place where it would block
+hands the loop an awaitable instead (:func:`wait_for`; the transport's blocking calls run
+in a thread: :mod:`mqdedup.consumers.bridged_transport`). This
 is the mechanism SQLAlchemy's own asyncio extension is built on
 (``sqlalchemy.util.greenlet_spawn`` / ``await_``), so a ``Session`` on an
 ``AsyncEngine``'s ``sync_engine`` works inside the bridge unchanged.

@@ -26,8 +26,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "opentelemetry": ("opentelemetry-api", "otel"),
     "pydantic": ("pydantic", "pydantic"),
     "msgspec": ("msgspec", "msgspec"),
-    "aiokafka": ("aiokafka", "asyncio"),
-    "aio_pika": ("aio-pika", "asyncio"),
+    "greenlet": ("greenlet", "asyncio"),
 }
 
 

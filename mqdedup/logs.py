@@ -36,7 +36,7 @@ _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskN
 FORMATS = ("text", "json")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Client libraries whose own logging only repeats what mqdedup reports in one line.
-NOISY_LIBRARIES = ("kafka", "pika", "aio_pika", "aiormq", "aiokafka")
+NOISY_LIBRARIES = ("kafka", "pika")
 #: The first repeat of a waiting line is written this many seconds after the first line.
 FIRST_INTERVAL = 1.0
 #: The longest time between two written repeats of one waiting line.

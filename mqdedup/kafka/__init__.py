@@ -1,8 +1,7 @@
-"""The Kafka adapter (kafka-python): consumer, transport, offsets, replay, lag, publisher;
-and the aiokafka transport of async consumers (``AsyncKafkaConsumer``).
+"""The Kafka adapter (kafka-python): consumers (sync and async, on one transport),
+transport, offsets, replay, lag, publisher.
 
-This package is the only importer of kafka-python and aiokafka in mqdedup; aiokafka is
-imported only when an async consumer creates its transport (the ``asyncio`` extra).
+This package is the only importer of kafka-python in mqdedup.
 """
 
 # -- the kafka extra (typed43): an ImportError naming it; keep this block first ------------
@@ -18,7 +17,7 @@ with _warnings.catch_warnings():
     _require("mqdedup.kafka", "kafka")
 # isort: split
 
-from mqdedup.kafka.aio_consumer import AsyncKafkaConsumer
+from mqdedup.kafka.async_consumer import AsyncKafkaConsumer
 from mqdedup.kafka.consumer import KafkaConsumer
 from mqdedup.kafka.publisher import KafkaPublisher
 from mqdedup.kafka.settings import KafkaSettings

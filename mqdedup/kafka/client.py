@@ -5,6 +5,9 @@ contract of :mod:`mqdedup.consumers.transport`:
 
 * offsets are committed (``enable_auto_commit=False``) only for *settled* deliveries,
   and only up to the first one that is not settled yet (:mod:`mqdedup.kafka.offsets`);
+  what is committed, and when, is decided and done by one object, its commit policy
+  (:class:`~mqdedup.kafka.offset_commits.OffsetCommits`), which it tells what happens:
+  a turn of the poll thread, the first records of a fresh assignment, a revoke, the stop;
 * on a rebalance, settled offsets of revoked partitions are committed; the in-flight
   deliveries of partitions that really went to another worker are dropped (their settles
   are ignored; the next owner gets them again and the dedup table turns them into
@@ -17,11 +20,11 @@ contract of :mod:`mqdedup.consumers.transport`:
 
 Threads: kafka-python's consumer is not thread-safe. Every call on it (poll, pause,
 seek, commit, close) happens on the *owner* thread, the one that called :meth:`open`:
-the poll thread of :class:`~mqdedup.kafka.transport.KafkaTransport` (group members), or
-the caller's thread (replays). ``settle``, ``give_back`` and ``dead_letter`` may be
-called from another thread: the first two only record what to do (the tracker is
-thread-safe) and the owner thread commits / seeks on its next turn; dead letters go
-through the producer and an admin client, never through the consumer.
+the poll thread of :class:`~mqdedup.kafka.transport.KafkaTransport`. ``settle``,
+``give_back`` and ``dead_letter`` may be called from another thread: the first two only
+record what to do (the tracker is thread-safe) and the owner thread commits / seeks on its
+next turn; dead letters go through the producer and an admin client, never through the
+consumer.
 
 Its parts: the rebalance listener (:mod:`mqdedup.kafka.rebalance`), offset commits
 (:mod:`mqdedup.kafka.offset_commits`) with the clean-stop marker and the previous
@@ -34,7 +37,6 @@ giving deliveries back (:mod:`mqdedup.kafka.rewinds`).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -46,11 +48,10 @@ from mqdedup.consumers.metrics import Metrics
 from mqdedup.consumers.transport import DeadLetter, Delivery, new_delivery
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.kafka.assignment import Assignment
-from mqdedup.kafka.clean_stop import stopped_cleanly
 from mqdedup.kafka.dead_letters import KafkaDeadLetters
 from mqdedup.kafka.group_join import JoinWatch
 from mqdedup.kafka.membership import fenced_reason
-from mqdedup.kafka.offset_commits import OffsetCommits
+from mqdedup.kafka.offset_commits import CommitPolicy, OffsetCommits
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
 from mqdedup.kafka.partition_lag import PartitionLag
 from mqdedup.kafka.rebalance import RebalanceListener
@@ -89,10 +90,9 @@ class KafkaClient:
         # handling plus the batches it settled since its last commit (see the tracker).
         self.tracker = OffsetTracker(redelivery_window=settings.max_buffered)
         self._client: Any = None
-        self._owner: threading.Thread | None = None
         self.dead_letters = KafkaDeadLetters(settings)
-        self.commits = OffsetCommits(settings.consumer_name, self.tracker)
-        self._next_commit_attempt = 0.0
+        #: What to commit, when, and the commits themselves (the only committer).
+        self.commits: CommitPolicy = OffsetCommits(settings, self.tracker, on_fenced=self.fence)
         self._assignment = Assignment(self.tracker, self._assigned_keys)
         self._join = JoinWatch(
             settings.consumer_name,
@@ -122,7 +122,6 @@ class KafkaClient:
                 f"{describe_error(error)}"
             ) from error
         self._client = client
-        self._owner = threading.current_thread()
         self._subscribe(client)
         log.info(
             "kafka consumer connected",
@@ -140,6 +139,7 @@ class KafkaClient:
         back), report not ready with the reason, and say so once."""
         if self.fenced is not None:
             return
+        self.commits.fence()
         instance_id = self.settings.consumer_config.get("group_instance_id")
         self.fenced = fenced_reason(self.settings.group_id, instance_id)
         self.metrics.fenced = self.fenced
@@ -152,21 +152,6 @@ class KafkaClient:
                 "instance_id": instance_id,
             },
         )
-
-    def _commit(
-        self,
-        client: Any,
-        offsets: dict[PartitionKey, int],
-        timeout: float,
-        *,
-        clean: set[PartitionKey] | None = None,
-    ) -> bool:
-        """:meth:`OffsetCommits.commit`; a fenced member's commit fences this client."""
-        try:
-            return self.commits.commit(client, offsets, timeout, clean=clean or set())
-        except kafka_errors.FencedInstanceIdError:
-            self.fence()
-            return False
 
     @property
     def client(self) -> Any:
@@ -182,11 +167,8 @@ class KafkaClient:
         self._closed = True
         client, self._client = self._client, None
         if client is not None:
-            if commit and self.fenced is None:
-                assigned = {partition_key(tp) for tp in client.assignment() or ()}
-                offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
-                clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in assigned}
-                self._commit(client, {**clean, **offsets}, timeout, clean=set(clean))
+            if commit:
+                self.commits.stopping(client, timeout)
             try:
                 client.close(autocommit=False, timeout_ms=int(timeout * 1000))
             except Exception as error:
@@ -201,27 +183,18 @@ class KafkaClient:
         """True after :meth:`close`."""
         return self._closed
 
-    # -- the Transport protocol ----------------------------------------------------------
-
-    def fetch(self, max_messages: int, timeout: float) -> list[Delivery[KafkaToken]]:
-        """Commit what is settled, then poll up to ``max_messages`` (owner thread only)."""
-        self.commit_pending()
-        self.apply_rewinds()
-        self.resume_all()
-        return self.poll(max_messages, timeout)
+    # -- any thread ----------------------------------------------------------------------
 
     def settle(self, deliveries: Sequence[Delivery[KafkaToken]]) -> None:
-        """Mark deliveries settled; their offsets are committed contiguously.
+        """Mark deliveries settled (any thread); the owner thread's next turn commits
+        their offsets contiguously (:meth:`commit_due`).
 
-        On the owner thread the commit happens at once; from another thread it is left
-        to the owner thread's next turn. Deliveries of revoked or rewound partitions are
-        ignored: they will be fetched again (by this or another worker) and deduplicated.
+        Deliveries of revoked or rewound partitions are ignored: they will be fetched
+        again (by this or another worker) and deduplicated.
         """
-        settled = self.tracker.settle_many(
+        self.tracker.settle_many(
             (d.token.partition, d.token.offset, d.token.epoch) for d in deliveries
         )
-        if settled and self._on_owner_thread():
-            self.commit_pending(force=True)
 
     def dead_letter(self, delivery: Delivery[KafkaToken], record: DeadLetter) -> None:
         """Publish the original record with ``record``'s headers; wait for the broker's ack.
@@ -232,24 +205,6 @@ class KafkaClient:
         if self._closed:
             raise BrokerUnavailableError("the Kafka transport is closed")
         self.dead_letters.publish(delivery.token, record)
-
-    def keepalive(self) -> None:
-        """Stay in the group while the processor waits.
-
-        On the owner thread: pause every partition and poll (no records come back), so
-        ``max_poll_interval_ms`` never expires; the partitions are resumed by the next
-        fetch. From another thread nothing is needed: the owner thread keeps polling.
-        """
-        if not self._on_owner_thread() or self._client is None:
-            return
-        self.commit_pending()
-        self.apply_rewinds()
-        self.pause_all()
-        stray = self.poll(1, 0.05)
-        if stray:  # a rebalance inside the poll assigned fresh, unpaused partitions
-            self.give_back(stray)
-            self.apply_rewinds()
-            self.pause_all()
 
     # -- owner thread --------------------------------------------------------------------
 
@@ -291,7 +246,9 @@ class KafkaClient:
         for topic_partition, records in batches.items():
             key = partition_key(topic_partition)
             if self._assignment.unchecked(key) and records:
-                self._check_previous_owner(key, topic_partition, records[0].offset)
+                # Before its first records: is the careful window needed? (once)
+                self._assignment.checked(key)
+                self.commits.first_records(client, topic_partition, records[0].offset)
             tracked = self.tracker.track_many(key, [record.offset for record in records])
             for record, track in zip(records, tracked, strict=True):
                 if track is None:
@@ -304,22 +261,6 @@ class KafkaClient:
                     )
                 )
         return deliveries
-
-    def _check_previous_owner(self, key: PartitionKey, topic_partition: Any, start: int) -> None:
-        """Before the first records of a fresh assignment: is the careful window needed?
-
-        Not when the previous owner stopped gracefully (its last commit carries
-        :data:`~mqdedup.kafka.clean_stop.CLEAN_STOP_METADATA`) nor when nobody ever
-        committed (nothing can have died on these records). Either way the start offset
-        is first committed *without* the marker, so a death from now on leaves a trace
-        for the next owner; if that commit fails, the window stays.
-        """
-        self._assignment.checked(key)
-        client = self.client
-        if not stopped_cleanly(client, topic_partition, self.settings.commit_timeout):
-            return  # the previous owner may have died on these records (or unknown)
-        if self._commit(client, {key: start}, self.settings.commit_timeout):
-            self.tracker.expect_clean(key)
 
     def current(self, deliveries: Iterable[Delivery[KafkaToken]]) -> list[Delivery[KafkaToken]]:
         """The deliveries whose partition epoch is still current (others were dropped)."""
@@ -351,30 +292,10 @@ class KafkaClient:
         if paused:
             self._client.resume(*paused)
 
-    def commit_pending(self, timeout: float | None = None, *, force: bool = False) -> bool:
-        """Commit settled offsets not committed yet; True when nothing is left to commit.
-
-        At most one commit per ``commit_interval`` unless ``force``; failures are logged
-        and retried on a later call (after a short back-off). Neither is a risk: an
-        offset not committed yet only means its messages may come again, deduplicated.
-        """
-        if self._client is None or self.fenced is not None:
-            return True  # fenced: its offsets are the new member's to commit
-        if not force and time.monotonic() < self._next_commit_attempt:
-            return False
-        assigned = self._assigned_keys()
-        offsets = {k: v for k, v in self.tracker.to_commit().items() if k in assigned}
-        if not offsets:
-            return True
-        ok = self._commit(
-            self._client, offsets, self.settings.commit_timeout if timeout is None else timeout
-        )
-        if self.fenced is not None:
-            return True  # nothing more will be committed
-        self._next_commit_attempt = time.monotonic() + (
-            self.settings.commit_interval if ok else max(1.0, self.settings.commit_interval)
-        )
-        return ok
+    def commit_due(self, wait: float) -> bool:
+        """A turn of the owner thread for the commit policy (see
+        :meth:`~mqdedup.kafka.offset_commits.CommitPolicy.due`); waits at most ``wait``."""
+        return self.commits.due(self._client, wait)
 
     def give_back(self, deliveries: Iterable[Delivery[KafkaToken]]) -> None:
         """Fetch these unsettled deliveries (and what followed them) again.
@@ -432,11 +353,8 @@ class KafkaClient:
         kafka-python keeps the fetch state (position, buffered records) of a partition
         that is assigned again; its in-flight work must then be kept, not dropped.
         """
-        wanted = set(keys)
         self._lag.forget(keys)
-        uncommitted = {k: v for k, v in self.tracker.to_commit().items() if k in wanted}
-        clean = {k: v for k, v in self.tracker.clean_offsets().items() if k in wanted}
-        self.commits.commit_on_revoke(self._client, {**clean, **uncommitted}, clean=set(clean))
+        uncommitted = self.commits.revoked(self._client, keys)
         self._assignment.revoking(keys)
         return uncommitted
 
@@ -449,8 +367,3 @@ class KafkaClient:
         """Listener (IO thread): membership expired; nothing may be committed any more."""
         self._lag.forget(keys)
         self._assignment.lost(keys)
-
-    # -- internals -----------------------------------------------------------------------
-
-    def _on_owner_thread(self) -> bool:
-        return self._owner is threading.current_thread()

@@ -1,7 +1,7 @@
 """Which Kafka offsets may be committed: contiguous settlement per partition.
 
 Pure bookkeeping, no broker: the Kafka transport tells the tracker what it handed out
-(``track``), what the processor settled (``settle``), what the broker confirmed
+(``track_many``), what the processor settled (``settle_many``), what the broker confirmed
 (``committed``) and which partitions it gained or lost (``assign`` / ``revoke``).
 
 The committable offset of a partition is the offset *after the last contiguously
@@ -63,7 +63,7 @@ class OffsetTracker:
 
     def __init__(self, redelivery_window: int = 0) -> None:
         #: After a (re)assignment, the first ``redelivery_window`` records from the
-        #: starting offset count as possibly redelivered (see :meth:`track_redelivered`).
+        #: starting offset count as possibly redelivered (see :meth:`track_many`).
         self.redelivery_window = redelivery_window
         self._lock = threading.Lock()
         self._partitions: dict[PartitionKey, _Partition] = {}
@@ -103,41 +103,25 @@ class OffsetTracker:
 
     # -- the delivery life cycle -----------------------------------------------------------
 
-    def track(self, key: PartitionKey, offset: int) -> int | None:
-        """Record that ``offset`` of ``key`` is handed out; return the epoch to carry.
+    def track_many(
+        self, key: PartitionKey, offsets: Iterable[int]
+    ) -> list[tuple[int, bool] | None]:
+        """Record that ``offsets`` of ``key`` are handed out, in order, under one lock.
 
-        Returns None when the record must be dropped: a rewind of its partition is
-        pending, so it will be fetched again after the seek. A partition never assigned
-        is assigned on the fly (manual assignment). An offset not above the last one
-        handed out means the consumer's position moved back (its fetch state was
-        reset): everything after it comes again, so the partition starts a new epoch.
-        """
-        with self._lock:
-            return self._track(key, offset)
-
-    def track_redelivered(self, key: PartitionKey, offset: int) -> tuple[int, bool] | None:
-        """:meth:`track`, plus whether the record may have been handed out before.
+        For each record: the epoch its delivery carries and whether it may have been
+        handed out before, or None when it must be dropped (a rewind of its partition
+        is pending, so it will be fetched again after the seek). A partition never
+        assigned is assigned on the fly (manual assignment). An offset not above the
+        last one handed out means the consumer's position moved back (its fetch state
+        was reset): everything after it comes again, so the partition starts a new
+        epoch.
 
         Kafka has no redelivered flag. A record counts as possibly redelivered when it
         is among the first ``redelivery_window`` records from where a fresh assignment
         started (the previous owner may have been handling them when it died), or when
-        it is fetched again after a rewind or a reset of the fetch position.
-        """
-        with self._lock:
-            epoch = self._track(key, offset)
-            if epoch is None:
-                return None
-            below = self._partitions[key].redelivered_below
-            return epoch, below is not None and offset < below
-
-    def track_many(
-        self, key: PartitionKey, offsets: Iterable[int]
-    ) -> list[tuple[int, bool] | None]:
-        """:meth:`track_redelivered` for the records of one partition, one lock.
-
-        The poll thread tracks a whole poll per partition at once, so it takes the lock
-        once per partition instead of once per record (it competes for the lock, and the
-        GIL, with the processing thread).
+        it is fetched again after a rewind or a reset of the fetch position. The poll
+        thread tracks a whole poll per partition at once: one lock per partition, not
+        per record (it competes for the lock, and the GIL, with the processing thread).
         """
         tracked: list[tuple[int, bool] | None] = []
         append = tracked.append
@@ -198,14 +182,9 @@ class OffsetTracker:
                 clean[key] = offset
             return clean
 
-    def is_current(self, key: PartitionKey, epoch: int) -> bool:
-        """True while deliveries of ``epoch`` still belong to this worker."""
-        with self._lock:
-            state = self._partitions.get(key)
-            return state is not None and state.epoch == epoch
-
     def current_epochs(self, wanted: Iterable[tuple[PartitionKey, int]]) -> list[bool]:
-        """:meth:`is_current` for several ``(partition, epoch)`` pairs, one lock."""
+        """For each ``(partition, epoch)`` pair: do deliveries of that epoch still belong
+        to this worker? One lock for all."""
         with self._lock:
             partitions = self._partitions
             return [
@@ -213,14 +192,10 @@ class OffsetTracker:
                 for key, epoch in wanted
             ]
 
-    def settle(self, key: PartitionKey, offset: int, epoch: int) -> bool:
-        """Mark one delivery settled; False (ignored) if its epoch is over."""
-        with self._lock:
-            return self._settle(key, offset, epoch)
-
     def settle_many(self, settled: Iterable[tuple[PartitionKey, int, int]]) -> int:
-        """:meth:`settle` for ``(partition, offset, epoch)`` triples, one lock; return how
-        many were settled (the others are ignored, as by :meth:`settle`)."""
+        """Mark deliveries settled, given as ``(partition, offset, epoch)`` triples, under
+        one lock; return how many were settled. A delivery whose epoch is over (its
+        partition moved or was rewound), or settled already, is ignored."""
         count = 0
         with self._lock:
             partitions = self._partitions
@@ -321,16 +296,6 @@ class OffsetTracker:
             if state is None or state.last_tracked is None:
                 return None if state is None else state.committable
             return state.last_tracked + 1
-
-    def in_flight(self, key: PartitionKey | None = None) -> int:
-        """Deliveries handed out and not yet settled (for one partition or all)."""
-        with self._lock:
-            states = (
-                self._partitions.values()
-                if key is None
-                else [s for k, s in self._partitions.items() if k == key]
-            )
-            return sum(len(s.pending) - len(s.settled) for s in states)
 
 
 def _dirty(state: _Partition) -> bool:

@@ -1,24 +1,20 @@
 """Noticing a Kafka outage that the client rides out inside its own poll.
 
-kafka-python and aiokafka both absorb a broker outage: their poll keeps returning
-nothing, they reconnect on their own, and no error reaches the transport. So the
-transports sample the client's connection state through a public API, at most once per
-:data:`CHECK_INTERVAL` while polls return nothing, and log the outage through
+kafka-python absorbs a broker outage: its poll keeps returning nothing, it reconnects
+on its own, and no error reaches the transport. So the transport samples the client's
+connection state through a public API, at most once per :data:`CHECK_INTERVAL` while
+polls return nothing, and logs the outage through
 :class:`~mqdedup.outages.OutageLog`: one WARNING when it starts, one INFO with its
 duration when it ends (the Transport contract's recovery bounds).
 
-The probes (public APIs only; measured on kafka-python 3.0.12 and aiokafka 0.14.0,
-see docs/kafka.md "Recovery times"):
+The probe (a public API; measured on kafka-python 3.0.12, see docs/kafka.md "Recovery
+times"):
 
 * kafka-python: ``KafkaConsumer.metrics()["consumer-metrics"]["connection-count"]``, the
   number of open broker connections (0 within a second of a broker kill, back when the
   client reconnected). ``metrics()`` returns nothing with ``metrics_enabled=False``, and
   kafka-python calls it an unstable interface: a missing value means "unknown" and no
   outage is logged (the behaviour before the probe existed).
-* aiokafka: ``AIOKafkaConsumer.last_poll_timestamp(tp)``, when the last fetch response of
-  an assigned partition arrived. aiokafka's fetcher long-polls every unpaused partition
-  whose records were handed out, so with a healthy broker it is at most
-  ``fetch_max_wait_ms`` old whenever ``getmany`` returns nothing.
 
 A probe's answer must hold for :data:`SETTLE` seconds before the state flips (both ways),
 so a partition just resumed after a long batch, or one refused reconnect in a restart,
@@ -37,13 +33,11 @@ from mqdedup.outages import OutageLog
 CHECK_INTERVAL = 1.0
 #: Seconds a probe's answer must hold before the outage starts or ends.
 SETTLE = 2.0
-#: Least seconds without a fetch response before aiokafka's partitions count as stale.
-STALE_AFTER = 3.0
 
 
 class OutageWatch:
     """Samples ``probe`` (True: connected, False: not, None: unknown) and logs through
-    ``outage``. One owner (the poll thread, the poll task)."""
+    ``outage``. One owner (the poll thread)."""
 
     def __init__(
         self,
@@ -101,21 +95,5 @@ def kafka_python_probe(consumer: Any) -> Callable[[], bool | None]:
             return None
         count = metrics.get("consumer-metrics", {}).get("connection-count")
         return None if count is None else bool(count > 0)
-
-    return probe
-
-
-def aiokafka_probe(consumer: Any, fetch_max_wait: float) -> Callable[[], bool | None]:
-    """Connected per aiokafka's last fetch response of the unpaused assigned partitions
-    (None: no partition assigned or fetched yet)."""
-    stale_ms = 1000 * max(STALE_AFTER, 2 * fetch_max_wait + 1)
-
-    def probe() -> bool | None:
-        active = set(consumer.assignment() or ()) - set(consumer.paused() or ())
-        stamps = [consumer.last_poll_timestamp(tp) for tp in active]
-        known: list[float] = [float(stamp) for stamp in stamps if stamp is not None]
-        if not known:
-            return None
-        return 1000 * time.time() - max(known) < stale_ms
 
     return probe

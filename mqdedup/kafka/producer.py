@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import kafka
 import kafka.errors as kafka_errors
-from kafka.partitioner.default import DefaultPartitioner, murmur2
+from kafka.partitioner import DefaultPartitioner, murmur2
 
 log = logging.getLogger(__name__)
 

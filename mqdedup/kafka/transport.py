@@ -309,10 +309,10 @@ class KafkaTransport:
         )
         while not self._closing.is_set():
             # A commit in flight holds this thread: bounded by STOP_STEP (not the consumer's
-            # commit_timeout, 10 s), so a stop while the broker is down ends within its
-            # bound. A commit that times out is retried on a later turn; an offset not
+            # commit_timeout alone, 10 s), so a stop while the broker is down ends within
+            # its bound. A commit that times out is retried on a later turn; an offset not
             # committed yet only means redeliveries, deduplicated.
-            client.commit_pending(min(self.settings.commit_timeout, STOP_STEP))
+            client.commit_due(STOP_STEP)
             client.apply_rewinds()
             if self._stop.requested:
                 # Stopping: hand out nothing more, stay in the group until close.

@@ -1,8 +1,7 @@
-"""The RabbitMQ adapter (pika): consumer, transport, topology, replay, publisher; and the
-aio-pika transport of async consumers (``AsyncRabbitMQConsumer``).
+"""The RabbitMQ adapter (pika): consumers (sync and async, on one transport), transport,
+topology, replay, publisher.
 
-This package is the only importer of pika and aio-pika in mqdedup; aio-pika is imported
-only when an async consumer creates its transport (the ``asyncio`` extra).
+This package is the only importer of pika in mqdedup.
 """
 
 # -- the rabbitmq extra (typed43): an ImportError naming it; keep this block first ---
@@ -12,7 +11,7 @@ _require("mqdedup.rabbitmq", "pika")
 # isort: split
 # ruff: noqa: E402 - the imports below come after the extra is checked
 
-from mqdedup.rabbitmq.aio_consumer import AsyncRabbitMQConsumer
+from mqdedup.rabbitmq.async_consumer import AsyncRabbitMQConsumer
 from mqdedup.rabbitmq.consumer import RabbitMQConsumer
 from mqdedup.rabbitmq.publisher import RabbitMQPublisher
 from mqdedup.rabbitmq.replies import ReplyPublisher, RequestReplyConsumer

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from pika import spec
+from pika import exceptions, spec
 from pika.frame import decode_frame
 
 from mqdedup.rabbitmq.codec import OCTET, PROPERTY_FIELDS, SHORT_STRING
@@ -76,6 +76,8 @@ class DeliveryFastPath:
         self._on_delivery = on_delivery
         #: False after our basic.cancel: pika's own path then rejects late deliveries.
         self.active = True
+        #: Why the broker closed the consuming channel (its ``channel.close``), if it did.
+        self.closed_by_broker: exceptions.ChannelClosedByBroker | None = None
         # Bytes held back until an incomplete frame of ours is complete (no quadratic
         # re-concatenation while a large body arrives in many small reads).
         self._held: list[bytes] = []
@@ -112,6 +114,8 @@ class DeliveryFastPath:
             if frame_value is None:
                 break
             position += consumed
+            if getattr(frame_value, "channel_number", None) == self._channel:
+                self._note_close(frame_value)
             # pika's state, then its own handling of this one frame (which may close the
             # connection and reset the buffer: read it back afterwards).
             impl._frame_buffer = buffer[position:]
@@ -129,6 +133,15 @@ class DeliveryFastPath:
         else:
             self._needed = 0
             impl._frame_buffer = rest
+
+    def _note_close(self, frame_value: Any) -> None:
+        """Keep the reason of a ``channel.close`` the broker sends on our channel (pika
+        keeps it in no public place): the consumer's log line names it."""
+        method = getattr(frame_value, "method", None)
+        if isinstance(method, spec.Channel.Close):
+            self.closed_by_broker = exceptions.ChannelClosedByBroker(
+                method.reply_code, method.reply_text
+            )
 
     def _need(self, size: int) -> int:
         self._needed = size

@@ -402,10 +402,19 @@ class ConsumingConnection:
                 # Closed by the broker (consumer_timeout, 403/404/406): pika only logs it,
                 # and acks on a closed channel would be dropped silently.
                 raise _ChannelLostError(
-                    "the broker closed the consuming channel: " + channel_close_reason(channel)
+                    "the broker closed the consuming channel: " + self._channel_close_reason()
                 )
             if self._lag_interval > 0 and time.monotonic() >= self._next_lag_update:
                 self._update_lag()
+
+    def _channel_close_reason(self) -> str:
+        """The broker's reason, as the fast path read it from its ``channel.close`` (pika
+        keeps it in no public place); without the fast path, pika's own WARNING
+        ("Received remote Channel.Close") names it."""
+        reason = None if self._fast_path is None else self._fast_path.closed_by_broker
+        if reason is None:
+            return "its reason is in pika's warning 'Received remote Channel.Close'"
+        return describe(reason)
 
     def _decode_deliveries_ourselves(self, connection: Any) -> None:
         """From now on, decode our deliveries without pika's layers (:mod:`.io_frames`).
@@ -559,15 +568,3 @@ class ConsumingConnection:
             )
             return
         self.metrics.lag[self.queue] = int(frame.method.message_count)
-
-
-def channel_close_reason(channel: Any) -> str:
-    """Why the broker closed ``channel`` (a ``BlockingChannel``), for the log line.
-
-    pika keeps it only in ``BlockingChannel._closing_reason`` (an internal; see
-    docs/architecture.md, "Third-party internals in the adapters"), e.g.
-    ``ChannelClosedByBroker(406, 'PRECONDITION_FAILED - delivery acknowledgement on
-    channel 1 timed out...')``; without it: "no reason given".
-    """
-    reason = getattr(channel, "_closing_reason", None)
-    return describe(reason) if isinstance(reason, BaseException) else "no reason given"

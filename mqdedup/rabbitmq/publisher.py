@@ -552,9 +552,15 @@ class RabbitMQPublisher:
         finally:
             self._connection = None
         if not connection.is_closed:
-            # No close handshake (e.g. a blocked connection): tear the socket down, so
-            # no connection is left behind on the broker.
-            _abort(connection)
+            # No close handshake (e.g. a connection blocked by a memory alarm): pika has
+            # no public abort, so the connection is dropped here and the broker closes
+            # it when its heartbeats stop (measured: 181 s after the alarm, with the
+            # broker's 60 s heartbeat). A rare path: not worth pika's _terminate_stream.
+            log.warning(
+                "RabbitMQ connection did not close; dropped (the broker closes it after "
+                "its heartbeat timeout)",
+                extra={"url": self.safe_url},
+            )
 
     # -- exchanges -------------------------------------------------------------------------
 
@@ -622,31 +628,3 @@ class RabbitMQPublisher:
     def _stop_loop(self) -> None:
         if self._loop is not None:
             self._loop.stop()
-
-
-def _abort(connection: Any) -> None:
-    """Close ``connection``'s socket now, without the close handshake.
-
-    pika has no public abort: this uses its ``_terminate_stream`` (an internal; see
-    docs/architecture.md, "Third-party internals in the adapters"), then runs the
-    connection's I/O loop once, where pika closes the socket. Without the internal the
-    connection is only dropped: it stays on the broker until the process ends.
-    """
-    terminate = getattr(connection, "_terminate_stream", None)
-    if not callable(terminate):
-        log.warning(
-            "pika cannot abort a connection (no _terminate_stream); it stays on the broker "
-            "until the relay stops"
-        )
-        return
-    try:
-        terminate(None)
-        loop = connection.ioloop
-        timer = loop.call_later(0.5, loop.stop)  # in case pika queued nothing
-        loop.add_callback_threadsafe(loop.stop)  # after pika's own callbacks
-        try:
-            loop.start()
-        finally:
-            loop.remove_timeout(timer)
-    except Exception:
-        log.debug("tearing down the RabbitMQ connection failed", exc_info=True)

@@ -1,8 +1,8 @@
 """Async consumers (``async def handle`` with an ``AsyncSession``) for the CLI tests.
 
-They read through the synchronous Kafka / RabbitMQ transports (the aio transports are
-tested elsewhere): an ``AsyncConsumer`` combined with a broker's consumer class runs on
-one event loop per worker process, inside the bridge. The test's names travel as
+``AsyncKafkaConsumer`` / ``AsyncRabbitMQConsumer``: the Kafka / RabbitMQ transports of
+the synchronous consumers, driven from one event loop per worker process (the pipeline
+inside the bridge, the transport's blocking calls in a thread). The test's names travel as
 ``ASYNC_*`` environment variables (``mqdedup worker`` imports these classes afresh).
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 from sqlalchemy import insert
 
 from mqdedup import AsyncConsumer, AsyncContext, Message
-from mqdedup.kafka import KafkaConsumer
-from mqdedup.rabbitmq import RabbitMQConsumer
+from mqdedup.kafka import AsyncKafkaConsumer
+from mqdedup.rabbitmq import AsyncRabbitMQConsumer
 from tests.integration.kafka.consumers import FAST_GROUP
 from tests.support import orders_table
 
@@ -30,8 +30,8 @@ async def write_order(consumer: AsyncConsumer, message: Message, ctx: AsyncConte
     return {"stored": message.id}
 
 
-class AsyncKafkaOrders(AsyncConsumer, KafkaConsumer):
-    """Kafka, synchronous transport, async handler."""
+class AsyncKafkaOrders(AsyncKafkaConsumer):
+    """Kafka, async handler."""
 
     __test__ = False
     topics = (os.environ.get("ASYNC_TOPIC", "async-orders"),)
@@ -46,8 +46,8 @@ class AsyncKafkaOrders(AsyncConsumer, KafkaConsumer):
         return await write_order(self, message, ctx)
 
 
-class AsyncRabbitOrders(AsyncConsumer, RabbitMQConsumer):
-    """RabbitMQ, synchronous transport, async handler."""
+class AsyncRabbitOrders(AsyncRabbitMQConsumer):
+    """RabbitMQ, async handler."""
 
     __test__ = False
     queue = os.environ.get("ASYNC_QUEUE", "async-orders")

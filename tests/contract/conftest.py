@@ -9,9 +9,10 @@ here (see ``tests/README.md``).
 
 Kits: ``memory`` (``InMemoryBroker``), ``kafka`` (the shared Kafka, a fresh 2-partition
 topic and group), ``rabbitmq`` (the shared RabbitMQ, a fresh queue and DLQ), and the
-asyncio transports ``aiokafka`` and ``aio-pika`` over the same brokers: their methods
-run inside the greenlet bridge on an event loop of the kit's own thread
-(:class:`BridgedTransport`), so the clients' background tasks keep running between calls.
+async consumers' transports ``async-kafka`` and ``async-rabbitmq`` over the same brokers
+(the same kafka-python / pika transports, driven from an event loop by
+``mqdedup.consumers.bridged_transport``): their methods run inside the greenlet bridge on
+an event loop of the kit's own thread (:class:`OnLoop`), as in an async application.
 """
 
 from __future__ import annotations
@@ -389,7 +390,7 @@ class RabbitMQKit(TransportKit):
         self.admin.close()
 
 
-# -- the asyncio transports (aiokafka, aio-pika) ----------------------------------------------
+# -- the async consumers' transports -------------------------------------------------------------
 
 
 class LoopThread:
@@ -397,7 +398,7 @@ class LoopThread:
 
     :meth:`call` runs a synchronous callable inside the greenlet bridge on that loop
     (``run_bridged``) and waits for its result, so sync test code (and a Worker thread)
-    can drive an asyncio transport while the loop keeps running the client's tasks.
+    can drive an async consumer's transport while the loop keeps running.
     """
 
     def __init__(self) -> None:
@@ -415,8 +416,8 @@ class LoopThread:
             self.loop.close()
 
 
-class BridgedTransport:
-    """A Transport whose every call runs the asyncio transport's method on the kit's loop."""
+class OnLoop:
+    """A Transport whose every call runs the async consumer's transport method on the kit's loop."""
 
     def __init__(self, loop: LoopThread, inner: Any) -> None:
         self.loop = loop
@@ -441,8 +442,8 @@ class BridgedTransport:
         self.loop.call(self.inner.close)
 
 
-class AioKafkaKit(KafkaKit):
-    name = "aiokafka"
+class AsyncKafkaKit(KafkaKit):
+    name = "async-kafka"
 
     def __init__(self, helper: KafkaHelper) -> None:
         super().__init__(helper)
@@ -459,10 +460,10 @@ class AioKafkaKit(KafkaKit):
             "commit_interval": 0.0,
             **attributes,
         }
-        return type("AioKafkaOrders", (AsyncContractOrders, AsyncKafkaConsumer), namespace)
+        return type("AsyncKafkaOrders", (AsyncContractOrders, AsyncKafkaConsumer), namespace)
 
     def _open(self, consumer: ContractOrders) -> Transport:
-        return BridgedTransport(self.loop, self.loop.call(consumer.create_transport))
+        return OnLoop(self.loop, self.loop.call(consumer.create_transport))
 
     def close(self) -> None:
         try:
@@ -471,8 +472,8 @@ class AioKafkaKit(KafkaKit):
             self.loop.close()
 
 
-class AioPikaKit(RabbitMQKit):
-    name = "aio-pika"
+class AsyncRabbitMQKit(RabbitMQKit):
+    name = "async-rabbitmq"
 
     def __init__(self, url: str) -> None:
         self.loop = LoopThread()
@@ -488,10 +489,10 @@ class AioPikaKit(RabbitMQKit):
             "connection_name": f"mqdedup-contract:{self.queue}",
             **attributes,
         }
-        return type("AioRabbitOrders", (AsyncContractOrders, AsyncRabbitMQConsumer), namespace)
+        return type("AsyncRabbitOrders", (AsyncContractOrders, AsyncRabbitMQConsumer), namespace)
 
     def _open(self, consumer: ContractOrders) -> Transport:
-        return BridgedTransport(self.loop, self.loop.call(consumer.create_transport))
+        return OnLoop(self.loop, self.loop.call(consumer.create_transport))
 
     def close(self) -> None:
         try:
@@ -505,22 +506,22 @@ class AioPikaKit(RabbitMQKit):
         "memory",
         pytest.param("kafka", marks=pytest.mark.integration),
         pytest.param("rabbitmq", marks=pytest.mark.integration),
-        pytest.param("aiokafka", marks=pytest.mark.integration),
-        pytest.param("aio-pika", marks=pytest.mark.integration),
+        pytest.param("async-kafka", marks=pytest.mark.integration),
+        pytest.param("async-rabbitmq", marks=pytest.mark.integration),
     ]
 )
 def transport_kit(request: pytest.FixtureRequest) -> Iterator[TransportKit]:
-    """Each transport in turn: in-memory, Kafka, RabbitMQ, aiokafka, aio-pika (fresh
-    source per test)."""
+    """Each transport in turn: in-memory, Kafka, RabbitMQ, and Kafka and RabbitMQ driven
+    by async consumers (fresh source per test)."""
     kit: TransportKit
     if request.param == "memory":
         kit = MemoryKit()
     elif request.param == "kafka":
         kit = KafkaKit(request.getfixturevalue("kafka_helper"))
-    elif request.param == "aiokafka":
-        kit = AioKafkaKit(request.getfixturevalue("kafka_helper"))
-    elif request.param == "aio-pika":
-        kit = AioPikaKit(request.getfixturevalue("rabbitmq_url"))
+    elif request.param == "async-kafka":
+        kit = AsyncKafkaKit(request.getfixturevalue("kafka_helper"))
+    elif request.param == "async-rabbitmq":
+        kit = AsyncRabbitMQKit(request.getfixturevalue("rabbitmq_url"))
     else:
         kit = RabbitMQKit(request.getfixturevalue("rabbitmq_url"))
     try:

@@ -1,6 +1,7 @@
 """Recovery bounds of the Transport contract, the same on every transport (issue 33).
 
-Each scenario runs on the transports it concerns, through ``consumer.run`` (what a
+Each scenario runs on the consumers it concerns (sync and async: since issue 41 both
+run on the one kafka-python / pika transport of their broker), through ``consumer.run`` (what a
 ``mqdedup worker`` child runs) or ``run_async`` (a host application's task), and asserts
 the bound written in ``mqdedup/consumers/transport.py``:
 
@@ -11,7 +12,7 @@ the bound written in ``mqdedup/consumers/transport.py``:
 * a Kafka outage is one WARNING when it starts and one INFO with its duration when it
   ends, and processing resumes (both Kafka clients; private broker);
 * a stop while the RabbitMQ broker is down ends within 2 s, and the outage is one
-  WARNING, not a line per reconnect attempt (pika, aio-pika; private node);
+  WARNING, not a line per reconnect attempt (sync and async; private node);
 * a dead letter blocked by a memory alarm holds neither the acks nor the next batch:
   every good message is committed and acked during the alarm (private node);
 * a channel the broker closes (``consumer_timeout``) is one WARNING with the reply code
@@ -54,8 +55,8 @@ from tests.support import orders_table
 
 pytestmark = [pytest.mark.integration]
 
-TRANSPORTS = ["kafka", "aiokafka", "rabbitmq", "aio-pika"]
-RABBIT_TRANSPORTS = ["rabbitmq", "aio-pika"]
+TRANSPORTS = ["kafka", "async-kafka", "rabbitmq", "async-rabbitmq"]
+RABBIT_TRANSPORTS = ["rabbitmq", "async-rabbitmq"]
 #: The Transport contract's bound on a stop, in any state.
 STOP_BOUND = 2.0
 FAST_RETRY = RetryPolicy(
@@ -109,7 +110,7 @@ def consumer_class(kind: str, orders: Table, address: str, **attributes: Any) ->
     """A consumer of ``kind``'s transport at ``address`` (bootstrap or AMQP URL)."""
     name = f"parity-{uuid.uuid4().hex[:8]}"
     namespace: dict[str, Any] = {"orders": orders, "slow_once": {}}
-    if kind in ("kafka", "aiokafka"):
+    if kind in ("kafka", "async-kafka"):
         from mqdedup.kafka import AsyncKafkaConsumer, KafkaConsumer
 
         bases: tuple[type, ...] = (
@@ -131,7 +132,7 @@ def consumer_class(kind: str, orders: Table, address: str, **attributes: Any) ->
 
 def unreachable(kind: str) -> str:
     port = free_port()
-    if kind in ("kafka", "aiokafka"):
+    if kind in ("kafka", "async-kafka"):
         return f"127.0.0.1:{port}"
     return f"amqp://guest:guest@127.0.0.1:{port}/%2F"
 
@@ -243,7 +244,7 @@ def test_sigterm_while_mqdedup_worker_waits_for_an_unreachable_broker_exits_0(
     assert took < STOP_BOUND + 2.0, f"took {took:.1f} s (interpreter exit included)"
 
 
-@pytest.mark.parametrize("kind", ["aiokafka", "aio-pika"])
+@pytest.mark.parametrize("kind", ["async-kafka", "async-rabbitmq"])
 def test_task_cancel_during_start_up_ends_run_async_with_cancelled_error_within_2s(
     kind: str, tmp_path: Path
 ) -> None:
@@ -275,7 +276,7 @@ def test_task_cancel_during_start_up_ends_run_async_with_cancelled_error_within_
     assert took < STOP_BOUND, f"{kind}: the cancel took {took:.1f} s"
 
 
-@pytest.mark.parametrize("kind", ["kafka", "aiokafka"])
+@pytest.mark.parametrize("kind", ["kafka", "async-kafka"])
 def test_connect_timeout_is_waited_out_by_both_kafka_clients(kind: str) -> None:
     consumer = consumer_class(kind, orders_table("p_"), unreachable(kind), connect_timeout=4.0)()
 
@@ -284,7 +285,7 @@ def test_connect_timeout_is_waited_out_by_both_kafka_clients(kind: str) -> None:
 
     started = time.monotonic()
     with pytest.raises(BrokerUnavailableError):
-        if kind == "aiokafka":
+        if kind == "async-kafka":
             from mqdedup.bridge import run_bridged
 
             asyncio.run(run_bridged(start))
@@ -301,11 +302,11 @@ def test_connect_timeout_is_waited_out_by_both_kafka_clients(kind: str) -> None:
 def start_both_kafka_clients(
     helper: KafkaHelper, bootstrap: str, db: TestDatabase, orders: Table
 ) -> tuple[dict[str, Any], dict[str, Running]]:
-    """A kafka-python and an aiokafka consumer, 20 messages each on a 2-partition topic,
+    """A KafkaConsumer and an AsyncKafkaConsumer, 20 messages each on a 2-partition topic,
     running until the 40 rows are committed; ``(consumers, workers)`` by kind."""
     consumers: dict[str, Any] = {}
     workers: dict[str, Running] = {}
-    for kind in ("kafka", "aiokafka"):
+    for kind in ("kafka", "async-kafka"):
         consumer = consumer_class(
             kind, orders, bootstrap, table_prefix=db.prefix, commit_interval=0.0
         )()
@@ -338,7 +339,8 @@ def outage_ends(caplog: pytest.LogCaptureFixture, consumer: Any) -> list[logging
 def test_a_stop_while_kafka_is_down_ends_within_2s_on_both_clients(
     tmp_path: Path, orders_db: tuple[TestDatabase, Table]
 ) -> None:
-    """kafka-python and aiokafka side by side on one PRIVATE broker, killed with SIGKILL."""
+    """KafkaConsumer and AsyncKafkaConsumer side by side on one PRIVATE broker, killed
+    with SIGKILL."""
     db, orders = orders_db
     with private_kafka(tmp_path / "services") as broker:
         helper = KafkaHelper(broker.bootstrap)
@@ -363,7 +365,7 @@ def test_a_kafka_outage_is_one_warning_when_it_starts_and_one_info_with_its_dura
     orders_db: tuple[TestDatabase, Table],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """kafka-python and aiokafka side by side on one PRIVATE broker, killed with SIGKILL
+    """KafkaConsumer and AsyncKafkaConsumer side by side on one PRIVATE broker, killed with SIGKILL
     and started again: both clients ride the outage out inside their poll; mqdedup logs
     one WARNING when it starts and one INFO with its duration when it ends (not a line
     per reconnect attempt), and processing resumes."""
@@ -442,7 +444,8 @@ def test_a_stop_while_the_broker_is_down_ends_within_2s_and_the_outage_is_one_wa
     orders_db: tuple[TestDatabase, Table],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """pika and aio-pika side by side (one broker kill: a node restart costs ~25 s)."""
+    """RabbitMQConsumer and AsyncRabbitMQConsumer side by side (one broker kill: a node
+    restart costs ~25 s)."""
     db, orders = orders_db
     admin = RabbitAdmin(private_rabbit.url)
     consumers = {}
@@ -500,8 +503,8 @@ def test_a_dead_letter_blocked_by_a_memory_alarm_holds_neither_acks_nor_the_next
     worker = Running(consumer, db.engine)
     try:
         # The sync transport gives a blocked dead letter up after 1 s: all good messages
-        # are committed and acked within seconds. Before issue 33 aio-pika waited 30 s
-        # per blocked dead letter, holding the acks and the next batch.
+        # are committed and acked within seconds. Before issue 33 the aio-pika stack waited
+        # 30 s per blocked dead letter, holding the acks and the next batch.
         wait_for(
             lambda: (
                 rows(db, orders) == good

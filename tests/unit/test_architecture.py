@@ -289,3 +289,52 @@ def test_the_internals_check_finds_what_alembic_support_used_to_read() -> None:
         "sqlalchemy.util.concurrency"
     }
     assert _private_reaches("from sqlalchemy.ext.asyncio import AsyncSession") == set()
+
+
+# -- one transport per broker (issue 41) -------------------------------------------------------
+
+#: The broker clients (import names) and the adapter packages that alone may import them.
+#: aiokafka and aio-pika (with aiormq, its AMQP layer) have no adapter: no module may.
+BROKER_CLIENTS: dict[str, tuple[str, ...]] = {
+    "kafka": ("mqdedup.kafka",),
+    "pika": ("mqdedup.rabbitmq",),
+    "aiokafka": (),
+    "aio_pika": (),
+    "aiormq": (),
+}
+
+
+def test_no_aio_transport_module_comes_back() -> None:
+    """Async consumers run on the one transport of their broker: a second stack
+    (``aio_*.py`` modules redoing the transport for another client) is refused."""
+    from pathlib import Path
+
+    import mqdedup
+
+    package = Path(mqdedup.__file__).parent
+    found = sorted(str(path.relative_to(package)) for path in package.rglob("aio_*.py"))
+    assert found == [], f"a second (asyncio) transport stack is back: {found}"
+
+
+def test_only_the_broker_adapters_import_a_broker_client() -> None:
+    """kafka-python only in mqdedup.kafka, pika only in mqdedup.rabbitmq, aiokafka /
+    aio-pika / aiormq nowhere (type-checking imports and imports in functions included)."""
+    graph = grimp.build_graph(
+        "mqdedup",
+        include_external_packages=True,
+        exclude_type_checking_imports=False,
+        cache_dir=None,
+    )
+    misplaced: dict[str, list[str]] = {}
+    for client, owners in BROKER_CLIENTS.items():
+        if client not in graph.modules:
+            continue  # imported by no module of mqdedup
+        importers = graph.find_modules_that_directly_import(client)
+        outside = sorted(
+            module
+            for module in importers
+            if not any(module == owner or module.startswith(f"{owner}.") for owner in owners)
+        )
+        if outside:
+            misplaced[client] = outside
+    assert misplaced == {}, f"broker clients imported outside their adapter: {misplaced}"

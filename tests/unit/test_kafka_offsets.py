@@ -11,8 +11,19 @@ P0 = ("orders", 0)
 P1 = ("orders", 1)
 
 
+def track(tracker: OffsetTracker, key: tuple[str, int], offset: int) -> int | None:
+    """The epoch of one record handed out (None: dropped, a rewind is pending)."""
+    [tracked] = tracker.track_many(key, [offset])
+    return None if tracked is None else tracked[0]
+
+
+def settle(tracker: OffsetTracker, key: tuple[str, int], offset: int, epoch: int) -> bool:
+    """Settle one delivery; False when it is ignored."""
+    return tracker.settle_many([(key, offset, epoch)]) == 1
+
+
 def track_all(tracker: OffsetTracker, key: tuple[str, int], offsets: range | list[int]) -> int:
-    epochs = {tracker.track(key, offset) for offset in offsets}
+    epochs = {track(tracker, key, offset) for offset in offsets}
     assert len(epochs) == 1
     epoch = epochs.pop()
     assert epoch is not None
@@ -26,19 +37,18 @@ def test_commit_moves_only_past_contiguously_settled_offsets() -> None:
 
     assert tracker.to_commit() == {}
     for offset in (10, 11, 13, 14):  # 12 is still being retried
-        assert tracker.settle(P0, offset, epoch)
+        assert settle(tracker, P0, offset, epoch)
     assert tracker.to_commit() == {P0: 12}  # held back at the unsettled message
 
-    assert tracker.settle(P0, 12, epoch)
+    assert settle(tracker, P0, 12, epoch)
     assert tracker.to_commit() == {P0: 15}  # after the last one
-    assert tracker.in_flight() == 0
 
 
 def test_gaps_in_a_partition_do_not_block_it() -> None:
     tracker = OffsetTracker()
     epoch = track_all(tracker, P0, [3, 4, 7, 9])  # compaction / transaction markers
     for offset in (3, 4, 7, 9):
-        tracker.settle(P0, offset, epoch)
+        settle(tracker, P0, offset, epoch)
     assert tracker.to_commit() == {P0: 10}
 
 
@@ -46,12 +56,12 @@ def test_committed_offsets_are_not_committed_again() -> None:
     tracker = OffsetTracker()
     epoch = track_all(tracker, P0, range(3))
     for offset in range(3):
-        tracker.settle(P0, offset, epoch)
+        settle(tracker, P0, offset, epoch)
     tracker.committed({P0: 3})
     assert tracker.to_commit() == {}
     assert tracker.committed_offset(P0) == 3
     epoch = track_all(tracker, P0, range(3, 5))
-    tracker.settle(P0, 3, epoch)
+    settle(tracker, P0, 3, epoch)
     assert tracker.to_commit() == {P0: 4}
 
 
@@ -59,9 +69,9 @@ def test_partitions_are_independent() -> None:
     tracker = OffsetTracker()
     e0 = track_all(tracker, P0, range(5))
     e1 = track_all(tracker, P1, range(5))
-    tracker.settle(P1, 0, e1)
-    tracker.settle(P1, 1, e1)
-    tracker.settle(P0, 1, e0)  # offset 0 of P0 not settled
+    settle(tracker, P1, 0, e1)
+    settle(tracker, P1, 1, e1)
+    settle(tracker, P0, 1, e0)  # offset 0 of P0 not settled
     assert tracker.to_commit() == {P1: 2}
 
 
@@ -69,13 +79,13 @@ def test_revoke_returns_uncommitted_offsets_and_ignores_later_settles() -> None:
     tracker = OffsetTracker()
     tracker.assign([P0, P1])
     e0 = track_all(tracker, P0, range(4))
-    tracker.settle(P0, 0, e0)
-    tracker.settle(P0, 1, e0)
+    settle(tracker, P0, 0, e0)
+    settle(tracker, P0, 1, e0)
 
     assert tracker.revoke([P0]) == {P0: 2}
     # In-flight work of the revoked partition must never move its offset.
-    assert not tracker.settle(P0, 2, e0)
-    assert not tracker.is_current(P0, e0)
+    assert not settle(tracker, P0, 2, e0)
+    assert tracker.current_epochs([(P0, e0)]) == [False]
     assert tracker.to_commit() == {}
     assert tracker.partitions == [P1]
 
@@ -88,8 +98,8 @@ def test_reassignment_starts_a_new_epoch() -> None:
     tracker.assign([P0])
     new = track_all(tracker, P0, range(0, 3))  # fetched again from the committed offset
     assert new != old
-    assert not tracker.settle(P0, 0, old)
-    assert tracker.settle(P0, 0, new)
+    assert not settle(tracker, P0, 0, old)
+    assert settle(tracker, P0, 0, new)
     assert tracker.to_commit() == {P0: 1}
 
 
@@ -97,12 +107,12 @@ def test_rewind_drops_later_deliveries_and_refetches_from_the_unsettled_offset()
     tracker = OffsetTracker()
     epoch = track_all(tracker, P0, range(10))
     for offset in (0, 1, 2, 4, 5):
-        tracker.settle(P0, offset, epoch)
+        settle(tracker, P0, offset, epoch)
 
     # Offset 3's dead-letter publish failed: fetch it (and what followed) again.
     assert tracker.request_rewind(P0, 3, epoch)
-    assert not tracker.is_current(P0, epoch)
-    assert tracker.track(P0, 6) is None  # fetched before the seek: dropped
+    assert tracker.current_epochs([(P0, epoch)]) == [False]
+    assert track(tracker, P0, 6) is None  # fetched before the seek: dropped
     rewinds = tracker.take_rewinds()
     assert [(r.partition, r.offset) for r in rewinds] == [(P0, 3)]
     assert tracker.take_rewinds() == []
@@ -110,7 +120,7 @@ def test_rewind_drops_later_deliveries_and_refetches_from_the_unsettled_offset()
 
     again = track_all(tracker, P0, range(3, 10))
     for offset in range(3, 10):
-        assert tracker.settle(P0, offset, again)
+        assert settle(tracker, P0, offset, again)
     assert tracker.to_commit() == {P0: 10}
 
 
@@ -125,20 +135,20 @@ def test_rewind_of_an_old_epoch_is_ignored() -> None:
 def test_a_position_that_moves_back_starts_a_new_epoch() -> None:
     tracker = OffsetTracker()
     old = track_all(tracker, P0, range(5, 10))
-    tracker.settle(P0, 5, old)
-    again = tracker.track(P0, 6)  # the consumer's fetch position was reset to 6
+    settle(tracker, P0, 5, old)
+    again = track(tracker, P0, 6)  # the consumer's fetch position was reset to 6
     assert again is not None and again != old
-    assert not tracker.settle(P0, 7, old)  # in-flight work of before is dropped
-    assert tracker.settle(P0, 6, again)
+    assert not settle(tracker, P0, 7, old)  # in-flight work of before is dropped
+    assert settle(tracker, P0, 6, again)
     assert tracker.to_commit() == {P0: 7}
 
 
 def test_settle_twice_or_unknown_offset_is_ignored() -> None:
     tracker = OffsetTracker()
     epoch = track_all(tracker, P0, range(2))
-    assert tracker.settle(P0, 0, epoch)
-    assert not tracker.settle(P0, 0, epoch)
-    assert not tracker.settle(P0, 99, epoch)
+    assert settle(tracker, P0, 0, epoch)
+    assert not settle(tracker, P0, 0, epoch)
+    assert not settle(tracker, P0, 99, epoch)
     assert tracker.to_commit() == {P0: 1}
 
 
@@ -149,7 +159,7 @@ def test_concurrent_settles_in_random_order_end_at_the_last_offset() -> None:
     random.Random(7).shuffle(offsets)
     chunks = [offsets[i::4] for i in range(4)]
     threads = [
-        threading.Thread(target=lambda c=c: [tracker.settle(P0, o, epoch) for o in c])
+        threading.Thread(target=lambda c=c: [settle(tracker, P0, o, epoch) for o in c])
         for c in chunks
     ]
     for thread in threads:
@@ -157,7 +167,6 @@ def test_concurrent_settles_in_random_order_end_at_the_last_offset() -> None:
     for thread in threads:
         thread.join(30)
     assert tracker.to_commit() == {P0: 20_000}
-    assert tracker.in_flight() == 0
 
 
 def test_batch_calls_take_one_lock_and_answer_as_the_single_ones() -> None:
@@ -166,7 +175,7 @@ def test_batch_calls_take_one_lock_and_answer_as_the_single_ones() -> None:
     single, batched = OffsetTracker(redelivery_window=3), OffsetTracker(redelivery_window=3)
     for tracker in (single, batched):
         tracker.assign([P0, P1])
-    one_by_one = [single.track_redelivered(P0, offset) for offset in range(100, 106)]
+    one_by_one = [single.track_many(P0, [offset])[0] for offset in range(100, 106)]
     tracked = batched.track_many(P0, range(100, 106))
     assert tracked == one_by_one
     assert [t[1] for t in tracked if t is not None] == [True, True, True, False, False, False]
@@ -204,5 +213,4 @@ def test_settle_many_in_any_order_commits_only_past_the_first_unsettled_offset()
             prefix = [o for o in offsets if not unsettled or o < unsettled[0]]
             # committable: the offset after the last contiguously settled delivery
             assert tracker.to_commit().get(P0) == (prefix[-1] + 1 if prefix else None)
-        assert tracker.in_flight() == 0
         assert tracker.settle_many([(P0, 0, epoch)]) == 0  # settled already

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import pytest
 
-from mqdedup.kafka.outage import OutageWatch, aiokafka_probe, kafka_python_probe
+from mqdedup.kafka.outage import OutageWatch, kafka_python_probe
 from mqdedup.outages import OutageLog
 
 
@@ -87,29 +86,3 @@ def test_kafka_python_probe_reads_the_connection_count() -> None:
     assert probe() is False
     consumer.count = 2.0
     assert probe() is True
-
-
-def test_aiokafka_probe_reads_the_last_fetch_of_unpaused_partitions() -> None:
-    now = 1000 * time.time()
-
-    class Consumer:
-        def __init__(self) -> None:
-            self.stamps: dict[str, float | None] = {"a": now - 10_000, "b": None, "c": now}
-            self.paused_ = {"c"}
-
-        def assignment(self) -> set[str]:
-            return set(self.stamps)
-
-        def paused(self) -> set[str]:
-            return self.paused_
-
-        def last_poll_timestamp(self, tp: str) -> float | None:
-            return self.stamps[tp]
-
-    consumer = Consumer()
-    probe = aiokafka_probe(consumer, 0.5)
-    assert probe() is False  # "c" is fresh but paused; "b" never fetched
-    consumer.paused_ = set()
-    assert probe() is True
-    consumer.stamps = {"b": None}
-    assert probe() is None

@@ -11,8 +11,7 @@ P1 = ("orders", 1)
 def marks(tracker: OffsetTracker, key: tuple[str, int], offsets: range) -> list[int]:
     """Offsets tracked as possibly redelivered."""
     flagged = []
-    for offset in offsets:
-        tracked = tracker.track_redelivered(key, offset)
+    for offset, tracked in zip(offsets, tracker.track_many(key, offsets), strict=True):
         assert tracked is not None
         if tracked[1]:
             flagged.append(offset)
@@ -44,7 +43,7 @@ def test_records_fetched_again_after_a_rewind_are_marked() -> None:
     tracker.assign([P0])
     epoch = None
     for offset in range(10):
-        tracked = tracker.track_redelivered(P0, offset)
+        [tracked] = tracker.track_many(P0, [offset])
         assert tracked is not None and tracked[1] is False
         epoch = tracked[0]
     assert epoch is not None
@@ -85,13 +84,13 @@ def test_a_graceful_stop_is_clean_unless_a_rewound_delivery_is_unsettled() -> No
     epochs = {}
     for key in (P0, P1):
         for offset in range(5):
-            tracked = tracker.track_redelivered(key, offset)
+            [tracked] = tracker.track_many(key, [offset])
             assert tracked is not None
             epochs[key] = tracked[0]
     for offset in range(5):
-        tracker.settle(P0, offset, epochs[P0])
+        tracker.settle_many([(P0, offset, epochs[P0])])
     for offset in range(2):
-        tracker.settle(P1, offset, epochs[P1])
+        tracker.settle_many([(P1, offset, epochs[P1])])
     # P1's offset 2 could not be dead-lettered: rewound, unsettled at the stop
     assert tracker.request_rewind(P1, 2, epochs[P1])
     assert tracker.clean_offsets() == {P0: 5}

@@ -11,6 +11,7 @@ import itertools
 from typing import Any
 
 import pika
+import pika.exceptions
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -137,6 +138,20 @@ def test_other_frames_go_to_pika_in_order_between_deliveries() -> None:
         3,
     ]
     assert got == []
+
+
+def test_the_brokers_reason_for_closing_the_channel_is_kept_and_the_frame_is_pikas() -> None:
+    """pika keeps the reason only in a private attribute; the fast path sees the frame."""
+    path, impl, _ = fast_path()
+    close = spec.Channel.Close(406, "PRECONDITION_FAILED - unknown delivery tag 9", 60, 80)
+    other = spec.Channel.Close(404, "NOT_FOUND - no queue 'x'", 50, 10)
+    path.data_available(deliver(1, b"a") + frame.Method(2, other).marshal())
+    assert path.closed_by_broker is None  # another channel's close is not ours
+    path.data_available(frame.Method(CHANNEL, close).marshal())
+    assert isinstance(path.closed_by_broker, pika.exceptions.ChannelClosedByBroker)
+    assert path.closed_by_broker.reply_code == 406
+    assert path.closed_by_broker.reply_text == close.reply_text
+    assert [type(f.method).__name__ for f in impl.pika_frames] == ["Close", "Close"]
 
 
 def test_a_partial_frame_left_by_pika_is_completed_by_the_next_read() -> None:

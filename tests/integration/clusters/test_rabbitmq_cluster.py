@@ -2,7 +2,7 @@
 
 A real ``mqdedup worker`` consumes a quorum queue whose leader is on node 1 through a
 connection to node 2 (``--rabbitmq-url`` lists node 2, 3, 1); node 1 is killed with
-SIGKILL and restarted, then node 2. The asyncio consumer (aio-pika) connected to node 2
+SIGKILL and restarted, then node 2. The async consumer (AsyncRabbitMQConsumer) on node 2
 loses node 2 the same way. The relay publishes to the quorum queue while the node it is
 connected to is killed. The cluster is started for this module and stopped
 after it (``conftest.py``). Figures are printed as ``CLUSTER-FIGURES`` lines.
@@ -169,7 +169,7 @@ def test_quorum_queue_consumer_loses_the_leader_node_then_its_own_node(
     report("rabbitmq-consumer", messages=3_000, effects=len(counts), doubled=0, **figures)
 
 
-class AioClusterOrders(AsyncRabbitMQConsumer):
+class AsyncClusterOrders(AsyncRabbitMQConsumer):
     """One order row per message through the AsyncSession; ``poison-*`` ids always fail."""
 
     __test__ = False
@@ -195,11 +195,11 @@ class AioClusterOrders(AsyncRabbitMQConsumer):
 def test_async_consumer_loses_its_node_and_reconnects_to_the_next(
     rabbitmq_cluster: Cluster, declare: Any, db: TestDatabase
 ) -> None:
-    """aio-pika connected to node 2 (a quorum queue led by node 1); node 2 is SIGKILLed
+    """AsyncRabbitMQConsumer connected to node 2 (a quorum queue led by node 1); node 2 is SIGKILLed
     mid-run and restarted: the consumer goes on through node 3, each effect once, the
     poison messages dead-lettered through the next node, the queue empty."""
     cluster = rabbitmq_cluster
-    queue = unique_name("cluster-aio")
+    queue = unique_name("cluster-async")
     admin = declare(queue)
     assert queue_info(cluster, 1, queue)["leader"] == cluster.rabbitmq_nodes[0]
     rng = random.Random(3131)
@@ -211,10 +211,10 @@ def test_async_consumer_loses_its_node_and_reconnects_to_the_next(
     ids[1_200:1_200] = poison[3:]
     admin.publish(queue, ids)
     urls = cluster.rabbitmq_urls
-    name = f"mqdedup-aio-cluster:{queue}"
+    name = f"mqdedup-async-cluster:{queue}"
     consumer = type(
-        "AioClusterOrdersRun",
-        (AioClusterOrders,),
+        "AsyncClusterOrdersRun",
+        (AsyncClusterOrders,),
         {
             "queue": queue,
             "url": [urls[1], urls[2], urls[0]],  # node 2 first, as a list
@@ -231,7 +231,7 @@ def test_async_consumer_loses_its_node_and_reconnects_to_the_next(
         except BaseException as error:
             outcome["error"] = error
 
-    runner = threading.Thread(target=run, name="aio-cluster-consumer", daemon=True)
+    runner = threading.Thread(target=run, name="async-cluster-consumer", daemon=True)
     figures: dict[str, object] = {}
     rows = lambda: total_rows(db.engine, db.prefix)  # noqa: E731
     runner.start()

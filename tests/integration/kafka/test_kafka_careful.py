@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
 import kafka
 import pytest
 from kafka.structs import OffsetAndMetadata, TopicPartition
@@ -71,63 +69,3 @@ def test_the_careful_window_follows_a_dead_owner_only(
     assert careful_ids(db) == {f"m-{n}" for n in range(100, 160)}
     counts = row_counts(db.engine, db.prefix)
     assert len(counts) == 300 and set(counts.values()) == {1}
-
-
-@pytest.mark.parametrize(
-    ("last_commit", "careful"),
-    [(None, False), ("crashed", True), ("clean stop", False)],
-)
-def test_the_aiokafka_transport_reads_the_previous_owners_stop_through_the_public_api(
-    kafka_helper: KafkaHelper, last_commit: str | None, careful: bool
-) -> None:
-    """The aiokafka transport's previous-owner check reads the commit's metadata with the
-    admin client (aiokafka's ``consumer.committed()`` drops it; its ``_coordinator`` is
-    not used): a crashed owner's last commit keeps the careful window, a clean stop or
-    no commit at all does not."""
-    import asyncio
-
-    from aiokafka import AIOKafkaConsumer  # type: ignore[import-untyped]
-    from aiokafka.structs import TopicPartition as AioTopicPartition  # type: ignore[import-untyped]
-
-    from mqdedup.kafka import AsyncKafkaConsumer
-    from mqdedup.kafka.aio_commits import AioOffsetCommits
-    from mqdedup.kafka.clean_stop import CLEAN_STOP_METADATA
-    from mqdedup.kafka.offsets import OffsetTracker
-
-    topic = kafka_helper.create_topic(partitions=1)
-    group = f"careful-{topic}"
-    if last_commit is not None:
-        metadata = CLEAN_STOP_METADATA if last_commit == "clean stop" else ""
-        client = kafka.KafkaConsumer(
-            bootstrap_servers=kafka_helper.bootstrap, group_id=group, enable_auto_commit=False
-        )
-        try:
-            client.commit({TopicPartition(topic, 0): OffsetAndMetadata(5, metadata, -1)})
-        finally:
-            client.close()
-
-    class Careful(AsyncKafkaConsumer):
-        topics: ClassVar[list[str]] = [topic]
-        group_id = group
-        bootstrap_servers = kafka_helper.bootstrap
-
-        async def handle(self, message: Any, ctx: Any) -> None:  # pragma: no cover
-            raise AssertionError("not run")
-
-    settings = Careful().aiokafka_settings()
-    tracker = OffsetTracker(redelivery_window=10)
-    tracker.assign([(topic, 0)])
-
-    async def check() -> None:
-        commits = AioOffsetCommits(settings, tracker)
-        commits.consumer = AIOKafkaConsumer(**settings.consumer)
-        await commits.consumer.start()
-        try:
-            commits.consumer.assign([AioTopicPartition(topic, 0)])
-            await commits.check_previous_owner((topic, 0), AioTopicPartition(topic, 0), 5)
-        finally:
-            await commits.consumer.stop()
-
-    asyncio.run(check())
-    tracked = tracker.track_redelivered((topic, 0), 5)
-    assert tracked is not None and tracked[1] is careful

@@ -1,4 +1,4 @@
-"""Async RabbitMQ consumers (aio-pika): subclass :class:`AsyncRabbitMQConsumer`.
+"""Async RabbitMQ consumers: subclass :class:`AsyncRabbitMQConsumer`, ``async def handle``.
 
 ::
 
@@ -9,30 +9,28 @@
             await ctx.session.execute(insert(orders).values(...))
 
 The class attributes are those of :class:`~mqdedup.rabbitmq.consumer.RabbitMQConsumer`
-(queue, bindings, queue_type, prefetch, url, dead_letter_queue, ...); the topology is
-declared the same way. The transport is
-:class:`~mqdedup.rabbitmq.aio_transport.AioPikaTransport`, run inside the greenlet bridge
-on the event loop (see ``docs/asyncio.md``). aio-pika is imported only when a transport
-is created (the ``asyncio`` extra), so ``import mqdedup.rabbitmq`` works without it.
+(queue, bindings, queue_type, prefetch, url, dead_letter_queue, ...), and so is the
+transport: the same :class:`~mqdedup.rabbitmq.transport.RabbitMQTransport` (pika, its own
+I/O thread), driven from the event loop through
+:class:`~mqdedup.consumers.bridged_transport.BridgedTransport` (see ``docs/asyncio.md``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from mqdedup.consumers.async_consumer import AsyncConsumer
+from mqdedup.consumers.bridged_transport import BridgedTransport
 from mqdedup.consumers.metrics import Metrics
 from mqdedup.errors import ConfigurationError
 from mqdedup.rabbitmq.consumer import RabbitMQConsumer
 from mqdedup.rabbitmq.topology import default_connection_name
+from mqdedup.rabbitmq.transport import AmqpToken, RabbitMQTransport
 from mqdedup.stopping import StopToken
-
-if TYPE_CHECKING:
-    from mqdedup.rabbitmq.aio_transport import AioPikaTransport
 
 
 class AsyncRabbitMQConsumer(AsyncConsumer, RabbitMQConsumer):
-    """A RabbitMQ consumer run on an asyncio event loop through aio-pika.
+    """A RabbitMQ consumer run on an asyncio event loop (see the module docs).
 
     ``async def handle`` / ``handle_batch`` get a guarded ``AsyncSession``
     (:class:`~mqdedup.consumers.async_consumer.AsyncConsumer`); ``run`` (what
@@ -40,8 +38,8 @@ class AsyncRabbitMQConsumer(AsyncConsumer, RabbitMQConsumer):
     runs on yours.
     """
 
-    #: Seconds between reconnect attempts of the robust connection (at most
-    #: ``reconnect_backoff_max``).
+    #: Longest wait between reconnect attempts, in seconds (at most
+    #: ``reconnect_backoff_max``): the async consumer reconnects at least this often.
     reconnect_interval: ClassVar[float] = 1.0
 
     def validate(self) -> None:
@@ -52,21 +50,16 @@ class AsyncRabbitMQConsumer(AsyncConsumer, RabbitMQConsumer):
 
     def create_transport(  # type: ignore[override]
         self, *, stop: StopToken | None = None, metrics: Metrics | None = None
-    ) -> AioPikaTransport:
-        """Connect (robustly), declare the topology and start consuming, inside the bridge.
+    ) -> BridgedTransport[AmqpToken]:
+        """Connect, declare the topology and start consuming: the pika transport, driven
+        from the event loop (its start, fetch waits, dead letters and close run in a
+        thread).
 
         ``stop``: when requested, the transport stops consuming and returns its buffered
         deliveries, while the batch in flight is still acked.
         """
-        try:  # the asyncio extra
-            from mqdedup.rabbitmq.aio_transport import AioPikaTransport
-        except ImportError as error:
-            raise ConfigurationError(
-                "async RabbitMQ consumers need aio-pika: pip install 'mqdedup[asyncio]'"
-            ) from error
-
         self.validate()
-        transport = AioPikaTransport(
+        transport = RabbitMQTransport(
             self.topology(),
             self.broker_url,
             connection_name=self.connection_name or default_connection_name(self.consumer_name),
@@ -74,6 +67,6 @@ class AsyncRabbitMQConsumer(AsyncConsumer, RabbitMQConsumer):
             stop=stop,
             metrics=metrics,
             startup_timeout=self.startup_timeout,
-            reconnect_interval=min(self.reconnect_interval, self.reconnect_backoff_max),
+            reconnect_backoff_max=min(self.reconnect_interval, self.reconnect_backoff_max),
         )
-        return transport.start()
+        return BridgedTransport.start(transport.start, name=f"rabbitmq:{self.queue}")

@@ -1,4 +1,5 @@
-"""The aio-pika transport under faults, against the real RabbitMQ and PostgreSQL.
+"""AsyncRabbitMQConsumer (the pika transport, driven from an event loop) under faults,
+against the real RabbitMQ and PostgreSQL.
 
 ``AsyncRabbitMQConsumer`` (``async def handle`` writing through the ``AsyncSession``):
 
@@ -11,8 +12,8 @@
   channel, the broker redelivers it and the dedup skips it: each effect once;
 * a dead letter the broker refuses (publisher nack) is kept in the database with the
   reason, and its batch-mates go on;
-* the database stopped for 20 s: ``tests/integration/asyncio/test_aio_database_outage.py``
-  (side by side with the aiokafka worker's outage).
+* the database stopped for 20 s: ``tests/integration/asyncio/test_async_database_outage.py``
+  (side by side with the async Kafka worker's outage).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ pytestmark = [pytest.mark.integration]
 POISON = "poison-1"
 
 
-class AioRabbitOrders(AsyncRabbitMQConsumer):
+class AsyncRabbitOrders(AsyncRabbitMQConsumer):
     """One order row per message through the AsyncSession; ``poison`` bodies fail."""
 
     __test__ = False
@@ -85,10 +86,10 @@ def with_duplicates(count: int) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.slow
-def test_aio_pika_workers_killed_after_commit_with_duplicates_and_a_poison_message(
+def test_async_rabbitmq_workers_killed_after_commit_with_duplicates_and_a_poison_message(
     mqdedup_rabbitmq_harness: Callable[..., RabbitMQHarness], pg_url: str, rabbitmq_url: str
 ) -> None:
-    harness = mqdedup_rabbitmq_harness(AioRabbitOrders, database_url=pg_url)
+    harness = mqdedup_rabbitmq_harness(AsyncRabbitOrders, database_url=pg_url)
     orders = orders_table(harness.prefix)
     orders.create(harness.engine)
     admin = RabbitAdmin(rabbitmq_url)
@@ -118,7 +119,7 @@ def test_aio_pika_workers_killed_after_commit_with_duplicates_and_a_poison_messa
 
 
 @pytest.mark.slow
-def test_aio_pika_broker_closing_the_connection_mid_batch_loses_and_doubles_nothing(
+def test_async_rabbitmq_broker_closing_the_connection_mid_batch_loses_and_doubles_nothing(
     db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str, rabbitmqctl: list[str]
 ) -> None:
     ids, sent = with_duplicates(300)
@@ -126,10 +127,10 @@ def test_aio_pika_broker_closing_the_connection_mid_batch_loses_and_doubles_noth
     # Held messages that are sent once: a duplicate of one is its batch coming back.
     triggers = [next(i for i in ids[start:] if i not in copied) for start in (40, 140, 240)]
     gates = {trigger: (threading.Event(), threading.Event()) for trigger in triggers}
-    name = f"mqdedup-test-aio:{queue}"
+    name = f"mqdedup-test-async:{queue}"
     consumer_class = type(
-        "AioRabbitOrdersClosed",
-        (AioRabbitOrders,),
+        "AsyncRabbitOrdersClosed",
+        (AsyncRabbitOrders,),
         {
             "queue": queue,
             "url": rabbitmq_url,
@@ -153,13 +154,13 @@ def test_aio_pika_broker_closing_the_connection_mid_batch_loses_and_doubles_noth
         except BaseException as error:
             outcome["error"] = error
 
-    runner = threading.Thread(target=run, name="aio-rabbit-worker", daemon=True)
+    runner = threading.Thread(target=run, name="async-rabbit-worker", daemon=True)
     runner.start()
     try:
         for number, trigger in enumerate(triggers, start=1):
             reached, release = gates[trigger]
             assert reached.wait(60), f"the batch with {trigger} never started: {outcome}"
-            assert close_connections(rabbitmqctl, name, f"mqdedup aio test close {number}") == 1
+            assert close_connections(rabbitmqctl, name, f"mqdedup async test close {number}") == 1
             # The robust connection comes back while the handler holds the batch whose
             # deliveries died with the old channel.
             wait_for(lambda: consumers(broker, queue) == 1, 60, f"reconnect {number}")
@@ -187,15 +188,15 @@ def test_aio_pika_broker_closing_the_connection_mid_batch_loses_and_doubles_noth
     assert left <= set(ids)
 
 
-def test_aio_pika_dead_letter_refused_by_the_broker_is_kept_in_the_database(
+def test_async_rabbitmq_dead_letter_refused_by_the_broker_is_kept_in_the_database(
     db: Database, broker: RabbitAdmin, queue: str, rabbitmq_url: str
 ) -> None:
     """A dead-letter queue that refuses publishes (``x-max-length`` 0, ``reject-publish``)
     nacks the copy: it is parked in the database with the reason; the rest goes on."""
     good = [f"a-{n}" for n in range(30)]
     consumer = type(
-        "AioRabbitRefused",
-        (AioRabbitOrders,),
+        "AsyncRabbitRefused",
+        (AsyncRabbitOrders,),
         {
             "queue": queue,
             "url": rabbitmq_url,

@@ -1,4 +1,5 @@
-"""The aiokafka transport under faults, against the real Kafka and PostgreSQL.
+"""AsyncKafkaConsumer (the kafka-python transport, driven from an event loop) under
+faults, against the real Kafka and PostgreSQL.
 
 ``AsyncKafkaConsumer`` workers (``async def handle`` writing through the
 ``AsyncSession``) run as processes of the test kit (``mqdedup.testing.brokers``: the same
@@ -11,8 +12,8 @@
   offsets are not committed: each effect once (side by side with the kills);
 * a dead letter the broker refuses (too large for the DLT) is kept in the database with
   the broker's reason, and its batch-mates go on;
-* the database stopped for 20 s: ``tests/integration/asyncio/test_aio_database_outage.py``
-  (side by side with the aio-pika worker's outage).
+* the database stopped for 20 s: ``tests/integration/asyncio/test_async_database_outage.py``
+  (side by side with the async RabbitMQ worker's outage).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ pytestmark = [pytest.mark.integration]
 POISON = "poison-1"
 
 
-class AioKafkaOrders(AsyncKafkaConsumer):
+class AsyncKafkaOrders(AsyncKafkaConsumer):
     """One order row per message through the AsyncSession; ``poison`` bodies fail."""
 
     __test__ = False
@@ -106,7 +107,7 @@ def rebalance_while_a_committed_batch_is_unsettled(harness: KafkaHarness) -> Non
 
 
 @pytest.mark.slow
-def test_aiokafka_workers_killed_after_commit_or_rebalanced_with_a_committed_batch_apply_each_once(
+def test_async_kafka_workers_killed_after_commit_or_rebalanced_apply_each_once(
     mqdedup_kafka_harness: Callable[..., KafkaHarness], pg_url: str, kafka_helper: KafkaHelper
 ) -> None:
     """Two harness runs side by side (a thread each; own topic, group and tables): three
@@ -114,15 +115,15 @@ def test_aiokafka_workers_killed_after_commit_or_rebalanced_with_a_committed_bat
     rebalance while the first worker holds a committed batch whose offsets are not
     committed. Each asserts its own outcome; their worker starts and session timeouts
     overlap."""
-    killed = mqdedup_kafka_harness(AioKafkaOrders, database_url=pg_url)
+    killed = mqdedup_kafka_harness(AsyncKafkaOrders, database_url=pg_url)
     rebalanced = mqdedup_kafka_harness(
-        AioKafkaOrders, database_url=pg_url, attributes={"batch_size": 10}
+        AsyncKafkaOrders, database_url=pg_url, attributes={"batch_size": 10}
     )
     tables = [orders_table(harness.prefix) for harness in (killed, rebalanced)]
     for table, harness in zip(tables, (killed, rebalanced), strict=True):
         table.create(harness.engine)
     try:
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="aiokafka") as pool:
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="async-kafka") as pool:
             runs = [
                 pool.submit(
                     killed_after_commit_with_duplicates_and_a_poison_message, killed, kafka_helper
@@ -137,7 +138,7 @@ def test_aiokafka_workers_killed_after_commit_or_rebalanced_with_a_committed_bat
             table.drop(harness.engine, checkfirst=True)
 
 
-def test_aiokafka_dead_letter_refused_by_the_broker_is_kept_in_the_database(
+def test_async_kafka_dead_letter_refused_by_the_broker_is_kept_in_the_database(
     kafka_helper: KafkaHelper, db: TestDatabase
 ) -> None:
     """An oversized poison message the DLT refuses (``max.message.bytes``) is parked in
@@ -156,8 +157,8 @@ def test_aiokafka_dead_letter_refused_by_the_broker_is_kept_in_the_database(
         + [Outgoing(i, b"{}") for i in good[15:]],
     )
     consumer = type(
-        "AioKafkaRefused",
-        (AioKafkaOrders,),
+        "AsyncKafkaRefused",
+        (AsyncKafkaOrders,),
         {
             "topics": (topic,),
             "group_id": unique_name("group"),
