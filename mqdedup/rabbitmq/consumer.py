@@ -33,7 +33,7 @@ from mqdedup.rabbitmq.codec import (
     REQUEUED_HEADER,
     SOURCE_QUEUE_HEADER,
 )
-from mqdedup.rabbitmq.requeue import RequeueResult, requeue_dead_letters
+from mqdedup.rabbitmq.dead_letter_queue import RequeueResult, requeue_dead_letters
 from mqdedup.rabbitmq.topology import (
     DEFAULT_DEAD_LETTER_EXCHANGE,
     MAX_PREFETCH,
