@@ -40,7 +40,7 @@ from mqdedup.deadletters.records import (
     text_headers,
 )
 from mqdedup.dedup.ids import DEFAULT_HEADER
-from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.errors import BrokerUnavailableError
 from mqdedup.kafka.records import (
     DEAD_LETTER_PREFIX,
     SOURCE_OFFSET_HEADER,
@@ -50,6 +50,7 @@ from mqdedup.kafka.records import (
     record_timestamp,
     to_message,
 )
+from mqdedup.kafka.settings import bootstrap_list
 from mqdedup.message import Message
 
 log = logging.getLogger(__name__)
@@ -91,14 +92,7 @@ class KafkaDeadLetterTopics:
         client_config: Mapping[str, Any] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
-        servers = (
-            [s.strip() for s in bootstrap_servers.split(",") if s.strip()]
-            if isinstance(bootstrap_servers, str)
-            else list(bootstrap_servers)
-        )
-        if not servers:
-            raise ConfigurationError("the Kafka dead-letter place needs bootstrap servers")
-        self.bootstrap_servers = servers
+        self.bootstrap_servers = bootstrap_list(bootstrap_servers)
         self.engine = engine
         self.prefix = prefix
         self.marks = HandledMarks(engine, PLACE, prefix)
