@@ -145,7 +145,6 @@ class ConsumingConnection:
     ) -> None:
         self.topology = topology
         self.queue = topology.queue
-        self._url = url
         self._masked_url = mask_amqp_url(url)
         # One URL, or a cluster's node URLs: a lost connection reconnects to the next node.
         self._nodes = BrokerNodes(url, connection_name)
@@ -218,11 +217,6 @@ class ConsumingConnection:
     def connected(self) -> bool:
         """True while a connection is open and consuming."""
         return self.live_generation is not None
-
-    @property
-    def fatal_error(self) -> BaseException | None:
-        """The configuration error that stopped the transport after a reconnect, if any."""
-        return self._fatal_error
 
     @property
     def reconnects(self) -> int:

@@ -111,8 +111,6 @@ class BrokerNodes:
                 f"RabbitMQ URL is empty (set it with the consumer's `url` or {RABBITMQ_URL_ENV})"
             )
         self.parameters = [connection_parameters(part, connection_name) for part in urls]
-        #: The node URLs (checked: each one parses), for clients other than pika.
-        self.urls = urls
         self.masked = [mask_amqp_url(part) for part in urls]
         self._first = 0
         #: Index of the node of the last connection :meth:`connect` opened.
@@ -129,12 +127,6 @@ class BrokerNodes:
     def lost(self) -> None:
         """The current node's connection was lost: the next connect starts with the next node."""
         self._first = (self.current + 1) % len(self.parameters)
-
-    def next_node(self) -> int:
-        """Make the node after the current one current and return its index (clients that
-        reconnect on their own, such as aio-pika's robust connection, move one node a try)."""
-        self.current = (self.current + 1) % len(self.parameters)
-        return self.current
 
     def connect(self) -> Any:
         """A ``pika.BlockingConnection`` to the first node that accepts one.
