@@ -61,7 +61,12 @@ from mqdedup.rabbitmq.codec import (
     requeue_properties,
 )
 from mqdedup.rabbitmq.reconnecting import describe
-from mqdedup.rabbitmq.topology import BrokerNodes, mask_amqp_url, rabbitmq_url_from_env
+from mqdedup.rabbitmq.topology import (
+    BrokerNodes,
+    mask_amqp_url,
+    queue_depth,
+    rabbitmq_url_from_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -384,19 +389,13 @@ def record_of(queue: str, properties: Any, body: bytes) -> DeadLetterRecord:
 
 def _queue_depth(connection: Any, queue: str, *, missing_ok: bool = True) -> int:
     """Ready messages in ``queue`` (0 when it is not declared yet, if ``missing_ok``)."""
-    channel = connection.channel()
     try:
-        frame = channel.queue_declare(queue=queue, passive=True)
+        depth = queue_depth(connection, queue)
     except pika.exceptions.ChannelClosedByBroker as error:
-        if error.reply_code == 404:
-            if not missing_ok:
-                raise ConfigurationError(f"queue {queue!r} does not exist") from error
-            return 0
         raise BrokerUnavailableError(f"cannot read queue {queue!r}: {describe(error)}") from error
-    count = int(frame.method.message_count)
-    if channel.is_open:
-        channel.close()
-    return count
+    if depth is None and not missing_ok:
+        raise ConfigurationError(f"queue {queue!r} does not exist")
+    return depth or 0
 
 
 def requeue_dead_letters(

@@ -152,6 +152,21 @@ class BrokerNodes:
         raise error or BrokerUnavailableError("no RabbitMQ node to connect to")
 
 
+def queue_depth(connection: Any, queue: str) -> int | None:
+    """Ready messages in ``queue`` by a passive declare on a throw-away channel of a
+    blocking ``connection`` (None: no such queue). Other refusals are raised."""
+    channel = connection.channel()
+    try:
+        frame = channel.queue_declare(queue=queue, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as error:
+        if error.reply_code == 404:
+            return None
+        raise
+    if channel.is_open:
+        channel.close()
+    return int(frame.method.message_count)
+
+
 def check_broker(url: str, timeout: float = 10.0) -> None:
     """Open one connection to a node of ``url`` and close it; raise a one-line error if no
     node accepts it."""
