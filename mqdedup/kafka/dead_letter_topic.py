@@ -35,7 +35,7 @@ from mqdedup.deadletters.records import (
     DeadLetterKeyError,
     DeadLetterRecord,
     Place,
-    error_key,
+    broker_record,
     header_int,
     text_headers,
 )
@@ -63,12 +63,6 @@ DEFAULT_TIMEOUT: Final = 20.0
 
 _Records = list[DeadLetterRecord]  # (``list`` is a method's name in the class)
 _Keys = list[str]
-
-_CONSUMER_HEADER = "x-mqdedup-consumer"
-_REASON_HEADER = "x-mqdedup-reason"
-_ATTEMPTS_HEADER = "x-mqdedup-attempts"
-_ERROR_CLASS_HEADER = "x-mqdedup-error-class"
-_ERROR_MESSAGE_HEADER = "x-mqdedup-error-message"
 
 
 class KafkaDeadLetterTopics:
@@ -346,19 +340,12 @@ def record_of(raw: Any) -> DeadLetterRecord:
         offset=offset,
         timestamp=delivered.timestamp,
     )
-    reason = headers.get(_REASON_HEADER, "")
-    return DeadLetterRecord(
-        place=PLACE,
-        key=f"{raw.topic}:{raw.partition}:{raw.offset}",
-        consumer=headers.get(_CONSUMER_HEADER),
+    return broker_record(
+        PLACE,
+        f"{raw.topic}:{raw.partition}:{raw.offset}",
+        headers,
         source=message.coordinates,
         message_id=headers.get(DEFAULT_HEADER),
-        error=error_key(
-            headers.get(_ERROR_CLASS_HEADER), reason, headers.get(_ERROR_MESSAGE_HEADER)
-        ),
-        reason=reason,
-        attempts=header_int(headers, _ATTEMPTS_HEADER),
-        headers=headers,
         body=delivered.body,
         dead_lettered_at=record_timestamp(raw.timestamp),
         message=message,

@@ -47,8 +47,7 @@ from mqdedup.deadletters.records import (
     DeadLetterKeyError,
     DeadLetterRecord,
     Place,
-    error_key,
-    header_int,
+    broker_record,
     text_headers,
 )
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
@@ -71,12 +70,6 @@ from mqdedup.rabbitmq.topology import (
 log = logging.getLogger(__name__)
 
 PLACE: Final[Place] = "rabbitmq"
-
-_CONSUMER_HEADER = "x-mqdedup-consumer"
-_REASON_HEADER = "x-mqdedup-reason"
-_ATTEMPTS_HEADER = "x-mqdedup-attempts"
-_ERROR_CLASS_HEADER = "x-mqdedup-error-class"
-_ERROR_MESSAGE_HEADER = "x-mqdedup-error-message"
 
 _Records = list[DeadLetterRecord]  # (``list`` is a method's name in the class)
 
@@ -365,22 +358,17 @@ def record_of(queue: str, properties: Any, body: bytes) -> DeadLetterRecord:
     shown = text_headers(delivery_message(queue, False, "", queue, properties, body).headers)
     message_id = header_text(raw_headers, MESSAGE_ID_HEADER) or properties.message_id
     name = message_id or "sha256:" + hashlib.sha256(body).hexdigest()[:16]
-    reason = shown.get(_REASON_HEADER, "")
     when = shown.get(DEAD_LETTERED_AT_HEADER)
     try:
         dead_lettered_at = datetime.fromisoformat(when) if when else None
     except ValueError:
         dead_lettered_at = None
-    return DeadLetterRecord(
-        place=PLACE,
-        key=f"{queue}:{name}",
-        consumer=shown.get(_CONSUMER_HEADER),
+    return broker_record(
+        PLACE,
+        f"{queue}:{name}",
+        shown,
         source=source,
         message_id=message_id,
-        error=error_key(shown.get(_ERROR_CLASS_HEADER), reason, shown.get(_ERROR_MESSAGE_HEADER)),
-        reason=reason,
-        attempts=header_int(shown, _ATTEMPTS_HEADER),
-        headers=shown,
         body=body,
         dead_lettered_at=dead_lettered_at,
         message=message,
