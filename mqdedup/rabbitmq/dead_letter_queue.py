@@ -62,7 +62,6 @@ from mqdedup.rabbitmq.codec import (
 from mqdedup.rabbitmq.reconnecting import describe
 from mqdedup.rabbitmq.topology import (
     BrokerNodes,
-    mask_amqp_url,
     queue_depth,
     rabbitmq_url_from_env,
 )
@@ -319,12 +318,7 @@ class RabbitDeadLetterQueues:
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[Any]:
-        try:
-            connection = self._nodes.connect()
-        except (pika.exceptions.AMQPError, OSError) as error:
-            raise BrokerUnavailableError(
-                f"cannot connect to RabbitMQ at {mask_amqp_url(str(self.url))}: {describe(error)}"
-            ) from error
+        connection = self._nodes.open()
         try:
             yield connection
         finally:

@@ -106,12 +106,7 @@ class StreamRangeTransport:
         if self._connection is not None:
             return
         name = f"mqdedup-stream-replay-{self.consumer.consumer_name}"
-        try:
-            self._connection = BrokerNodes(self.consumer.broker_url, name).connect()
-        except pika.exceptions.AMQPError as exc:
-            raise BrokerUnavailableError(
-                f"cannot connect to RabbitMQ: {type(exc).__name__}"
-            ) from exc
+        self._connection = BrokerNodes(self.consumer.broker_url, name).open()
         self._check_stream()
         self.end_offset = self._probe_end()
         if isinstance(self.end, int):

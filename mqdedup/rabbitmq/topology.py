@@ -18,6 +18,7 @@ import pika.exceptions
 
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.masking import mask_text, mask_url
+from mqdedup.rabbitmq.reconnecting import describe
 
 RABBITMQ_URL_ENV = "MQDEDUP_RABBITMQ_URL"
 DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -150,6 +151,24 @@ class BrokerNodes:
             self.current = index
             return connection
         raise error or BrokerUnavailableError("no RabbitMQ node to connect to")
+
+    def open(self) -> Any:
+        """:meth:`connect`, a failure raised as one :class:`BrokerUnavailableError` line
+        naming the (masked) nodes and the error (a refused login too)."""
+        try:
+            return self.connect()
+        except (pika.exceptions.AMQPError, OSError) as error:
+            raise BrokerUnavailableError(
+                f"cannot connect to RabbitMQ at {','.join(self.masked)}: {describe(error)}"
+            ) from error
+
+    def confirm_channel(self) -> tuple[Any, Any]:
+        """``(connection, channel)``: :meth:`connect` (its errors as they are, for callers
+        that retry), and a channel with publisher confirms."""
+        connection = self.connect()
+        channel = connection.channel()
+        channel.confirm_delivery()
+        return connection, channel
 
 
 def queue_depth(connection: Any, queue: str) -> int | None:
