@@ -311,18 +311,6 @@ def _persistent_copy(original: Any, headers: dict[str, Any]) -> pika.BasicProper
     )
 
 
-def header_text(headers: Mapping[str, Any] | None, name: str) -> str | None:
-    """A header of a raw pika header table as text (None when absent)."""
-    if not headers:
-        return None
-    value = headers.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return str(value)
-
-
 @dataclass(frozen=True)
 class AckPlan:
     """How to acknowledge a set of delivery tags on one channel.

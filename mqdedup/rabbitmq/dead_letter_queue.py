@@ -56,7 +56,6 @@ from mqdedup.rabbitmq.codec import (
     MESSAGE_ID_HEADER,
     SOURCE_QUEUE_HEADER,
     delivery_message,
-    header_text,
     requeue_properties,
 )
 from mqdedup.rabbitmq.reconnecting import describe
@@ -345,12 +344,10 @@ def record_of(queue: str, properties: Any, body: bytes) -> DeadLetterRecord:
     ``message`` is the original message as its consumer receives it after a requeue:
     from its source queue, without the ``x-mqdedup-*`` headers, same ``message_id``.
     """
-    raw_headers = properties.headers or {}
-    source = header_text(raw_headers, SOURCE_QUEUE_HEADER) or queue
-    original = requeue_properties(properties)
-    message = delivery_message(source, False, "", source, original, body)
     shown = text_headers(delivery_message(queue, False, "", queue, properties, body).headers)
-    message_id = header_text(raw_headers, MESSAGE_ID_HEADER) or properties.message_id
+    source = shown.get(SOURCE_QUEUE_HEADER) or queue
+    message = delivery_message(source, False, "", source, requeue_properties(properties), body)
+    message_id = shown.get(MESSAGE_ID_HEADER) or properties.message_id
     name = message_id or "sha256:" + hashlib.sha256(body).hexdigest()[:16]
     when = shown.get(DEAD_LETTERED_AT_HEADER)
     try:
