@@ -338,17 +338,15 @@ class Topology:
 
     def queue_declare_arguments(self) -> dict[str, Any]:
         """Arguments of the consumed queue's declaration."""
-        arguments = dict(self.queue_arguments)
-        if self.queue_type == "quorum":
-            arguments["x-queue-type"] = "quorum"
-        return arguments
+        return self._typed(self.queue_arguments)
 
     def dead_letter_queue_arguments(self) -> dict[str, Any]:
         """Arguments of the dead-letter queue's declaration (same queue type)."""
-        arguments = dict(self.dead_letter_arguments)
-        if self.queue_type == "quorum":
-            arguments["x-queue-type"] = "quorum"
-        return arguments
+        return self._typed(self.dead_letter_arguments)
+
+    def _typed(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        quorum = {"x-queue-type": "quorum"} if self.queue_type == "quorum" else {}
+        return {**arguments, **quorum}
 
 
 def declare_topology(channel: Any, topology: Topology) -> None:
