@@ -205,10 +205,9 @@ class KafkaDeadLetterTopics:
         try:
             for record in movable:
                 target = record.headers[SOURCE_TOPIC_HEADER]
-                headers = [
+                headers = [  # (``record_of`` left the x-mqdedup-* ones out of the message)
                     (name, value if isinstance(value, bytes) else str(value or "").encode())
                     for name, value in record.message.headers.items()
-                    if not name.startswith(DEAD_LETTER_PREFIX)
                 ]
                 future = producer.send(
                     target, key=record.message.key, value=record.body, headers=headers

@@ -22,7 +22,7 @@ from mqdedup.kafka.producer import (
     RecoveringProducer,
     SendOutcome,
     Sent,
-    admin_client,
+    admin_for,
     topic_exists,
 )
 from mqdedup.kafka.records import KafkaToken, dead_letter_headers, describe_error
@@ -116,7 +116,7 @@ class KafkaDeadLetters:
         if topic in self._known_topics:
             return
         try:
-            with admin_client(self.settings.admin_config) as admin:
+            with admin_for(self.settings.admin_config) as admin:
                 if topic in set(admin.list_topics()):
                     self._known_topics.add(topic)
                     self._missing_topics.pop(topic, None)

@@ -401,7 +401,7 @@ def _unavailable(error: BaseException) -> Sent:
 
 
 @contextlib.contextmanager
-def admin_client(config: Mapping[str, Any]) -> Iterator[Any]:
+def admin_for(config: Mapping[str, Any]) -> Iterator[Any]:
     """A ``KafkaAdminClient`` with the settings of ``config`` it knows; closed quietly."""
     known = kafka.KafkaAdminClient.DEFAULT_CONFIG
     admin = kafka.KafkaAdminClient(**{k: v for k, v in config.items() if k in known})
@@ -421,7 +421,7 @@ def topic_exists(config: Mapping[str, Any], topic: str, client: str) -> bool | N
     does not create is the record's fault, an unanswered question is an outage.
     """
     try:
-        with admin_client(config) as admin:
+        with admin_for(config) as admin:
             return topic in set(admin.list_topics())
     except Exception as error:
         log.warning(
