@@ -107,17 +107,12 @@ class KafkaDeadLetterTopics:
             if settings.topics
             else None
         )
-        config = {
-            key: value
-            for key, value in settings.admin_config.items()
-            if key not in ("bootstrap_servers", "client_id")
-        }
         return cls(
             settings.bootstrap_servers,
             engine,
             topics=topics,
             prefix=consumer.table_prefix,
-            client_config=config,
+            client_config=settings.admin_config,  # (its servers and client id are replaced)
             timeout=timeout,
         )
 
