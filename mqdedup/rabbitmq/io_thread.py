@@ -219,6 +219,11 @@ class ConsumingConnection:
         return self.live_generation is not None
 
     @property
+    def fatal_error(self) -> BaseException | None:
+        """The configuration error that stopped the transport after a reconnect, if any."""
+        return self._fatal_error
+
+    @property
     def reconnects(self) -> int:
         """How often the transport had to reconnect after losing its connection."""
         with self._lock:
