@@ -158,6 +158,45 @@ def body_preview(body: bytes, limit: int = BODY_LIMIT) -> BodyPreview:
     )
 
 
+#: What :meth:`~mqdedup.consumers.transport.DeadLetter.headers` writes on a broker's
+#: dead-letter copy; the ``kafka`` and ``rabbitmq`` places read it back.
+CONSUMER_HEADER: Final = "x-mqdedup-consumer"
+REASON_HEADER: Final = "x-mqdedup-reason"
+ATTEMPTS_HEADER: Final = "x-mqdedup-attempts"
+ERROR_CLASS_HEADER: Final = "x-mqdedup-error-class"
+ERROR_MESSAGE_HEADER: Final = "x-mqdedup-error-message"
+
+
+def broker_record(
+    place: Place,
+    key: str,
+    headers: Mapping[str, str],
+    *,
+    source: str,
+    message_id: str | None,
+    body: bytes,
+    dead_lettered_at: datetime | None,
+    message: Message,
+) -> DeadLetterRecord:
+    """The record of a dead-letter copy on a broker, ``headers`` as text: its consumer,
+    reason, error and attempts are those its ``x-mqdedup-*`` headers name."""
+    reason = headers.get(REASON_HEADER, "")
+    return DeadLetterRecord(
+        place=place,
+        key=key,
+        consumer=headers.get(CONSUMER_HEADER),
+        source=source,
+        message_id=message_id,
+        error=error_key(headers.get(ERROR_CLASS_HEADER), reason, headers.get(ERROR_MESSAGE_HEADER)),
+        reason=reason,
+        attempts=header_int(headers, ATTEMPTS_HEADER),
+        headers=headers,
+        body=body,
+        dead_lettered_at=dead_lettered_at,
+        message=message,
+    )
+
+
 def text_headers(headers: Mapping[str, HeaderValue]) -> dict[str, str]:
     """Headers as text for display: bytes decoded leniently, a header without a value ''."""
     shown: dict[str, str] = {}

@@ -35,12 +35,12 @@ from mqdedup.deadletters.records import (
     DeadLetterKeyError,
     DeadLetterRecord,
     Place,
-    error_key,
+    broker_record,
     header_int,
     text_headers,
 )
 from mqdedup.dedup.ids import DEFAULT_HEADER
-from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.errors import BrokerUnavailableError
 from mqdedup.kafka.records import (
     DEAD_LETTER_PREFIX,
     SOURCE_OFFSET_HEADER,
@@ -50,6 +50,7 @@ from mqdedup.kafka.records import (
     record_timestamp,
     to_message,
 )
+from mqdedup.kafka.settings import bootstrap_list
 from mqdedup.message import Message
 
 log = logging.getLogger(__name__)
@@ -62,12 +63,6 @@ DEFAULT_TIMEOUT: Final = 20.0
 
 _Records = list[DeadLetterRecord]  # (``list`` is a method's name in the class)
 _Keys = list[str]
-
-_CONSUMER_HEADER = "x-mqdedup-consumer"
-_REASON_HEADER = "x-mqdedup-reason"
-_ATTEMPTS_HEADER = "x-mqdedup-attempts"
-_ERROR_CLASS_HEADER = "x-mqdedup-error-class"
-_ERROR_MESSAGE_HEADER = "x-mqdedup-error-message"
 
 
 class KafkaDeadLetterTopics:
@@ -91,14 +86,7 @@ class KafkaDeadLetterTopics:
         client_config: Mapping[str, Any] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
-        servers = (
-            [s.strip() for s in bootstrap_servers.split(",") if s.strip()]
-            if isinstance(bootstrap_servers, str)
-            else list(bootstrap_servers)
-        )
-        if not servers:
-            raise ConfigurationError("the Kafka dead-letter place needs bootstrap servers")
-        self.bootstrap_servers = servers
+        self.bootstrap_servers = bootstrap_list(bootstrap_servers)
         self.engine = engine
         self.prefix = prefix
         self.marks = HandledMarks(engine, PLACE, prefix)
@@ -119,17 +107,12 @@ class KafkaDeadLetterTopics:
             if settings.topics
             else None
         )
-        config = {
-            key: value
-            for key, value in settings.admin_config.items()
-            if key not in ("bootstrap_servers", "client_id")
-        }
         return cls(
             settings.bootstrap_servers,
             engine,
             topics=topics,
             prefix=consumer.table_prefix,
-            client_config=config,
+            client_config=settings.admin_config,  # (its servers and client id are replaced)
             timeout=timeout,
         )
 
@@ -159,14 +142,11 @@ class KafkaDeadLetterTopics:
         if self.marks.marked([key]):
             return None
         with self._reader() as reader:
+            _, first, end = _offset_range(reader, topic)
+            if not _held(first, end, key):
+                return None
             tp = TopicPartition(topic, partition)
-            if partition not in (reader.partitions_for_topic(topic) or set()):
-                return None
             reader.assign([tp])
-            first = reader.beginning_offsets([tp])[tp]
-            end = reader.end_offsets([tp])[tp]
-            if not first <= offset < end:
-                return None
             reader.seek(tp, offset)
             for raw in self._poll_until(reader, {tp: offset + 1}):
                 if raw.offset == offset:
@@ -186,23 +166,10 @@ class KafkaDeadLetterTopics:
             return depths
         with self._reader() as reader:
             for topic in topics:
-                tps = [
-                    TopicPartition(topic, p)
-                    for p in sorted(reader.partitions_for_topic(topic) or ())
-                ]
-                if not tps:
-                    depths[topic] = 0
-                    continue
-                first = reader.beginning_offsets(tps)
-                end = reader.end_offsets(tps)
+                tps, first, end = _offset_range(reader, topic)
                 total = sum(end[tp] - first[tp] for tp in tps)
-                handled = 0
-                for key in self.marks.marked_with_prefix(f"{topic}:"):
-                    with contextlib.suppress(DeadLetterKeyError):
-                        _, partition, offset = parse_key(key)
-                        tp = TopicPartition(topic, partition)
-                        if tp in first and first[tp] <= offset < end[tp]:
-                            handled += 1
+                marks = self.marks.marked_with_prefix(f"{topic}:")
+                handled = sum(1 for key in marks if _held(first, end, key))
                 depths[topic] = max(total - handled, 0)
         return depths
 
@@ -223,15 +190,19 @@ class KafkaDeadLetterTopics:
         if not movable:
             return 0
         forget_attempts(self.engine, movable, self.prefix)
-        producer = self._producer()
+        producer = self._client(
+            kafka.KafkaProducer,
+            acks="all",
+            enable_idempotence=True,
+            client_id="mqdedup-dead-letters-requeue",
+        )
         moved = 0
         try:
             for record in movable:
                 target = record.headers[SOURCE_TOPIC_HEADER]
-                headers = [
+                headers = [  # (``record_of`` left the x-mqdedup-* ones out of the message)
                     (name, value if isinstance(value, bytes) else str(value or "").encode())
                     for name, value in record.message.headers.items()
-                    if not name.startswith(DEAD_LETTER_PREFIX)
                 ]
                 future = producer.send(
                     target, key=record.message.key, value=record.body, headers=headers
@@ -260,34 +231,16 @@ class KafkaDeadLetterTopics:
         if not parsed:
             return []
         with self._reader() as reader:
-            known = {
-                topic: reader.partitions_for_topic(topic) or set()
-                for topic in {topic for topic, _, _ in parsed.values()}
-            }
-            tps = sorted({TopicPartition(t, p) for t, p, _ in parsed.values() if p in known[t]})
-            first = reader.beginning_offsets(tps) if tps else {}
-            end = reader.end_offsets(tps) if tps else {}
-        present: _Keys = []
-        for key, (topic, partition, offset) in parsed.items():
-            tp = TopicPartition(topic, partition)
-            if tp in first and first[tp] <= offset < end[tp]:
-                present.append(key)
-        return present
+            ranges = {topic: _offset_range(reader, topic) for topic, _, _ in parsed.values()}
+        return [key for key, (topic, _, _) in parsed.items() if _held(*ranges[topic][1:], key)]
 
     def _read_topic(self, topic: str, consumer: str | None) -> _Records:
         handled = self.marks.marked_with_prefix(f"{topic}:")
         records: _Records = []
         with self._reader() as reader:
-            tps = [
-                TopicPartition(topic, p) for p in sorted(reader.partitions_for_topic(topic) or ())
-            ]
-            if not tps:
-                return records
-            reader.assign(tps)
-            first = reader.beginning_offsets(tps)
-            end = {
-                tp: offset for tp, offset in reader.end_offsets(tps).items() if offset > first[tp]
-            }
+            _, first, ends = _offset_range(reader, topic)
+            end = {tp: stop for tp, stop in ends.items() if stop > first[tp]}
+            reader.assign(list(end))
             for tp in end:
                 reader.seek(tp, first[tp])
             for raw in self._poll_until(reader, end):
@@ -319,64 +272,31 @@ class KafkaDeadLetterTopics:
                     del waiting[tp]
                     reader.pause(tp)
 
-    def _client_config(self, known: Mapping[str, Any]) -> dict[str, Any]:
-        return {key: value for key, value in self._config.items() if key in known}
-
-    @contextlib.contextmanager
-    def _reader(self) -> Iterator[Any]:
+    def _client(self, factory: Any, **fixed: Any) -> Any:
+        """A kafka-python client (``factory``) with the place's settings it knows."""
+        known = {key: value for key, value in self._config.items() if key in factory.DEFAULT_CONFIG}
         try:
-            reader = kafka.KafkaConsumer(
-                **{
-                    **self._client_config(kafka.KafkaConsumer.DEFAULT_CONFIG),
-                    "bootstrap_servers": self.bootstrap_servers,
-                    "group_id": None,
-                    "enable_auto_commit": False,
-                    "client_id": "mqdedup-dead-letters",
-                }
-            )
-        except kafka_errors.KafkaError as error:
-            raise BrokerUnavailableError(
-                f"cannot reach Kafka at {','.join(self.bootstrap_servers)}: {describe_error(error)}"
-            ) from error
-        try:
-            yield reader
-        finally:
-            reader.close()
-
-    def _producer(self) -> Any:
-        try:
-            return kafka.KafkaProducer(
-                **{
-                    **self._client_config(kafka.KafkaProducer.DEFAULT_CONFIG),
-                    "bootstrap_servers": self.bootstrap_servers,
-                    "acks": "all",
-                    "enable_idempotence": True,
-                    "client_id": "mqdedup-dead-letters-requeue",
-                }
-            )
+            return factory(**{**known, "bootstrap_servers": self.bootstrap_servers, **fixed})
         except kafka_errors.KafkaError as error:
             raise BrokerUnavailableError(
                 f"cannot reach Kafka at {','.join(self.bootstrap_servers)}: {describe_error(error)}"
             ) from error
 
-    @contextlib.contextmanager
-    def _admin(self) -> Iterator[Any]:
-        try:
-            admin = kafka.KafkaAdminClient(
-                **{
-                    **self._client_config(kafka.KafkaAdminClient.DEFAULT_CONFIG),
-                    "bootstrap_servers": self.bootstrap_servers,
-                    "client_id": "mqdedup-dead-letters-admin",
-                }
+    def _reader(self) -> contextlib.closing[Any]:
+        """A consumer outside any group that commits nothing: it reads, never moves."""
+        return contextlib.closing(
+            self._client(
+                kafka.KafkaConsumer,
+                group_id=None,
+                enable_auto_commit=False,
+                client_id="mqdedup-dead-letters",
             )
-        except kafka_errors.KafkaError as error:
-            raise BrokerUnavailableError(
-                f"cannot reach Kafka at {','.join(self.bootstrap_servers)}: {describe_error(error)}"
-            ) from error
-        try:
-            yield admin
-        finally:
-            admin.close()
+        )
+
+    def _admin(self) -> contextlib.closing[Any]:
+        return contextlib.closing(
+            self._client(kafka.KafkaAdminClient, client_id="mqdedup-dead-letters-admin")
+        )
 
 
 def parse_key(key: str) -> tuple[str, int, int]:
@@ -414,23 +334,34 @@ def record_of(raw: Any) -> DeadLetterRecord:
         offset=offset,
         timestamp=delivered.timestamp,
     )
-    reason = headers.get(_REASON_HEADER, "")
-    return DeadLetterRecord(
-        place=PLACE,
-        key=f"{raw.topic}:{raw.partition}:{raw.offset}",
-        consumer=headers.get(_CONSUMER_HEADER),
+    return broker_record(
+        PLACE,
+        f"{raw.topic}:{raw.partition}:{raw.offset}",
+        headers,
         source=message.coordinates,
         message_id=headers.get(DEFAULT_HEADER),
-        error=error_key(
-            headers.get(_ERROR_CLASS_HEADER), reason, headers.get(_ERROR_MESSAGE_HEADER)
-        ),
-        reason=reason,
-        attempts=header_int(headers, _ATTEMPTS_HEADER),
-        headers=headers,
         body=delivered.body,
         dead_lettered_at=record_timestamp(raw.timestamp),
         message=message,
     )
+
+
+def _offset_range(reader: Any, topic: str) -> tuple[list[Any], dict[Any, int], dict[Any, int]]:
+    """The partitions of ``topic`` with their first and end offsets (by ``TopicPartition``)."""
+    tps = [TopicPartition(topic, p) for p in sorted(reader.partitions_for_topic(topic) or ())]
+    if not tps:
+        return [], {}, {}
+    return tps, reader.beginning_offsets(tps), reader.end_offsets(tps)
+
+
+def _held(first: Mapping[Any, int], end: Mapping[Any, int], key: str) -> bool:
+    """Whether the record ``key`` is still in its topic (between first and end offsets)."""
+    try:
+        topic, partition, offset = parse_key(key)
+    except DeadLetterKeyError:
+        return False
+    tp = TopicPartition(topic, partition)
+    return tp in first and first[tp] <= offset < end[tp]
 
 
 def _order(record: DeadLetterRecord) -> tuple[float, str, int, int]:

@@ -10,17 +10,21 @@ transport's poll thread polls; the admin client answers the topic questions.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import kafka
 import kafka.errors as kafka_errors
 
 from mqdedup.consumers.transport import DeadLetter
 from mqdedup.errors import BrokerUnavailableError, DeadLetterRefusedError
-from mqdedup.kafka.producer import ProducerRecord, RecoveringProducer, SendOutcome, Sent
+from mqdedup.kafka.producer import (
+    ProducerRecord,
+    RecoveringProducer,
+    SendOutcome,
+    Sent,
+    admin_for,
+    topic_exists,
+)
 from mqdedup.kafka.records import KafkaToken, dead_letter_headers, describe_error
 
 if TYPE_CHECKING:
@@ -112,7 +116,7 @@ class KafkaDeadLetters:
         if topic in self._known_topics:
             return
         try:
-            with self._admin() as admin:
+            with admin_for(self.settings.admin_config) as admin:
                 if topic in set(admin.list_topics()):
                     self._known_topics.add(topic)
                     self._missing_topics.pop(topic, None)
@@ -156,29 +160,10 @@ class KafkaDeadLetters:
 
     def _topic_exists(self, topic: str) -> bool | None:
         """Whether ``topic`` exists (None: the cluster did not answer)."""
-        try:
-            with self._admin() as admin:
-                found = topic in set(admin.list_topics())
-        except Exception as error:
-            log.warning(
-                "could not list topics",
-                extra={"consumer": self.settings.consumer_name, "error": describe_error(error)},
-            )
-            return None
+        found = topic_exists(self.settings.admin_config, topic, self.settings.consumer_name)
         if found:
             self._known_topics.add(topic)
         return found
-
-    @contextlib.contextmanager
-    def _admin(self) -> Iterator[Any]:
-        admin = kafka.KafkaAdminClient(**self.settings.admin_config)
-        try:
-            yield admin
-        finally:
-            try:
-                admin.close()
-            except Exception:
-                log.debug("admin client close failed", exc_info=True)
 
 
 def _partition_count(admin: Any, topic: str) -> int:

@@ -32,13 +32,15 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import kafka
 import kafka.errors as kafka_errors
 from kafka.partitioner import DefaultPartitioner, murmur2
+
+from mqdedup.kafka.records import describe_error
 
 log = logging.getLogger(__name__)
 
@@ -290,10 +292,10 @@ class RecoveringProducer:
             except kafka_errors.KafkaTimeoutError as error:
                 # The topic's metadata did not arrive within max_block_ms.
                 results[index] = no_metadata[record.topic] = Sent(
-                    SendOutcome.NO_METADATA, _describe(error), error
+                    SendOutcome.NO_METADATA, describe_error(error), error
                 )
             except REFUSAL_ERRORS as error:  # checked on the client: too large, bad header
-                results[index] = Sent(SendOutcome.REFUSED, _describe(error), error)
+                results[index] = Sent(SendOutcome.REFUSED, describe_error(error), error)
             except Exception as error:
                 results[index] = _classify(error)
         if futures:
@@ -335,7 +337,7 @@ class RecoveringProducer:
                     continue
             results[index] = result
         if fatal is not None:
-            self.reset(_describe(fatal))
+            self.reset(describe_error(fatal))
         return again
 
 
@@ -349,7 +351,7 @@ def _flush(producer: Any, futures: Iterable[Any], timeout: float) -> None:
     try:
         producer.flush(timeout=timeout)
     except kafka_errors.KafkaError as error:
-        log.debug("kafka flush returned early", extra={"error": _describe(error)})
+        log.debug("kafka flush returned early", extra={"error": describe_error(error)})
     for future in futures:
         remaining = deadline - time.monotonic()
         if future.is_done or remaining <= 0:
@@ -383,7 +385,7 @@ def _was_aborted(future: Any) -> bool | None:
 
 def _classify(error: BaseException | None) -> Sent:
     """A failed record: refused for its own reason, else unavailable."""
-    text = _describe(error)
+    text = describe_error(error)
     if isinstance(error, PRODUCER_REFUSED_ERRORS):
         return Sent(SendOutcome.UNAVAILABLE, text, error)
     if isinstance(error, REFUSAL_ERRORS):
@@ -395,21 +397,38 @@ def _classify(error: BaseException | None) -> Sent:
 
 
 def _unavailable(error: BaseException) -> Sent:
-    return Sent(SendOutcome.UNAVAILABLE, _describe(error), error)
+    return Sent(SendOutcome.UNAVAILABLE, describe_error(error), error)
 
 
-def _describe(error: BaseException | None) -> str:
-    """``ClassName: first line`` of an error (kafka-python errors never carry secrets)."""
-    if error is None:
-        return "unknown error"
-    if isinstance(error, kafka_errors.BrokerResponseError):
-        detail = error.args[0] if error.args and error.args[0] is not None else None
-        description = str(getattr(error, "description", "") or "").split(". ")[0]
-        return f"{type(error).__name__}: {detail if detail is not None else description}"
-    name = type(error).__name__
-    text = str(error).strip().splitlines()
-    first = text[0].removeprefix(f"{name}: ") if text else ""
-    return f"{name}: {first}" if first else name
+@contextlib.contextmanager
+def admin_for(config: Mapping[str, Any]) -> Iterator[Any]:
+    """A ``KafkaAdminClient`` with the settings of ``config`` it knows; closed quietly."""
+    known = kafka.KafkaAdminClient.DEFAULT_CONFIG
+    admin = kafka.KafkaAdminClient(**{k: v for k, v in config.items() if k in known})
+    try:
+        yield admin
+    finally:
+        try:
+            admin.close()
+        except Exception:
+            log.debug("admin client close failed", exc_info=True)
+
+
+def topic_exists(config: Mapping[str, Any], topic: str, client: str) -> bool | None:
+    """Whether ``topic`` exists, asked through an admin client (None: no answer).
+
+    Producers ask it when a topic's metadata did not arrive: a missing topic the broker
+    does not create is the record's fault, an unanswered question is an outage.
+    """
+    try:
+        with admin_for(config) as admin:
+            return topic in set(admin.list_topics())
+    except Exception as error:
+        log.warning(
+            "cannot ask Kafka for its topics",
+            extra={"client": client, "error": describe_error(error)},
+        )
+        return None
 
 
 def _close(producer: Any, timeout: float) -> None:

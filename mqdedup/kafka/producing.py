@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mqdedup.errors import BrokerUnavailableError, ConfigurationError
+from mqdedup.errors import BrokerUnavailableError
+from mqdedup.kafka.settings import bootstrap_list
 from mqdedup.stamping import stamp
 
 __all__ = ["open_producer", "send_message", "stamp_headers"]
@@ -82,11 +83,8 @@ def open_producer(bootstrap_servers: str, *, timeout: float = 10.0, **config: An
     import kafka
     from kafka.errors import KafkaError
 
-    servers = [s.strip() for s in bootstrap_servers.split(",") if s.strip()]
-    if not servers:
-        raise ConfigurationError("Kafka bootstrap servers are empty")
     settings: dict[str, Any] = {
-        "bootstrap_servers": servers,
+        "bootstrap_servers": bootstrap_list(bootstrap_servers),
         "acks": "all",
         "enable_idempotence": True,
         "max_block_ms": int(timeout * 1000),

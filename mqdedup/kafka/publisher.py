@@ -27,15 +27,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import kafka
-
-from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.producer import (
     KeyHashPartitioner,
     ProducerRecord,
     RecoveringProducer,
     SendOutcome,
+    topic_exists,
 )
+from mqdedup.kafka.settings import bootstrap_list
 from mqdedup.outbox.publishers import PUBLISHED, OutboxRecord, PublishResult, header_text
 
 log = logging.getLogger(__name__)
@@ -72,13 +71,7 @@ class KafkaPublisher:
         client_id: str = "mqdedup-relay",
         producer_config: Mapping[str, Any] | None = None,
     ) -> None:
-        servers = (
-            [s.strip() for s in bootstrap_servers.split(",") if s.strip()]
-            if isinstance(bootstrap_servers, str)
-            else list(bootstrap_servers)
-        )
-        if not servers:
-            raise ConfigurationError("Kafka bootstrap servers are empty")
+        servers = bootstrap_list(bootstrap_servers)
         self.flush_timeout = flush_timeout
         self.config: dict[str, Any] = {
             "bootstrap_servers": servers,
@@ -163,22 +156,6 @@ class KafkaPublisher:
 
     def _ask_cluster(self, topic: str) -> bool | None:
         """Whether ``topic`` exists, from an admin client (None: no answer)."""
-        config = {
-            k: v for k, v in self.config.items() if k in kafka.KafkaAdminClient.DEFAULT_CONFIG
-        }
-        config["bootstrap_timeout_ms"] = min(int(config.get("bootstrap_timeout_ms", 5000)), 5000)
-        try:
-            admin = kafka.KafkaAdminClient(**config)
-        except Exception as error:
-            log.warning("cannot ask Kafka for its topics", extra={"error": str(error)})
-            return None
-        try:
-            return topic in set(admin.list_topics())
-        except Exception as error:
-            log.warning("cannot ask Kafka for its topics", extra={"error": str(error)})
-            return None
-        finally:
-            try:
-                admin.close()
-            except Exception:
-                log.debug("admin client close failed", exc_info=True)
+        timeout = min(int(self.config.get("bootstrap_timeout_ms", 5000)), 5000)
+        config = {**self.config, "bootstrap_timeout_ms": timeout}
+        return topic_exists(config, topic, str(self.config["client_id"]))

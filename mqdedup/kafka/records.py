@@ -114,10 +114,18 @@ def dead_letter_headers(token: KafkaToken, record: DeadLetter) -> list[tuple[str
     return original + [(name, value.encode("utf-8")) for name, value in added.items()]
 
 
-def describe_error(error: BaseException) -> str:
+def describe_error(error: BaseException | None) -> str:
     """``ClassName: first line`` of an error (kafka-python errors never carry secrets)."""
+    if error is None:
+        return "unknown error"
+    if isinstance(error, kafka_errors.BrokerResponseError):
+        detail = error.args[0] if error.args and error.args[0] is not None else None
+        description = str(getattr(error, "description", "") or "").split(". ")[0]
+        return f"{type(error).__name__}: {detail if detail is not None else description}"
+    name = type(error).__name__
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    first = text[0].removeprefix(f"{name}: ") if text else ""
+    return f"{name}: {first}" if first else name
 
 
 def is_retriable(error: BaseException) -> bool:

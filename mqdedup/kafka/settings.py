@@ -6,9 +6,11 @@ use it import it from here, so none of them imports the consumer (no cycle).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from mqdedup.errors import ConfigurationError
 
 #: Replaced by the source topic in ``dead_letter_topic`` (default ``{topic}.DLT``).
 TOPIC_PLACEHOLDER = "{topic}"
@@ -36,3 +38,13 @@ class KafkaSettings:
     def dead_letter_topic_for(self, topic: str) -> str:
         """The dead-letter topic of records read from ``topic``."""
         return self.dead_letter_topic.replace(TOPIC_PLACEHOLDER, topic)
+
+
+def bootstrap_list(servers: str | Sequence[str]) -> list[str]:
+    """``host:port[,host:port]`` (or a list of them) as a list; raises when it is empty."""
+    if isinstance(servers, str):
+        servers = [part.strip() for part in servers.split(",")]
+    found = [server for server in servers if server]
+    if not found:
+        raise ConfigurationError("Kafka bootstrap servers are empty")
+    return found

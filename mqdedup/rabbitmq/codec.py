@@ -267,20 +267,7 @@ def dead_letter_properties(
         headers[ORIGINAL_EXPIRATION_HEADER] = original.expiration
     if original.user_id is not None:
         headers[ORIGINAL_USER_ID_HEADER] = original.user_id
-    return pika.BasicProperties(
-        content_type=original.content_type,
-        content_encoding=original.content_encoding,
-        headers=headers,
-        delivery_mode=PERSISTENT,
-        priority=original.priority,
-        correlation_id=original.correlation_id,
-        reply_to=original.reply_to,
-        message_id=original.message_id,
-        timestamp=original.timestamp,
-        type=original.type,
-        app_id=original.app_id,
-        cluster_id=original.cluster_id,
-    )
+    return _persistent_copy(original, headers)
 
 
 def requeue_properties(dead_lettered: Any) -> pika.BasicProperties:
@@ -302,32 +289,26 @@ def requeue_properties(dead_lettered: Any) -> pika.BasicProperties:
     user_id = old.get(ORIGINAL_USER_ID_HEADER)
     if user_id is not None:
         headers[ORIGINAL_USER_ID_HEADER] = user_id  # kept for audit; never the property
+    return _persistent_copy(dead_lettered, headers)
+
+
+def _persistent_copy(original: Any, headers: dict[str, Any]) -> pika.BasicProperties:
+    """``original``'s properties with ``headers``, persistent, without ``expiration``
+    and ``user_id`` (both copies carry them in headers, see the two functions above)."""
     return pika.BasicProperties(
-        content_type=dead_lettered.content_type,
-        content_encoding=dead_lettered.content_encoding,
+        content_type=original.content_type,
+        content_encoding=original.content_encoding,
         headers=headers,
         delivery_mode=PERSISTENT,
-        priority=dead_lettered.priority,
-        correlation_id=dead_lettered.correlation_id,
-        reply_to=dead_lettered.reply_to,
-        message_id=dead_lettered.message_id,
-        timestamp=dead_lettered.timestamp,
-        type=dead_lettered.type,
-        app_id=dead_lettered.app_id,
-        cluster_id=dead_lettered.cluster_id,
+        priority=original.priority,
+        correlation_id=original.correlation_id,
+        reply_to=original.reply_to,
+        message_id=original.message_id,
+        timestamp=original.timestamp,
+        type=original.type,
+        app_id=original.app_id,
+        cluster_id=original.cluster_id,
     )
-
-
-def header_text(headers: Mapping[str, Any] | None, name: str) -> str | None:
-    """A header of a raw pika header table as text (None when absent)."""
-    if not headers:
-        return None
-    value = headers.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return str(value)
 
 
 @dataclass(frozen=True)

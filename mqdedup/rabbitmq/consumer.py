@@ -33,7 +33,7 @@ from mqdedup.rabbitmq.codec import (
     REQUEUED_HEADER,
     SOURCE_QUEUE_HEADER,
 )
-from mqdedup.rabbitmq.requeue import RequeueResult, requeue_dead_letters
+from mqdedup.rabbitmq.dead_letter_queue import RequeueResult, requeue_dead_letters
 from mqdedup.rabbitmq.topology import (
     DEFAULT_DEAD_LETTER_EXCHANGE,
     MAX_PREFETCH,
@@ -194,19 +194,17 @@ class RabbitMQConsumer(Consumer):
         """Messages waiting in the queue and in its dead-letter queue (passive declares)."""
         import pika
 
-        from mqdedup.rabbitmq.topology import BrokerNodes
+        from mqdedup.rabbitmq.topology import BrokerNodes, queue_depth
 
         topology = self.topology()
         connection = BrokerNodes(self.broker_url, f"mqdedup-status-{self.consumer_name}").connect()
         try:
             counts: dict[str, int] = {}
             for queue in (topology.queue, topology.dead_letter_queue):
-                channel = connection.channel()
                 try:
-                    declared = channel.queue_declare(queue, passive=True)
-                    counts[queue] = int(declared.method.message_count)
+                    counts[queue] = queue_depth(connection, queue) or 0  # 0: not declared yet
                 except pika.exceptions.ChannelClosedByBroker:
-                    counts[queue] = 0  # not declared yet
+                    counts[queue] = 0  # not readable by this user: as before, shown as 0
             return counts
         finally:
             connection.close()

@@ -19,6 +19,10 @@ second reader does not see them, so a list may show fewer and an action may find
 than the queue holds (it then returns a smaller count; run it again). Nothing is lost or
 acknowledged twice: the broker hands each message to one reader at a time. A queue's
 readers are bounded to the messages present when the scan began.
+
+:func:`requeue_dead_letters` (``RabbitMQConsumer.requeue_dead_letters``) is the same
+confirmed move for a whole queue, or its first ``limit`` messages, to the source queue
+or a named one.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Final
 
@@ -43,8 +47,7 @@ from mqdedup.deadletters.records import (
     DeadLetterKeyError,
     DeadLetterRecord,
     Place,
-    error_key,
-    header_int,
+    broker_record,
     text_headers,
 )
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
@@ -53,30 +56,42 @@ from mqdedup.rabbitmq.codec import (
     MESSAGE_ID_HEADER,
     SOURCE_QUEUE_HEADER,
     delivery_message,
-    header_text,
     requeue_properties,
 )
 from mqdedup.rabbitmq.reconnecting import describe
-from mqdedup.rabbitmq.topology import BrokerNodes, mask_amqp_url, rabbitmq_url_from_env
+from mqdedup.rabbitmq.topology import (
+    BrokerNodes,
+    queue_depth,
+    rabbitmq_url_from_env,
+)
 
 log = logging.getLogger(__name__)
 
 PLACE: Final[Place] = "rabbitmq"
 
-_CONSUMER_HEADER = "x-mqdedup-consumer"
-_REASON_HEADER = "x-mqdedup-reason"
-_ATTEMPTS_HEADER = "x-mqdedup-attempts"
-_ERROR_CLASS_HEADER = "x-mqdedup-error-class"
-_ERROR_MESSAGE_HEADER = "x-mqdedup-error-message"
-
 _Records = list[DeadLetterRecord]  # (``list`` is a method's name in the class)
+
+
+@dataclass(frozen=True)
+class RequeueResult:
+    """What a requeue did.
+
+    ``moved``: messages now in their target queue. ``skipped``: messages left in the
+    dead-letter queue because they name no source queue and no target was given.
+    ``remaining``: messages in the dead-letter queue afterwards.
+    """
+
+    moved: int
+    skipped: int
+    remaining: int
 
 
 @dataclass
 class _Scan:
     """Which messages a scan of one queue matches (by key, by consumer) and what it does
     with them: collect them into ``found``, acknowledge them (``ack``), after a copy to
-    their source queue (``republish``); ``limit``: stop once ``found`` holds that many."""
+    their source queue, or ``target`` (``republish``); ``limit``: stop once ``found``
+    holds that many. A requeue counts what it ``skipped`` and what is ``remaining``."""
 
     keys: frozenset[str] | None = None
     consumer: str | None = None
@@ -84,6 +99,11 @@ class _Scan:
     limit: int | None = None
     ack: bool = False
     republish: bool = False
+    target: str | None = None
+    #: Whose attempt counts a requeue forgets when a dead letter names no consumer.
+    default_consumer: str | None = None
+    skipped: int = 0
+    remaining: int = 0
 
     def matches(self, record: DeadLetterRecord) -> bool:
         if self.keys is not None and record.key not in self.keys:
@@ -96,6 +116,7 @@ class RabbitDeadLetterQueues:
 
     ``queues``: the dead-letter queues to read. ``engine`` (optional) holds the attempt
     counts a requeue forgets, so a requeued message gets its full retries again.
+    ``connection_name``: how the connection shows in ``rabbitmqctl list_connections``.
     """
 
     place: Place = PLACE
@@ -107,6 +128,7 @@ class RabbitDeadLetterQueues:
         *,
         engine: Engine | None = None,
         prefix: str = DEFAULT_PREFIX,
+        connection_name: str | None = None,
     ) -> None:
         if not queues:
             raise ConfigurationError("name the dead-letter queue(s) to read (e.g. orders.dlq)")
@@ -115,7 +137,8 @@ class RabbitDeadLetterQueues:
         self.engine = engine
         self.prefix = prefix
         self._nodes = BrokerNodes(
-            self.url, f"mqdedup-dead-letters:{socket.gethostname()}:{os.getpid()}"
+            self.url,
+            connection_name or f"mqdedup-dead-letters:{socket.gethostname()}:{os.getpid()}",
         )
 
     @classmethod
@@ -164,14 +187,43 @@ class RabbitDeadLetterQueues:
 
     def requeue(self, keys: Sequence[str]) -> int:
         """Publish each to its source queue (confirmed), then acknowledge it here."""
-        moved = 0
-        for queue, names in self._by_queue(keys).items():
-            if self.engine is not None:  # its full retries again: forget its attempts first
-                chosen: _Records = []
-                self._scan(queue, _Scan(keys=frozenset(names), found=chosen))
-                forget_attempts(self.engine, chosen, self.prefix)
-            moved += self._scan(queue, _Scan(keys=frozenset(names), ack=True, republish=True))
-        return moved
+        return sum(
+            self._scan(queue, _Scan(keys=frozenset(names), ack=True, republish=True))
+            for queue, names in self._by_queue(keys).items()
+        )
+
+    def requeue_queue(
+        self,
+        queue: str,
+        *,
+        target: str | None = None,
+        limit: int | None = None,
+        default_consumer: str | None = None,
+    ) -> RequeueResult:
+        """Move the messages of ``queue`` (all present now, or the first ``limit``) to
+        ``target``, else each one's source queue; a target must exist."""
+        with self._connection() as connection:
+            _queue_depth(connection, queue, missing_ok=False)
+            if target is not None:  # must exist: fail before moving anything
+                _queue_depth(connection, target, missing_ok=False)
+        scan = _Scan(
+            limit=limit,
+            ack=True,
+            republish=True,
+            target=target,
+            default_consumer=default_consumer,
+        )
+        moved = self._scan(queue, scan)
+        log.info(
+            "requeued dead letters",
+            extra={
+                "dead_letter_queue": queue,
+                "moved": moved,
+                "skipped": scan.skipped,
+                "remaining": scan.remaining,
+            },
+        )
+        return RequeueResult(moved=moved, skipped=scan.skipped, remaining=scan.remaining)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -206,10 +258,15 @@ class RabbitDeadLetterQueues:
                     scan.found.append(record)
                     if not scan.ack:
                         continue
-                    if scan.republish and not self._republish(channel, record, properties, body):
+                    if scan.republish and not self._republish(
+                        channel, scan, record, properties, body
+                    ):
+                        scan.skipped += 1  # held until the channel closes: back in the queue
                         continue
                     channel.basic_ack(method.delivery_tag)
                     acked += 1
+                if scan.republish:  # the skipped ones are still held: the depth misses them
+                    scan.remaining = _queue_depth(connection, queue) + scan.skipped
             except pika.exceptions.AMQPError as error:
                 raise BrokerUnavailableError(
                     f"reading dead-letter queue {queue!r} failed: {describe(error)} "
@@ -224,15 +281,25 @@ class RabbitDeadLetterQueues:
         return acked
 
     def _republish(
-        self, channel: Any, record: DeadLetterRecord, properties: Any, body: bytes | None
+        self,
+        channel: Any,
+        scan: _Scan,
+        record: DeadLetterRecord,
+        properties: Any,
+        body: bytes | None,
     ) -> bool:
-        target = record.headers.get(SOURCE_QUEUE_HEADER)
+        """Copy ``record`` to its target with a confirm (False: it names no target)."""
+        target = scan.target or record.headers.get(SOURCE_QUEUE_HEADER)
         if not target:
             log.warning(
                 "dead letter names no source queue; left in place",
                 extra={"dead_letter": record.key},
             )
             return False
+        if self.engine is not None:  # its full retries again: forget its attempts first
+            if record.consumer is None:
+                record = replace(record, consumer=scan.default_consumer)
+            forget_attempts(self.engine, [record], self.prefix)
         try:
             channel.basic_publish(
                 exchange="",
@@ -250,12 +317,7 @@ class RabbitDeadLetterQueues:
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[Any]:
-        try:
-            connection = self._nodes.connect()
-        except (pika.exceptions.AMQPError, OSError) as error:
-            raise BrokerUnavailableError(
-                f"cannot connect to RabbitMQ at {mask_amqp_url(str(self.url))}: {describe(error)}"
-            ) from error
+        connection = self._nodes.open()
         try:
             yield connection
         finally:
@@ -282,45 +344,73 @@ def record_of(queue: str, properties: Any, body: bytes) -> DeadLetterRecord:
     ``message`` is the original message as its consumer receives it after a requeue:
     from its source queue, without the ``x-mqdedup-*`` headers, same ``message_id``.
     """
-    raw_headers = properties.headers or {}
-    source = header_text(raw_headers, SOURCE_QUEUE_HEADER) or queue
-    original = requeue_properties(properties)
-    message = delivery_message(source, False, "", source, original, body)
     shown = text_headers(delivery_message(queue, False, "", queue, properties, body).headers)
-    message_id = header_text(raw_headers, MESSAGE_ID_HEADER) or properties.message_id
+    source = shown.get(SOURCE_QUEUE_HEADER) or queue
+    message = delivery_message(source, False, "", source, requeue_properties(properties), body)
+    message_id = shown.get(MESSAGE_ID_HEADER) or properties.message_id
     name = message_id or "sha256:" + hashlib.sha256(body).hexdigest()[:16]
-    reason = shown.get(_REASON_HEADER, "")
     when = shown.get(DEAD_LETTERED_AT_HEADER)
     try:
         dead_lettered_at = datetime.fromisoformat(when) if when else None
     except ValueError:
         dead_lettered_at = None
-    return DeadLetterRecord(
-        place=PLACE,
-        key=f"{queue}:{name}",
-        consumer=shown.get(_CONSUMER_HEADER),
+    return broker_record(
+        PLACE,
+        f"{queue}:{name}",
+        shown,
         source=source,
         message_id=message_id,
-        error=error_key(shown.get(_ERROR_CLASS_HEADER), reason, shown.get(_ERROR_MESSAGE_HEADER)),
-        reason=reason,
-        attempts=header_int(shown, _ATTEMPTS_HEADER),
-        headers=shown,
         body=body,
         dead_lettered_at=dead_lettered_at,
         message=message,
     )
 
 
-def _queue_depth(connection: Any, queue: str) -> int:
-    """Ready messages in ``queue`` (0 when it is not declared yet)."""
-    channel = connection.channel()
+def _queue_depth(connection: Any, queue: str, *, missing_ok: bool = True) -> int:
+    """Ready messages in ``queue`` (0 when it is not declared yet, if ``missing_ok``)."""
     try:
-        frame = channel.queue_declare(queue=queue, passive=True)
+        depth = queue_depth(connection, queue)
     except pika.exceptions.ChannelClosedByBroker as error:
-        if error.reply_code == 404:
-            return 0
         raise BrokerUnavailableError(f"cannot read queue {queue!r}: {describe(error)}") from error
-    count = int(frame.method.message_count)
-    if channel.is_open:
-        channel.close()
-    return count
+    if depth is None and not missing_ok:
+        raise ConfigurationError(f"queue {queue!r} does not exist")
+    return depth or 0
+
+
+def requeue_dead_letters(
+    url: str | Sequence[str] | None = None,
+    *,
+    dead_letter_queue: str,
+    target_queue: str | None = None,
+    limit: int | None = None,
+    database: Engine | None = None,
+    table_prefix: str = DEFAULT_PREFIX,
+    consumer_name: str | None = None,
+    connection_name: str | None = None,
+) -> RequeueResult:
+    """Move messages from ``dead_letter_queue`` back (all of them, or up to ``limit``).
+
+    The target is ``target_queue``, else each message's ``x-mqdedup-source-queue``
+    header. At most the number of messages present at the start are moved, so a
+    message that fails again and returns to the dead-letter queue is not looped.
+    The ``x-mqdedup-*`` reason headers are removed and ``x-mqdedup-requeued`` counts
+    the moves. With ``database``, each moved message's attempt counter
+    (``<prefix>message_attempts``, keyed by the ``x-mqdedup-consumer`` header or
+    ``consumer_name`` and its message id) is deleted first, so it gets a full set of
+    retries again.
+    """
+    if limit is not None and limit < 0:
+        raise ConfigurationError("requeue limit must be zero or more")
+    if not dead_letter_queue:
+        raise ConfigurationError("requeue needs the dead-letter queue name")
+    place = RabbitDeadLetterQueues(
+        url,
+        [dead_letter_queue],
+        engine=database,
+        prefix=table_prefix,
+        connection_name=connection_name
+        or f"mqdedup-requeue:{dead_letter_queue}:{socket.gethostname()}:{os.getpid()}",
+    )
+    return place.requeue_queue(
+        dead_letter_queue, target=target_queue, limit=limit, default_consumer=consumer_name
+    )

@@ -145,7 +145,6 @@ class ConsumingConnection:
     ) -> None:
         self.topology = topology
         self.queue = topology.queue
-        self._url = url
         self._masked_url = mask_amqp_url(url)
         # One URL, or a cluster's node URLs: a lost connection reconnects to the next node.
         self._nodes = BrokerNodes(url, connection_name)

@@ -23,8 +23,7 @@ from typing import Any
 
 import pika
 
-from mqdedup.errors import BrokerUnavailableError
-from mqdedup.masking import mask_url
+from mqdedup.rabbitmq.topology import BrokerNodes
 from mqdedup.stamping import stamp
 
 __all__ = ["open_channel", "publish_message"]
@@ -77,16 +76,10 @@ def open_channel(url: str, *, timeout: float = 10.0) -> Any:
     """A pika ``BlockingChannel`` on ``url`` in confirm mode (the caller closes
     ``channel.connection``). Raises :class:`~mqdedup.errors.BrokerUnavailableError`
     when the broker does not answer."""
-    parameters = pika.URLParameters(url)
-    parameters.socket_timeout = timeout
-    parameters.blocked_connection_timeout = timeout
-    parameters.connection_attempts = 1
-    try:
-        connection = pika.BlockingConnection(parameters)
-    except pika.exceptions.AMQPError as error:
-        raise BrokerUnavailableError(
-            f"RabbitMQ at {mask_url(url)} is not reachable: {type(error).__name__}: {error}"
-        ) from None
-    channel = connection.channel()
+    nodes = BrokerNodes(url, "mqdedup-publish")  # (one TCP attempt per node)
+    for parameters in nodes.parameters:
+        parameters.socket_timeout = timeout
+        parameters.blocked_connection_timeout = timeout
+    channel = nodes.open().channel()
     channel.confirm_delivery()
     return channel

@@ -120,11 +120,9 @@ class ReplyPublisher:
         if self._channel is not None and self._channel.is_open:
             return self._channel
         self.close()
-        self._connection = BrokerNodes(self.url, self.connection_name).connect()
-        channel = self._connection.channel()
-        channel.confirm_delivery()
-        self._channel = channel
-        return channel
+        nodes = BrokerNodes(self.url, self.connection_name)
+        self._connection, self._channel = nodes.confirm_channel()
+        return self._channel
 
     def close(self) -> None:
         """Close the connection (quietly: it may be broken already)."""

@@ -34,7 +34,11 @@ from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.rabbitmq.codec import dead_letter_properties, to_message
 from mqdedup.rabbitmq.consumer import RabbitMQConsumer
 from mqdedup.rabbitmq.dead_letters import DeadLetterPublisher
-from mqdedup.rabbitmq.topology import BrokerNodes, declare_dead_letter_topology
+from mqdedup.rabbitmq.topology import (
+    BrokerNodes,
+    declare_dead_letter_topology,
+    queue_depth,
+)
 from mqdedup.stopping import StopToken
 
 log = logging.getLogger(__name__)
@@ -102,12 +106,7 @@ class StreamRangeTransport:
         if self._connection is not None:
             return
         name = f"mqdedup-stream-replay-{self.consumer.consumer_name}"
-        try:
-            self._connection = BrokerNodes(self.consumer.broker_url, name).connect()
-        except pika.exceptions.AMQPError as exc:
-            raise BrokerUnavailableError(
-                f"cannot connect to RabbitMQ: {type(exc).__name__}"
-            ) from exc
+        self._connection = BrokerNodes(self.consumer.broker_url, name).open()
         self._check_stream()
         self.end_offset = self._probe_end()
         if isinstance(self.end, int):
@@ -248,13 +247,8 @@ class StreamRangeTransport:
             self._acked_up_to = highest
 
     def _check_stream(self) -> None:
-        probe = self._connection.channel()
-        try:
-            probe.queue_declare(self.stream, passive=True)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            raise ConfigurationError(f"RabbitMQ stream {self.stream!r} does not exist") from exc
-        if probe.is_open:
-            probe.close()
+        if queue_depth(self._connection, self.stream) is None:
+            raise ConfigurationError(f"RabbitMQ stream {self.stream!r} does not exist")
 
     def _probe_end(self) -> int:
         """The offset after the stream's last message now (0: empty).

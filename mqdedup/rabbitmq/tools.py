@@ -16,10 +16,7 @@ from mqdedup.rabbitmq.topology import BrokerNodes
 
 def confirm_channel(url: str, connection_name: str) -> tuple[Any, Any]:
     """``(connection, channel)``: a blocking connection and a channel with publisher confirms."""
-    connection = BrokerNodes(url, connection_name).connect()
-    channel = connection.channel()
-    channel.confirm_delivery()
-    return connection, channel
+    return BrokerNodes(url, connection_name).confirm_channel()
 
 
 def persistent_properties(message_id: str | None, headers: Mapping[str, str]) -> Any:

@@ -18,6 +18,7 @@ import pika.exceptions
 
 from mqdedup.errors import BrokerUnavailableError, ConfigurationError
 from mqdedup.masking import mask_text, mask_url
+from mqdedup.rabbitmq.reconnecting import describe
 
 RABBITMQ_URL_ENV = "MQDEDUP_RABBITMQ_URL"
 DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -111,8 +112,6 @@ class BrokerNodes:
                 f"RabbitMQ URL is empty (set it with the consumer's `url` or {RABBITMQ_URL_ENV})"
             )
         self.parameters = [connection_parameters(part, connection_name) for part in urls]
-        #: The node URLs (checked: each one parses), for clients other than pika.
-        self.urls = urls
         self.masked = [mask_amqp_url(part) for part in urls]
         self._first = 0
         #: Index of the node of the last connection :meth:`connect` opened.
@@ -129,12 +128,6 @@ class BrokerNodes:
     def lost(self) -> None:
         """The current node's connection was lost: the next connect starts with the next node."""
         self._first = (self.current + 1) % len(self.parameters)
-
-    def next_node(self) -> int:
-        """Make the node after the current one current and return its index (clients that
-        reconnect on their own, such as aio-pika's robust connection, move one node a try)."""
-        self.current = (self.current + 1) % len(self.parameters)
-        return self.current
 
     def connect(self) -> Any:
         """A ``pika.BlockingConnection`` to the first node that accepts one.
@@ -158,6 +151,39 @@ class BrokerNodes:
             self.current = index
             return connection
         raise error or BrokerUnavailableError("no RabbitMQ node to connect to")
+
+    def open(self) -> Any:
+        """:meth:`connect`, a failure raised as one :class:`BrokerUnavailableError` line
+        naming the (masked) nodes and the error (a refused login too)."""
+        try:
+            return self.connect()
+        except (pika.exceptions.AMQPError, OSError) as error:
+            raise BrokerUnavailableError(
+                f"cannot connect to RabbitMQ at {','.join(self.masked)}: {describe(error)}"
+            ) from error
+
+    def confirm_channel(self) -> tuple[Any, Any]:
+        """``(connection, channel)``: :meth:`connect` (its errors as they are, for callers
+        that retry), and a channel with publisher confirms."""
+        connection = self.connect()
+        channel = connection.channel()
+        channel.confirm_delivery()
+        return connection, channel
+
+
+def queue_depth(connection: Any, queue: str) -> int | None:
+    """Ready messages in ``queue`` by a passive declare on a throw-away channel of a
+    blocking ``connection`` (None: no such queue). Other refusals are raised."""
+    channel = connection.channel()
+    try:
+        frame = channel.queue_declare(queue=queue, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as error:
+        if error.reply_code == 404:
+            return None
+        raise
+    if channel.is_open:
+        channel.close()
+    return int(frame.method.message_count)
 
 
 def check_broker(url: str, timeout: float = 10.0) -> None:
@@ -312,17 +338,15 @@ class Topology:
 
     def queue_declare_arguments(self) -> dict[str, Any]:
         """Arguments of the consumed queue's declaration."""
-        arguments = dict(self.queue_arguments)
-        if self.queue_type == "quorum":
-            arguments["x-queue-type"] = "quorum"
-        return arguments
+        return self._typed(self.queue_arguments)
 
     def dead_letter_queue_arguments(self) -> dict[str, Any]:
         """Arguments of the dead-letter queue's declaration (same queue type)."""
-        arguments = dict(self.dead_letter_arguments)
-        if self.queue_type == "quorum":
-            arguments["x-queue-type"] = "quorum"
-        return arguments
+        return self._typed(self.dead_letter_arguments)
+
+    def _typed(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        quorum = {"x-queue-type": "quorum"} if self.queue_type == "quorum" else {}
+        return {**arguments, **quorum}
 
 
 def declare_topology(channel: Any, topology: Topology) -> None:

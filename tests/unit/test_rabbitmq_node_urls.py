@@ -62,12 +62,6 @@ def test_a_delivery_limit_needs_a_quorum_queue_and_a_positive_count() -> None:
         Topology("q", queue_type="quorum", queue_arguments={"x-delivery-limit": 0}).validate("Q")
 
 
-def test_reconnecting_clients_move_one_node_a_try() -> None:
-    nodes = BrokerNodes(["amqp://a/", "amqp://b/"], "test")
-    assert nodes.urls == ["amqp://a/", "amqp://b/"]
-    assert [nodes.next_node(), nodes.next_node(), nodes.next_node()] == [1, 0, 1]
-
-
 def test_the_async_consumer_takes_a_node_list_with_the_same_checks() -> None:
     from mqdedup.rabbitmq import AsyncRabbitMQConsumer
 
