@@ -166,7 +166,9 @@ class OffsetRows:
                 raise PositionFencedError(
                     f"partition {key[0]}/{key[1]} is no longer assigned to this worker"
                 )
-            committable, above = self.tracker.preview(key, done | owned.done_above)
+            committable, above = self.tracker.preview(
+                key, done | owned.done_above, owned.next_offset
+            )
             next_offset = _highest(committable, owned.next_offset)
             kept = {o for o in (*above, *owned.done_above, *done) if _above(o, next_offset)}
             result = session.execute(
