@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
 from sqlalchemy import func, select
@@ -188,5 +187,3 @@ def test_a_dead_letter_advances_the_offset_row_like_a_processed_record(
         wait_for(settled_everywhere(kafka_helper, db, group, topic), 60, "10 settled again")
     assert metrics.duplicates == 10 and metrics.dead_lettered == 0
     assert total_rows(db.engine, db.prefix) == 9
-
-
