@@ -419,9 +419,7 @@ class Processor:
         """Deliveries below their stored positions are duplicates without a claim; those
         of partitions seeking back to their stored position come again."""
         assert self.sessions is not None
-        done, again = self.outages.run(
-            functools.partial(positions.done, self.sessions, deliveries)
-        )
+        done, again = self.outages.run(functools.partial(positions.done, self.sessions, deliveries))
         if not (done or again):
             return deliveries
         report.duplicates.extend(done)
