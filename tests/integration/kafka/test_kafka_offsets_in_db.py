@@ -187,3 +187,26 @@ def test_a_dead_letter_advances_the_offset_row_like_a_processed_record(
         wait_for(settled_everywhere(kafka_helper, db, group, topic), 60, "10 settled again")
     assert metrics.duplicates == 10 and metrics.dead_lettered == 0
     assert total_rows(db.engine, db.prefix) == 9
+
+
+def test_a_replay_below_the_stored_offsets_finds_every_record_a_duplicate(
+    kafka_helper: KafkaHelper, db: TestDatabase
+) -> None:
+    topic = kafka_helper.create_topic(partitions=2)
+    group = unique_name("group")
+    kafka_helper.produce(topic, [Outgoing(f"m-{i}", b"x", partition=i % 2) for i in range(40)])
+    consumer = make_consumer(
+        topic=topic,
+        group=group,
+        prefix=db.prefix,
+        bootstrap=kafka_helper.bootstrap,
+        offsets_in_database=True,
+        message_id_strategy=ids.from_coordinates,
+    )
+    with running(consumer, db):
+        wait_for(settled_everywhere(kafka_helper, db, group, topic), 60, "40 settled")
+
+    report = consumer().replay(db.engine)
+    assert (report.new, report.duplicates) == (0, 40)
+    assert total_rows(db.engine, db.prefix) == 40 and claim_rows(db) == 0
+    assert offset_rows(db, group, topic) == kafka_helper.end_offsets(topic)  # untouched
