@@ -108,7 +108,13 @@ class OffsetRows:
     ) -> tuple[list[Delivery[Any]], list[Delivery[Any]]]:
         """``(done, again)``: the known duplicates, and the deliveries of partitions that
         seek back to their stored offset (they come again after it)."""
-        keys = {d.token.partition for d in deliveries}
+        # Deliveries of an assignment that is over (revoked, lost, given back) are never
+        # a reason to take a partition: the new owner's epoch stays.
+        pairs = sorted({(d.token.partition, d.token.epoch) for d in deliveries})
+        current = {
+            pair for pair, ok in zip(pairs, self.tracker.current_epochs(pairs), strict=True) if ok
+        }
+        keys = {key for key, _epoch in current}
         with self._lock:
             missing = sorted(key for key in keys if key not in self._owned)
         if missing:
@@ -120,6 +126,9 @@ class OffsetRows:
             for delivery in deliveries:
                 token = delivery.token
                 key = token.partition
+                if (key, token.epoch) not in current:
+                    again.append(delivery)  # fetched again by whoever owns it now
+                    continue
                 owned = self._owned.get(key)
                 if owned is None:
                     continue  # forgotten meanwhile: its write is fenced
