@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.metrics import Metrics
+from mqdedup.dedup.choices import SqlDedup
+from mqdedup.dedup.ids import from_coordinates
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.membership import GROUP_DEFAULTS, static_instance_id
 from mqdedup.kafka.settings import TOPIC_PLACEHOLDER, KafkaSettings
@@ -99,9 +101,10 @@ class KafkaConsumer(Consumer):
     ``name`` is set, the dedup scope), ``bootstrap_servers`` (default: the
     ``MQDEDUP_KAFKA_BOOTSTRAP`` environment variable), ``batch_size``, ``poll_timeout``,
     ``message_id_strategy`` (default: the ``message-id`` header), ``retry_policy``,
-    ``dead_letter_topic`` (default ``{topic}.DLT``) and ``kafka_config``, passed through
-    to kafka-python's ``KafkaConsumer`` (security / SASL / TLS settings are also given
-    to the dead-letter producer).
+    ``dead_letter_topic`` (default ``{topic}.DLT``), ``offsets_in_database`` (the
+    partitions' offsets stored with each batch's effects) and ``kafka_config``, passed
+    through to kafka-python's ``KafkaConsumer`` (security / SASL / TLS settings are also
+    given to the dead-letter producer).
     """
 
     broker: ClassVar[str | None] = "kafka"
@@ -144,6 +147,16 @@ class KafkaConsumer(Consumer):
     #: stable per supervisor slot and host, so after a crash its restart takes its
     #: partitions back at once (see :mod:`mqdedup.kafka.membership`).
     static_membership: ClassVar[bool] = True
+    #: Store each partition's next offset in ``<prefix>kafka_offsets``, written in the
+    #: same transaction as the batch's effects (one conditional statement per partition
+    #: and batch; a worker that lost its partitions is fenced). On assignment the
+    #: stored offsets decide: records below them are duplicates without a claim. Message
+    #: ids are still claimed when ``message_id_strategy`` names a producer id (a header,
+    #: a body key); with ``ids.from_coordinates`` nothing is claimed: the dedup state is
+    #: one row per partition. The group's offsets are still committed to the broker after
+    #: the database commit (lag tools keep working). See ``docs/kafka.md``, "Offsets in
+    #: the database: when to choose it".
+    offsets_in_database: ClassVar[bool] = False
 
     def group_instance_id(self, group_id: str) -> str | None:
         """The static member id of this process (None: a dynamic member), unless
@@ -201,6 +214,11 @@ class KafkaConsumer(Consumer):
             raise ConfigurationError(f"{label}.commit_interval must not be negative")
         if cls.prefetch_batches < 1:
             raise ConfigurationError(f"{label}.prefetch_batches must be at least 1")
+        if cls.offsets_in_database and not isinstance(cls.dedup, SqlDedup):
+            raise ConfigurationError(
+                f"{label}.offsets_in_database needs the database claim store: the offsets "
+                "are written in the handler's transaction (dedup = SqlDedup())"
+            )
         self._check_kafka_config()
 
     def _check_kafka_config(self) -> None:
@@ -317,6 +335,9 @@ class KafkaConsumer(Consumer):
             commit_interval=cls.commit_interval,
             dead_letter_timeout=cls.dead_letter_timeout,
             max_buffered=cls.batch_size * (cls.prefetch_batches + 1),
+            offsets_in_database=cls.offsets_in_database,
+            table_prefix=cls.table_prefix,
+            claims_with_offsets=cls.message_id_strategy is not from_coordinates,
         )
 
     # -- running -------------------------------------------------------------------------
