@@ -5,7 +5,9 @@ A tree is a checkout of mqdedup (e.g. ``git worktree add /tmp/before <rev>``). T
 runs alternately on each tree (``PYTHONPATH=<tree>``, one run per round, so drift in the
 machine's load falls on both sides alike), and the medians of the rounds are printed per
 row with the ratio after/before. Rows whose ratio is below ``--budget`` (default 0.95:
-more than 5 % slower) are marked.
+more than 5 % slower) are marked. For the handlers suite the issue's goals follow, as
+the median over rounds of each round's ratio (a row and its reference ran in the same
+process, interleaved, so the machine's load falls on both alike).
 """
 
 from __future__ import annotations
@@ -50,11 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=0.95)
     args = parser.parse_args(argv)
     figures: dict[str, dict[str, list[float]]] = {"before": defaultdict(list)}
+    rounds: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     figures["after"] = defaultdict(list)
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(args.rounds):
             for side, tree in (("before", args.before), ("after", args.after)):
-                for name, rate in run_once(tree.resolve(), args.suite, Path(scratch)).items():
+                rates = run_once(tree.resolve(), args.suite, Path(scratch))
+                rounds[side].append(rates)
+                for name, rate in rates.items():
                     figures[side][name].append(rate)
             print(f"round {round_ + 1} of {args.rounds} done", file=sys.stderr)
     slower = False
@@ -69,7 +74,22 @@ def main(argv: list[str] | None = None) -> int:
         mark = "  <- over budget" if ratio < args.budget else ""
         slower = slower or bool(mark)
         print(f"{name[:62]:<62} {before:>9,.0f} {after:>9,.0f} {ratio:>12.3f}{mark}")
+    if args.suite == "handlers":
+        print_goals(rounds)
     return 1 if slower else 0
+
+
+def print_goals(rounds: dict[str, list[dict[str, float]]]) -> None:
+    """The handlers suite's goals: per side, the median of the per-round ratios."""
+    from bench.suite_handlers import GOALS
+
+    print(f"\n{'goal (median of per-round ratios)':<62} {'before':>9} {'after':>9}")
+    for row, reference, label in GOALS:
+        shown = []
+        for side in ("before", "after"):
+            values = [r[row] / r[reference] for r in rounds[side] if row in r and reference in r]
+            shown.append(f"{statistics.median(values):>9.2f}" if values else f"{'-':>9}")
+        print(f"{label[:62]:<62} {' '.join(shown)}")
 
 
 if __name__ == "__main__":

@@ -21,19 +21,31 @@ Processor (fetch, claim, handle, commit, settle); the raw loops read a list. Run
 interleaved, medians reported. Run alone::
 
     python -m bench --only handlers          # or: python -m bench.suite_handlers
+
+``python -m bench.suite_handlers --count`` prints, instead of rates, what each variant
+sends to PostgreSQL per message, read from libpq's protocol trace (psycopg's public
+``PGconn.trace``): statements by kind (``BEGIN``, ``COMMIT``, the others) and round
+trips (server answers ``ReadyForQuery``), so statements the framework runs on the driver
+connection count as well as those through SQLAlchemy. ``--cpu`` prints the client CPU
+per message of the per-message variants (``time.process_time``), which other processes'
+load on the machine disturbs less than the rates.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 import psycopg
-from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, insert
+from psycopg import pq
+from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, event, insert
 
 from bench.suite_common import QUICK, Row, Section, Settings, Sizes, interleave, progress
 from bench.suite_consumers import HandWritten, psycopg_dsn
@@ -278,20 +290,130 @@ def handlers_suite(
     return section
 
 
+#: The issue's goals: (row, reference row, label).
+GOALS = (
+    (STAGED, BULK, "staged / bulk handle_batch (goal ≥ 60%)"),
+    (TX_ORM, HAND, "transaction mode, insert(t) / hand-written (goal ≥ 70%)"),
+    (TX_SQL, HAND, "transaction mode, driver SQL / hand-written (goal ≥ 70%)"),
+    (PLAIN, RAW_TX, "plain handle / raw psycopg per-message INSERTs (goal ≥ 40%)"),
+)
+
+
 def ratios(section: Section) -> list[str]:
     """The issue's goals as ratios of this run's medians."""
     medians = {row.variant: row.median for row in section.rows}
-    goals = [
-        (STAGED, BULK, "staged / bulk handle_batch (goal ≥ 60%)"),
-        (TX_ORM, HAND, "transaction mode, insert(t) / hand-written"),
-        (TX_SQL, HAND, "transaction mode, driver SQL / hand-written"),
-        (PLAIN, RAW_TX, "plain handle / raw psycopg per-message INSERTs"),
-    ]
     return [
         f"{label}: {medians[a] / medians[b]:.0%}"
-        for a, b, label in goals
+        for a, b, label in GOALS
         if a in medians and b in medians
     ]
+
+
+# -- statements per message ----------------------------------------------------------------
+
+_TRACED = re.compile(r"^(?P<side>[FB])\t\d+\t(?P<kind>\w+)(?:\t \"(?P<text>[^\"]*))?", re.M)
+
+
+def _trace(connection: psycopg.Connection[Any], path: str) -> Any:
+    """Start libpq's protocol trace of ``connection`` into ``path`` (the open file)."""
+    trace = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by _count)
+    connection.pgconn.trace(trace.fileno())
+    connection.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+    return trace
+
+
+def _count(path: str, messages: int) -> dict[str, float]:
+    """Statements by kind and round trips per message, from a protocol trace."""
+    counts: dict[str, int] = {"BEGIN": 0, "COMMIT": 0, "other statements": 0, "round trips": 0}
+    with open(path, encoding="utf-8") as trace:
+        for match in _TRACED.finditer(trace.read()):
+            side, kind, text = match["side"], match["kind"], (match["text"] or "").upper()
+            if side == "B" and kind == "ReadyForQuery":
+                counts["round trips"] += 1
+            elif side == "F" and kind == "Query" and text in ("BEGIN", "COMMIT"):
+                counts[text] += 1
+            elif side == "F" and kind in ("Query", "Execute"):
+                counts["other statements"] += 1
+    return {name: count / messages for name, count in counts.items()}
+
+
+def count_statements(database_url: str, count: int = 1_000) -> dict[str, dict[str, float]]:
+    """What each per-message variant sends to PostgreSQL per message (``count`` new
+    messages after a warm-up), read from libpq's protocol trace."""
+    engine = create_engine(database_url)
+    scratch = tempfile.mkdtemp(prefix="mqdedup-trace-")
+    files: list[Any] = []
+    path = os.path.join(scratch, "mqdedup.trace")
+
+    @event.listens_for(engine, "connect")
+    def traced(dbapi_connection: Any, _record: Any) -> None:
+        if tracing:
+            files.append(_trace(dbapi_connection, path))
+
+    tracing = False
+    tables = Tables(engine)
+    hand = HandWritten(psycopg_dsn(database_url))
+    found: dict[str, dict[str, float]] = {}
+    runs: dict[str, Callable[[list[tuple[str, bytes]]], object]] = {
+        PLAIN: lambda batch: run_mqdedup(Plain, tables, batch),
+        DRIVER: lambda batch: run_mqdedup(DriverSQL, tables, batch),
+        TX_ORM: lambda batch: run_mqdedup(Plain, tables, batch, failure_isolation="transaction"),
+        TX_SQL: lambda batch: run_mqdedup(
+            DriverSQL, tables, batch, failure_isolation="transaction"
+        ),
+    }
+    try:
+        for name, run in runs.items():
+            engine.dispose()  # the next connection is a new, traced one
+            open(path, "w").close()
+            tracing = True
+            run(messages(count))
+            tracing = False
+            found[name] = _count(path, count)
+        open(path, "w").close()
+        files.append(_trace(hand.connection, path))
+        run_hand(hand, messages(count))
+        found[HAND] = _count(path, count)
+    finally:
+        for file in files:
+            file.close()
+        hand.close()
+        tables.drop()
+        engine.dispose()
+    return found
+
+
+def client_cpu(database_url: str, count: int = 2_000, runs: int = 3) -> dict[str, float]:
+    """Client CPU (``time.process_time``: the worker and the in-memory broker run in this
+    process) per message of each per-message variant, median of ``runs``, in µs: less
+    sensitive than a rate to other processes' load on the machine."""
+    engine = create_engine(database_url)
+    tables = Tables(engine)
+    hand = HandWritten(psycopg_dsn(database_url))
+    variants: dict[str, Callable[[list[tuple[str, bytes]]], object]] = {
+        PLAIN: lambda batch: run_mqdedup(Plain, tables, batch),
+        DRIVER: lambda batch: run_mqdedup(DriverSQL, tables, batch),
+        TX_ORM: lambda batch: run_mqdedup(Plain, tables, batch, failure_isolation="transaction"),
+        TX_SQL: lambda batch: run_mqdedup(
+            DriverSQL, tables, batch, failure_isolation="transaction"
+        ),
+        HAND: lambda batch: run_hand(hand, batch),
+    }
+    spent: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for warm_up in variants.values():
+            warm_up(messages(BATCH))
+        for _ in range(runs):  # interleaved, as the rates
+            for name, run in variants.items():
+                batch = messages(count)
+                started = time.process_time()
+                run(batch)
+                spent[name].append((time.process_time() - started) / count * 1e6)
+    finally:
+        hand.close()
+        tables.drop()
+        engine.dispose()
+    return {name: sorted(values)[len(values) // 2] for name, values in spent.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,8 +426,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=10_000)
     parser.add_argument("--slow-messages", type=int, default=2_000)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--count", action="store_true", help="statements and round trips per message instead"
+    )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="client CPU µs per message instead (per-message variants)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
+    if args.cpu:
+        print("| variant | client CPU per message (µs, median) |\n|---|---:|")
+        for name, micros in client_cpu(Settings.from_env().database_url, runs=args.runs).items():
+            print(f"| {name} | {micros:,.0f} |")
+        return 0
+    if args.count:
+        counted = count_statements(Settings.from_env().database_url)
+        kinds = list(next(iter(counted.values())))
+        print(f"| variant | {' | '.join(kinds)} |\n|---|{'---:|' * len(kinds)}")
+        for name, counts in counted.items():
+            print(f"| {name} | {' | '.join(f'{counts[k]:.2f}' for k in kinds)} |")
+        return 0
     sizes = dataclasses.replace(
         QUICK,
         runs=args.runs,
