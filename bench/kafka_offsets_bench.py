@@ -348,7 +348,10 @@ def run_no_dedup(
 
 
 def write_psycopg(
-    connection: psycopg.Connection[Any], table: Table, items: Sequence[tuple[str, bytes]], bulk: bool
+    connection: psycopg.Connection[Any],
+    table: Table,
+    items: Sequence[tuple[str, bytes]],
+    bulk: bool,
 ) -> None:
     """The same SQL as the handler, sent by raw psycopg in one transaction."""
     with connection.transaction(), connection.cursor() as cursor:
