@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             f"\nClaims/s (claim-only mqdedup consumer, in-memory broker, batches of 500, "
             f"{args.claims:,} fresh ids per run, medians of {args.claim_runs})\n"
         )
-        print("| ids | empty table | runs | at {:,} rows | runs | ratio |".format(args.rows))
+        print(f"| ids | empty table | runs | at {args.rows:,} rows | runs | ratio |")
         print("|---|---:|---|---:|---|---:|")
         for kind in IDS:
             low, high = statistics.median(empty[kind]), statistics.median(full[kind])
