@@ -266,7 +266,19 @@ def run_mqdedup(
         stop.request()
         thread.join(60)
         check_rows(engine, table, count, base.__name__)
-        return Run(rate, framework_state(engine, prefix))
+        state = framework_state(engine, prefix)
+        rows = {name: number for name, number, _ in state}
+        claims = rows.get("processed_messages", 0)
+        if attributes.get("offsets_in_database"):
+            # Coordinate identity: no claim; the offsets as rows of the framework's table.
+            if claims or not rows.get("kafka_offsets"):
+                raise RuntimeError(
+                    f"offsets in the database not in effect: {claims} claims, "
+                    f"{rows.get('kafka_offsets', 0)} offset rows"
+                )
+        elif claims != count:
+            raise RuntimeError(f"{base.__name__}: {claims} claims for {count} messages")
+        return Run(rate, state)
     finally:
         stop.request()
         thread.join(60)
