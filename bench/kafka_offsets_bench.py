@@ -431,7 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--with-psycopg", action="store_true", help="add the no-dedup loop on raw psycopg"
     )
     parser.add_argument(
-        "--no-offsets", action="store_true", help="skip the offsets-in-database variants"
+        "--variants",
+        default="nodedup,offsets,claims",
+        help="which of nodedup,offsets,claims (e.g. only offsets, to profile it)",
     )
     parser.add_argument("--bootstrap", default=os.environ.get("MQDEDUP_KAFKA_BOOTSTRAP"))
     parser.add_argument("--database", default=os.environ.get("MQDEDUP_TEST_DATABASE_URL"))
@@ -439,6 +441,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.bootstrap or not args.database:
         parser.error("set MQDEDUP_KAFKA_BOOTSTRAP and MQDEDUP_TEST_DATABASE_URL (or the flags)")
     styles = [s for s in args.styles.split(",") if s]
+    chosen_variants = {v for v in args.variants.split(",") if v}
+    if not chosen_variants or chosen_variants - {"nodedup", "offsets", "claims"}:
+        parser.error("--variants takes a comma-separated subset of nodedup,offsets,claims")
     if not styles or set(styles) - {"bulk", "handle"}:
         parser.error("--styles takes bulk, handle or bulk,handle")
     if args.messages < 1 or args.runs < 1 or args.partitions < 1 or args.batch_size < 1:
@@ -449,8 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("kafka.cluster").setLevel(logging.CRITICAL)
     mqdedup.tune_gc()  # the worker's GC settings, for every variant (as python -m bench)
 
-    with_offsets = not args.no_offsets and offsets_supported()
-    if not args.no_offsets and not with_offsets:
+    with_offsets = "offsets" in chosen_variants and offsets_supported()
+    if "offsets" in chosen_variants and not with_offsets:
         print("offsets in the database: not in this tree (KafkaConsumer.offsets_in_database)")
     engine = create_engine(args.database)
     from sqlalchemy import make_url
@@ -463,9 +468,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for style in styles:
             bulk = style == "bulk"
             base: type[PerMessage] = Bulk if bulk else PerMessage
-            chosen[(style, NODEDUP)] = lambda b=bulk: run_no_dedup(
-                engine, bootstrap, topic, count, batch, b
-            )
+            if "nodedup" in chosen_variants:
+                chosen[(style, NODEDUP)] = lambda b=bulk: run_no_dedup(
+                    engine, bootstrap, topic, count, batch, b
+                )
             if args.with_psycopg:
                 chosen[(style, PSYCOPG)] = lambda b=bulk: run_no_dedup(
                     engine, bootstrap, topic, count, batch, b, dsn
@@ -474,9 +480,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 chosen[(style, OFFSETS)] = lambda c=base: run_mqdedup(
                     c, engine, bootstrap, topic, count, batch, OFFSETS_ATTRIBUTES
                 )
-            chosen[(style, CLAIMS)] = lambda c=base: run_mqdedup(
-                c, engine, bootstrap, topic, count, batch, {}
-            )
+            if "claims" in chosen_variants:
+                chosen[(style, CLAIMS)] = lambda c=base: run_mqdedup(
+                    c, engine, bootstrap, topic, count, batch, {}
+                )
         return chosen
 
     rates: dict[tuple[str, str], list[float]] = {}
@@ -517,7 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("|---|---|---:|---|---:|")
     goals = []
     for style in styles:
-        reference = statistics.median(rates[(style, NODEDUP)])
+        reference_runs = rates.get((style, NODEDUP))
+        reference = statistics.median(reference_runs) if reference_runs else float("nan")
         for (s, name), values in rates.items():
             if s != style:
                 continue
