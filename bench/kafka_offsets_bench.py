@@ -48,6 +48,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -153,7 +154,7 @@ class PerMessage(KafkaConsumer):
 
     def handle(self, message: Message, ctx: Context) -> Any:
         self.clock.start()
-        handle_one(ctx.session, self.table, message.id, message.body)
+        handle_one(ctx.session, self.table, message.id or "", message.body)
 
     def after_commit(self, messages: Sequence[Message]) -> None:
         self.clock.committed(len(messages))
@@ -162,7 +163,7 @@ class PerMessage(KafkaConsumer):
 class Bulk(PerMessage):
     def handle_batch(self, messages: Sequence[Message], ctx: BatchContext) -> Mapping[str, Any]:
         self.clock.start()
-        handle_many(ctx.session, self.table, [(m.id, m.body) for m in messages])
+        handle_many(ctx.session, self.table, [(m.id or "", m.body) for m in messages])
         return {}
 
 
@@ -469,20 +470,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             bulk = style == "bulk"
             base: type[PerMessage] = Bulk if bulk else PerMessage
             if "nodedup" in chosen_variants:
-                chosen[(style, NODEDUP)] = lambda b=bulk: run_no_dedup(
-                    engine, bootstrap, topic, count, batch, b
+                chosen[(style, NODEDUP)] = partial(
+                    run_no_dedup, engine, bootstrap, topic, count, batch, bulk
                 )
             if args.with_psycopg:
-                chosen[(style, PSYCOPG)] = lambda b=bulk: run_no_dedup(
-                    engine, bootstrap, topic, count, batch, b, dsn
+                chosen[(style, PSYCOPG)] = partial(
+                    run_no_dedup, engine, bootstrap, topic, count, batch, bulk, dsn
                 )
             if with_offsets:
-                chosen[(style, OFFSETS)] = lambda c=base: run_mqdedup(
-                    c, engine, bootstrap, topic, count, batch, OFFSETS_ATTRIBUTES
+                chosen[(style, OFFSETS)] = partial(
+                    run_mqdedup, base, engine, bootstrap, topic, count, batch, OFFSETS_ATTRIBUTES
                 )
             if "claims" in chosen_variants:
-                chosen[(style, CLAIMS)] = lambda c=base: run_mqdedup(
-                    c, engine, bootstrap, topic, count, batch, {}
+                chosen[(style, CLAIMS)] = partial(
+                    run_mqdedup, base, engine, bootstrap, topic, count, batch, {}
                 )
         return chosen
 

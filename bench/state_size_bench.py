@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 {"t": processed},
             ).one()
-            settings = dict(
+            settings: dict[str, str] = dict(
                 connection.execute(
                     text(
                         "SELECT name, current_setting(name) FROM pg_settings "
