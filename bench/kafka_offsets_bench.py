@@ -539,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     for style, ratio in goals:
         verdict = "met" if ratio >= 0.9 else "NOT met"
-        print(f"Goal: offsets in the database >= 0.9 of no dedup, {style}: {ratio:.2f} ({verdict})")
+        print(f"Goal: offsets in the database >= 0.9 of no dedup, {style}: {ratio:.3f} ({verdict})")
     print()
     print(f"Framework tables after a run of {count:,} messages (last round):")
     print()
