@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.metrics import Metrics
+from mqdedup.dedup.choices import SqlDedup
 from mqdedup.dedup.ids import from_coordinates
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.membership import GROUP_DEFAULTS, static_instance_id
@@ -100,9 +101,10 @@ class KafkaConsumer(Consumer):
     ``name`` is set, the dedup scope), ``bootstrap_servers`` (default: the
     ``MQDEDUP_KAFKA_BOOTSTRAP`` environment variable), ``batch_size``, ``poll_timeout``,
     ``message_id_strategy`` (default: the ``message-id`` header), ``retry_policy``,
-    ``dead_letter_topic`` (default ``{topic}.DLT``) and ``kafka_config``, passed through
-    to kafka-python's ``KafkaConsumer`` (security / SASL / TLS settings are also given
-    to the dead-letter producer).
+    ``dead_letter_topic`` (default ``{topic}.DLT``), ``offsets_in_database`` (the
+    partitions' offsets stored with each batch's effects) and ``kafka_config``, passed
+    through to kafka-python's ``KafkaConsumer`` (security / SASL / TLS settings are also
+    given to the dead-letter producer).
     """
 
     broker: ClassVar[str | None] = "kafka"
@@ -212,6 +214,11 @@ class KafkaConsumer(Consumer):
             raise ConfigurationError(f"{label}.commit_interval must not be negative")
         if cls.prefetch_batches < 1:
             raise ConfigurationError(f"{label}.prefetch_batches must be at least 1")
+        if cls.offsets_in_database and not isinstance(cls.dedup, SqlDedup):
+            raise ConfigurationError(
+                f"{label}.offsets_in_database needs the database claim store: the offsets "
+                "are written in the handler's transaction (dedup = SqlDedup())"
+            )
         self._check_kafka_config()
 
     def _check_kafka_config(self) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -78,14 +79,19 @@ class OffsetRows:
         *,
         prefix: str,
         claims: bool,
+        fence_hold: float = 10.0,
     ) -> None:
         self.group_id = group_id
+        self.fence_hold = fence_hold
         self.consumer_name = consumer_name
         self.tracker = tracker
         self.table = schema(prefix).kafka_offsets
         self.claims = claims
         self._lock = threading.Lock()
         self._owned: dict[PartitionKey, _Owned] = {}
+        #: Partitions another owner took, and until when they are not taken back (unless
+        #: assigned afresh before): the group tells a member that lost them by then.
+        self._fenced: dict[PartitionKey, float] = {}
 
     # -- assignment (any thread) -----------------------------------------------------------
 
@@ -94,6 +100,7 @@ class OffsetRows:
         with self._lock:
             for key in keys:
                 self._owned.pop(key, None)
+                self._fenced.pop(key, None)
 
     def stored(self, key: PartitionKey) -> int | None:
         """The stored next offset of ``key`` as this member last read or wrote it."""
@@ -108,8 +115,16 @@ class OffsetRows:
     ) -> tuple[list[Delivery[Any]], list[Delivery[Any]]]:
         """``(done, again)``: the known duplicates, and the deliveries of partitions that
         seek back to their stored offset (they come again after it)."""
-        keys = {d.token.partition for d in deliveries}
+        # Deliveries of an assignment that is over (revoked, lost, given back) are never
+        # a reason to take a partition: the new owner's epoch stays.
+        pairs = sorted({(d.token.partition, d.token.epoch) for d in deliveries})
+        current = {
+            pair for pair, ok in zip(pairs, self.tracker.current_epochs(pairs), strict=True) if ok
+        }
         with self._lock:
+            now = time.monotonic()
+            current = {(key, epoch) for key, epoch in current if self._fenced.get(key, 0.0) <= now}
+            keys = {key for key, _epoch in current}
             missing = sorted(key for key in keys if key not in self._owned)
         if missing:
             self._take(sessions, missing)
@@ -120,6 +135,11 @@ class OffsetRows:
             for delivery in deliveries:
                 token = delivery.token
                 key = token.partition
+                if (key, token.epoch) not in current:
+                    # An assignment that is over, or a partition another owner took (the
+                    # rebalance telling this member is on its way): not ours to run.
+                    again.append(delivery)
+                    continue
                 owned = self._owned.get(key)
                 if owned is None:
                     continue  # forgotten meanwhile: its write is fenced
@@ -166,7 +186,9 @@ class OffsetRows:
                 raise PositionFencedError(
                     f"partition {key[0]}/{key[1]} is no longer assigned to this worker"
                 )
-            committable, above = self.tracker.preview(key, done | owned.done_above)
+            committable, above = self.tracker.preview(
+                key, done | owned.done_above, owned.next_offset
+            )
             next_offset = _highest(committable, owned.next_offset)
             kept = {o for o in (*above, *owned.done_above, *done) if _above(o, next_offset)}
             result = session.execute(
@@ -194,14 +216,23 @@ class OffsetRows:
         return committed
 
     def fenced(self, deliveries: Sequence[Delivery[Any]]) -> None:
-        """Read the positions of these deliveries' partitions again before their next use."""
+        """Another owner took these deliveries' partitions: their deliveries go back until
+        a rebalance assigns them to this member afresh (:meth:`forget`) or ``fence_hold``
+        seconds (the group's session timeout) have passed; then the stored offsets are
+        read again. Not at once: a zombie learns within the session timeout that it lost
+        them, and the two owners would fence each other in turn meanwhile. Yet after it:
+        if the other owner was the zombie, the partition is this member's."""
         keys = {d.token.partition for d in deliveries}
         log.warning(
             "another worker took over partitions of this batch (a late commit was fenced); "
             "the batch is rolled back and given back",
             extra={"consumer": self.consumer_name, "partitions": [f"{t}/{p}" for t, p in keys]},
         )
-        self.forget(keys)
+        with self._lock:
+            until = time.monotonic() + self.fence_hold
+            for key in keys:
+                self._owned.pop(key, None)
+                self._fenced[key] = until
 
     # -- taking ownership --------------------------------------------------------------------
 
@@ -281,3 +312,53 @@ def _highest(a: int | None, b: int | None) -> int | None:
 
 def _above(offset: int, next_offset: int | None) -> bool:
     return next_offset is None or offset >= next_offset
+
+
+class StoredOffsets:
+    """The stored offsets as a replay sees them (:mod:`mqdedup.kafka.replay`): records
+    below a partition's stored offset (or in its ``done_above``) are duplicates, read
+    once per batch; nothing is owned or written (the group's rows stay the group's)."""
+
+    def __init__(self, group_id: str, *, prefix: str, claims: bool) -> None:
+        self.group_id = group_id
+        self.table = schema(prefix).kafka_offsets
+        self.claims = claims
+
+    def done(
+        self, sessions: sessionmaker[Session], deliveries: Sequence[Delivery[Any]]
+    ) -> tuple[list[Delivery[Any]], list[Delivery[Any]]]:
+        """``(done, [])``: the deliveries below their partitions' stored offsets."""
+        keys = sorted({d.token.partition for d in deliveries})
+        if not keys:
+            return [], []
+        c = self.table.c
+        where = or_(*(_key(self.table, self.group_id, key) for key in keys))
+        with sessions() as session:
+            rows = session.execute(
+                select(c.topic, c.partition, c.next_offset, c.done_above).where(where)
+            ).all()
+        stored = {
+            (row.topic, row.partition): _Owned(
+                epoch=0,
+                next_offset=row.next_offset,
+                done_above={int(o) for o in (row.done_above or "").split(",") if o},
+            )
+            for row in rows
+        }
+        done = [
+            d
+            for d in deliveries
+            if (owned := stored.get(d.token.partition)) is not None and owned.done(d.token.offset)
+        ]
+        return done, []
+
+    def write(self, session: Session, deliveries: Sequence[Delivery[Any]]) -> Callable[[], None]:
+        """Nothing: a replay never moves the group's stored offsets."""
+        return _nothing
+
+    def fenced(self, deliveries: Sequence[Delivery[Any]]) -> None:
+        """Never: nothing is written."""
+
+
+def _nothing() -> None:
+    return None

@@ -289,8 +289,11 @@ class OffsetTracker:
             state = self._partitions.get(key)
             return None if state is None else state.committed
 
-    def preview(self, key: PartitionKey, done: Collection[int]) -> tuple[int | None, list[int]]:
-        """What settling ``done`` (offsets of ``key``) as well would make committable.
+    def preview(
+        self, key: PartitionKey, done: Collection[int], done_below: int | None = None
+    ) -> tuple[int | None, list[int]]:
+        """What settling ``done`` (offsets of ``key``), and every offset below
+        ``done_below``, as well would make committable.
 
         Returns the committable offset (None: nothing known) and the offsets of ``done``
         or already settled that would stay above it (a delivery below them unsettled),
@@ -305,8 +308,9 @@ class OffsetTracker:
             committable = state.committable
             above: list[int] = []
             blocked = False
+            below = -1 if done_below is None else done_below
             for offset in state.pending:
-                if offset not in finished:
+                if offset >= below and offset not in finished:
                     blocked = True
                 elif blocked:
                     above.append(offset)
