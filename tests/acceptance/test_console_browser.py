@@ -142,6 +142,7 @@ def stack(pg_url: str, kafka_bootstrap: str, rabbitmq_url: str) -> Iterator[Stac
         "MQDEDUP_KAFKA_BOOTSTRAP": kafka_bootstrap,
         "MQDEDUP_RABBITMQ_URL": rabbitmq_url,
     }
+    saved = {name: os.environ.get(name) for name in variables}
     os.environ.update(variables)
     sys.modules.pop("tests.acceptance.console_consumers", None)  # read the variables
     from tests.acceptance import console_consumers
@@ -179,8 +180,11 @@ def stack(pg_url: str, kafka_bootstrap: str, rabbitmq_url: str) -> Iterator[Stac
                 process.wait(30)
             kafka.close()
             rabbit.close()
-            for name in variables:
-                os.environ.pop(name, None)
+            for name, value in saved.items():  # as they were: the run's broker URLs stay set
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def _make_dead_letters(
