@@ -40,7 +40,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from mqdedup.errors import ConfigurationError
 
 DEFAULT_PREFIX = "mqdedup_"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 _PREFIX_PATTERN = re.compile(r"^[a-z_][a-z0-9_]*$")
 #: The longest identifier every supported database accepts: PostgreSQL's 63 bytes
 #: (MySQL/MariaDB allow 64; SQLite has no limit). Longer PostgreSQL names are silently
@@ -131,6 +131,7 @@ class Schema:
     locks: Table
     audit: Table
     handled_dead_letters: Table
+    kafka_offsets: Table
 
 
 def validate_prefix(prefix: str) -> str:
@@ -279,6 +280,24 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         PrimaryKeyConstraint("place", "dead_letter_key", name=f"{prefix}handled_dl_pk"),
         **MYSQL_TABLE_OPTIONS,
     )
+    # Kafka offsets stored in the business transaction (``offsets_in_database``): per
+    # group and partition the next offset to process; ``owner_epoch`` is bumped by each
+    # new owner on assignment and every write is conditional on it (zombies are fenced);
+    # ``done_above``: offsets above ``next_offset`` committed while a record below them
+    # was still being retried (comma-separated, usually NULL).
+    kafka_offsets = Table(
+        f"{prefix}kafka_offsets",
+        metadata,
+        Column("group_id", KeyString(255), nullable=False),
+        Column("topic", KeyString(255), nullable=False),
+        Column("partition", Integer, nullable=False),
+        Column("next_offset", BigInteger, nullable=True),
+        Column("owner_epoch", BigInteger, nullable=False),
+        Column("done_above", Text, nullable=True),
+        Column("updated_at", PreciseDateTime, nullable=False),
+        PrimaryKeyConstraint("group_id", "topic", "partition", name=f"{prefix}kafka_offsets_pk"),
+        **MYSQL_TABLE_OPTIONS,
+    )
     _check_identifier_lengths(prefix, metadata)
     return Schema(
         prefix=prefix,
@@ -295,6 +314,7 @@ def schema(prefix: str = DEFAULT_PREFIX) -> Schema:
         locks=locks,
         audit=audit,
         handled_dead_letters=handled_dead_letters,
+        kafka_offsets=kafka_offsets,
     )
 
 

@@ -144,6 +144,16 @@ class KafkaConsumer(Consumer):
     #: stable per supervisor slot and host, so after a crash its restart takes its
     #: partitions back at once (see :mod:`mqdedup.kafka.membership`).
     static_membership: ClassVar[bool] = True
+    #: Store each partition's next offset in ``<prefix>kafka_offsets``, written in the
+    #: same transaction as the batch's effects (one conditional statement per partition
+    #: and batch; a worker that lost its partitions is fenced). On assignment the
+    #: stored offsets decide: records below them are duplicates without a claim. Message
+    #: ids are still claimed when ``message_id_strategy`` names a producer id (a header,
+    #: a body key); with ``ids.from_coordinates`` nothing is claimed: the dedup state is
+    #: one row per partition. The group's offsets are still committed to the broker after
+    #: the database commit (lag tools keep working). See ``docs/kafka.md``, "Offsets in
+    #: the database: when to choose it".
+    offsets_in_database: ClassVar[bool] = False
 
     def group_instance_id(self, group_id: str) -> str | None:
         """The static member id of this process (None: a dynamic member), unless
