@@ -48,6 +48,8 @@ class BridgedTransport(Generic[TokenT]):
     def __init__(self, inner: Transport[TokenT], executor: ThreadPoolExecutor | None = None):
         #: The synchronous transport doing the work.
         self.inner = inner
+        #: The inner transport's stored positions, if any (see :mod:`.positions`).
+        self.positions = getattr(inner, "positions", None)
         self._executor = executor or _executor(type(inner).__name__)
         self._shut = False
 

@@ -10,7 +10,7 @@ the batch's effects. The Processor asks it first which deliveries are already do
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -38,17 +38,20 @@ class Positions(Protocol):
 
     def done(
         self, sessions: sessionmaker[Session], deliveries: Sequence[Delivery[Any]]
-    ) -> list[Delivery[Any]]:
-        """The deliveries already done by the stored positions (known duplicates).
+    ) -> tuple[list[Delivery[Any]], list[Delivery[Any]]]:
+        """``(done, again)``: the deliveries already done by the stored positions (known
+        duplicates), and those to fetch again (their partition seeks back to its stored
+        position).
 
         Reads (and takes ownership of) the stored position of each partition not read
         since it was assigned, in a transaction of its own.
         """
         ...
 
-    def write(self, session: Session, deliveries: Sequence[Delivery[Any]]) -> None:
+    def write(self, session: Session, deliveries: Sequence[Delivery[Any]]) -> Callable[[], None]:
         """In the caller's transaction: ``deliveries`` are done; one conditional write per
-        partition. Raises :class:`PositionFencedError` when another owner took one."""
+        partition. Raises :class:`PositionFencedError` when another owner took one.
+        Returns what to call once the transaction committed."""
         ...
 
     def fenced(self, deliveries: Sequence[Delivery[Any]]) -> None:

@@ -38,6 +38,7 @@ from mqdedup.consumers.handling import Handlers
 from mqdedup.consumers.identity import identify, resolve_repeats
 from mqdedup.consumers.leased import LeasedRuns
 from mqdedup.consumers.metrics import Metrics
+from mqdedup.consumers.positions import PositionFencedError, Positions
 from mqdedup.consumers.report import BatchAbandonedError, BatchReport, WorkOutcome
 from mqdedup.consumers.transactions import SQLiteSelfDeadlockError, TransactionalRuns
 from mqdedup.consumers.transport import DeadLetter
@@ -162,13 +163,26 @@ class Processor:
         )
         self.letters = DeadLettering(consumer, transport, self.metrics, sessions, database_outages)
         self.runs: _Runs
+        self.sessions = sessions
+        #: Broker positions stored in the business transaction (a transport's option).
+        self.positions: Positions | None = getattr(transport, "positions", None)
+        self.claims = consumer.deduplicate
+        if self.positions is not None and not self.store.transactional:
+            raise ConfigurationError(
+                f"{type(consumer).__name__} stores its offsets in the database: it needs "
+                "the SQL claim store (dedup = SqlDedup())"
+            )
         if self.store.transactional:
             if sessions is None:
                 raise ConfigurationError(
                     f"{type(consumer).__name__} keeps its claims in the database: it needs "
                     "a database engine or session factory"
                 )
-            self.runs = TransactionalRuns(consumer, sessions, self.store, handlers, self.metrics)
+            runs = TransactionalRuns(
+                consumer, sessions, self.store, handlers, self.metrics, self.positions
+            )
+            self.claims = runs.claims
+            self.runs = runs
         else:
             self.runs = LeasedRuns(self.name, self.store, handlers, self.metrics, self.outages)
         self.per_message = self.store.transactional and consumer.failure_isolation == "transaction"
@@ -228,6 +242,8 @@ class Processor:
         started = time.monotonic()
         self.metrics.delivered += len(deliveries)
         report = BatchReport()
+        if self.positions is not None:
+            deliveries = self._positioned(self.positions, deliveries, report)
         unique, repeats = identify(self.consumer, deliveries, report, self.letters.record)
         if unique:
             try:
@@ -240,6 +256,8 @@ class Processor:
                 raise
         resolve_repeats(self.consumer, repeats, report, self.metrics)
         self.letters.send(report)
+        if self.positions is not None and report.settled:
+            self._advance(self.positions, report)
         if report.settled:
             self.transport.settle(report.settled)
             if self.last_commit is not None:
@@ -275,6 +293,9 @@ class Processor:
                 outcome = self.outages.run(
                     functools.partial(self.runs.batch, deliveries), blame=True
                 )
+            except PositionFencedError:
+                self._fenced(deliveries, report)
+                return
             except NotAnOutageError as answered:
                 self._each_alone(deliveries, answered, report, failures)
             else:
@@ -317,6 +338,10 @@ class Processor:
             return self.outages.run(
                 functools.partial(self.runs.one, delivery, lease), blame=True, again=again
             )
+        except PositionFencedError:
+            assert self.positions is not None
+            self.positions.fenced([delivery])
+            return WorkOutcome(unsettled=[delivery])
         except NotAnOutageError as answered:
             return self._not_an_outage(delivery, answered)
 
@@ -386,6 +411,53 @@ class Processor:
                 return
             error = outcome.failures[0][1]
 
+    # -- stored positions --------------------------------------------------------------
+
+    def _positioned(
+        self, positions: Positions, deliveries: Sequence[Delivery[Any]], report: BatchReport
+    ) -> Sequence[Delivery[Any]]:
+        """Deliveries below their stored positions are duplicates without a claim; those
+        of partitions seeking back to their stored position come again."""
+        assert self.sessions is not None
+        done, again = self.outages.run(
+            functools.partial(positions.done, self.sessions, deliveries)
+        )
+        if not (done or again):
+            return deliveries
+        report.duplicates.extend(done)
+        report.unsettled.extend(again)
+        self.metrics.duplicates += len(done)
+        skipped = {id(delivery) for delivery in (*done, *again)}
+        return [delivery for delivery in deliveries if id(delivery) not in skipped]
+
+    def _advance(self, positions: Positions, report: BatchReport) -> None:
+        """Store the positions past deliveries settled without a transaction of theirs
+        (dead letters, in-batch repeats): one small transaction, before the settle."""
+        assert self.sessions is not None
+        sessions = self.sessions
+        done, _again = self.outages.run(functools.partial(positions.done, sessions, report.settled))
+        known = {id(delivery) for delivery in done}
+        rest = [delivery for delivery in report.settled if id(delivery) not in known]
+        if not rest:
+            return
+
+        def advance() -> None:
+            with sessions() as session:
+                with session.begin():
+                    committed = positions.write(session, rest)
+                committed()
+
+        try:
+            self.outages.run(advance)
+        except PositionFencedError:
+            positions.fenced(rest)  # the next owner settles them again (at least once)
+
+    def _fenced(self, deliveries: Sequence[Delivery[Any]], report: BatchReport) -> None:
+        """A late commit was fenced: nothing of it committed; the batch goes back."""
+        assert self.positions is not None
+        self.positions.fenced(deliveries)
+        report.unsettled.extend(deliveries)
+
     # -- careful mode ------------------------------------------------------------------
 
     def _careful(
@@ -411,7 +483,7 @@ class Processor:
         self, attempt_log: AttemptLog, deliveries: list[Delivery[Any]], report: BatchReport
     ) -> list[Delivery[Any]]:
         """Settle the deliveries whose claims are committed; return the rest (one read)."""
-        if not self.consumer.deduplicate or not deliveries:
+        if not self.claims or not deliveries:
             return deliveries
         ids = [str(d.message.id) for d in deliveries]
         done = self.outages.run(functools.partial(attempt_log.processed, self.name, ids))

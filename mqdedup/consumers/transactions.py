@@ -73,6 +73,7 @@ from mqdedup.db.transaction_state import (
 
 if TYPE_CHECKING:
     from mqdedup.consumers.metrics import Metrics
+    from mqdedup.consumers.positions import Positions
     from mqdedup.consumers.spec import ConsumerSpec
     from mqdedup.consumers.transport import Delivery
     from mqdedup.dedup.claims import ClaimStore
@@ -167,8 +168,13 @@ class TransactionalRuns:
         store: ClaimStore,
         handlers: Handlers,
         metrics: Metrics,
+        positions: Positions | None = None,
     ) -> None:
         self.consumer = consumer
+        #: Broker positions written in each transaction (Kafka's offsets_in_database).
+        self.positions = positions
+        #: Whether message ids are claimed (not with positions that make claims needless).
+        self.claims = consumer.deduplicate and (positions is None or positions.claims)
         self.sessions = sessions
         self.store = store
         self.handlers = handlers
@@ -302,7 +308,7 @@ class TransactionalRuns:
             connection = session.connection()
             encoding = client_encoding(connection)
             staged = open_stage(session)
-            claimed = self.consumer.deduplicate and bool(deliveries)
+            claimed = self.claims and bool(deliveries)
             watch = TransactionWatch(session, connection, begun=claimed)
             try:
                 rolled_back = self._handle(session, new, outcome, mode, staged, encoding, watch)
@@ -320,10 +326,13 @@ class TransactionalRuns:
             if rolled_back is not None:
                 transaction.rollback()
                 return rolled_back
-            if outcome.failures and self.consumer.deduplicate:
+            if outcome.failures and self.claims:
                 store.forget(session, self.name, [str(d.message.id) for d, _ in outcome.failures])
-            if self.consumer.deduplicate and outcome.results:
+            if self.claims and outcome.results:
                 store.save_results(session, self.name, outcome.results)
+            done = [*outcome.processed, *outcome.duplicates]
+            # The positions last: a fenced write (PositionFencedError) rolls back all.
+            positioned = self.positions.write(session, done) if self.positions and done else None
             broken = watch.check()  # before every commit: is it still our transaction?
             if broken is not None:
                 return self._broken_at_commit(session, watch, new, broken)
@@ -331,6 +340,8 @@ class TransactionalRuns:
         except BaseException:
             session.rollback()  # also after a failed commit: the session is clean again
             raise
+        if positioned is not None:
+            positioned()
         outcome.durable_at = time.monotonic()
         self.metrics.histograms.observe("transaction_seconds", outcome.durable_at - started)
         return outcome
@@ -340,7 +351,7 @@ class TransactionalRuns:
     ) -> list[Delivery[Any]]:
         """Claim the ids (the transaction's first statement); return the new deliveries."""
         ids = [d.message.id for d in deliveries if d.message.id is not None]
-        if not self.consumer.deduplicate:
+        if not self.claims:
             return list(deliveries)
         started = time.monotonic()
         new_ids = self.store.claim(session, self.name, ids).new
@@ -506,7 +517,7 @@ class TransactionalRuns:
         discard(session, watch)
         culprit = rolled_back.failed[0][0] if rolled_back.failed else None
         ids = [str(delivery.message.id) for delivery in new]
-        if not self.consumer.deduplicate or not ids:
+        if not self.claims or not ids:
             return rolled_back
         with session.begin():
             # Claiming again tells which claims the handler committed (and takes the rest,
@@ -550,7 +561,7 @@ class TransactionalRuns:
         intact (a statement on the raw driver connection, say): nothing of it commits,
         claims it may have committed are forgotten and each message runs alone."""
         discard(session, watch)
-        if self.consumer.deduplicate and new:
+        if self.claims and new:
             with session.begin():
                 self.store.forget(session, self.name, [str(d.message.id) for d in new])
         return _RolledBack(unattributed=HandlerBrokeTransactionError(broken.reason))

@@ -52,6 +52,7 @@ from mqdedup.kafka.dead_letters import KafkaDeadLetters
 from mqdedup.kafka.group_join import JoinWatch
 from mqdedup.kafka.membership import fenced_reason
 from mqdedup.kafka.offset_commits import CommitPolicy, OffsetCommits
+from mqdedup.kafka.offset_store import OffsetRows
 from mqdedup.kafka.offsets import OffsetTracker, PartitionKey
 from mqdedup.kafka.partition_lag import PartitionLag
 from mqdedup.kafka.rebalance import RebalanceListener
@@ -93,6 +94,16 @@ class KafkaClient:
         self.dead_letters = KafkaDeadLetters(settings)
         #: What to commit, when, and the commits themselves (the only committer).
         self.commits: CommitPolicy = OffsetCommits(settings, self.tracker, on_fenced=self.fence)
+        #: Offsets stored in the database with each batch (``offsets_in_database``).
+        self.offset_rows: OffsetRows | None = None
+        if settings.offsets_in_database:
+            self.offset_rows = OffsetRows(
+                settings.group_id,
+                settings.consumer_name,
+                self.tracker,
+                prefix=settings.table_prefix,
+                claims=settings.claims_with_offsets,
+            )
         self._assignment = Assignment(self.tracker, self._assigned_keys)
         self._join = JoinWatch(
             settings.consumer_name,
@@ -361,9 +372,14 @@ class KafkaClient:
     def _partitions_assigned(self, keys: list[PartitionKey]) -> tuple[list[PartitionKey], ...]:
         """Listener (IO thread): see :meth:`Assignment.assigned`; ``(gone, fresh, kept)``."""
         self._lag.forget(keys)
-        return self._assignment.assigned(keys)
+        gone, fresh, kept = self._assignment.assigned(keys)
+        if self.offset_rows is not None:  # read the stored offsets before the next batch
+            self.offset_rows.forget([*gone, *fresh])
+        return gone, fresh, kept
 
     def _partitions_lost(self, keys: list[PartitionKey]) -> None:
         """Listener (IO thread): membership expired; nothing may be committed any more."""
         self._lag.forget(keys)
         self._assignment.lost(keys)
+        if self.offset_rows is not None:
+            self.offset_rows.forget(keys)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.metrics import Metrics
+from mqdedup.dedup.ids import from_coordinates
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.membership import GROUP_DEFAULTS, static_instance_id
 from mqdedup.kafka.settings import TOPIC_PLACEHOLDER, KafkaSettings
@@ -327,6 +328,9 @@ class KafkaConsumer(Consumer):
             commit_interval=cls.commit_interval,
             dead_letter_timeout=cls.dead_letter_timeout,
             max_buffered=cls.batch_size * (cls.prefetch_batches + 1),
+            offsets_in_database=cls.offsets_in_database,
+            table_prefix=cls.table_prefix,
+            claims_with_offsets=cls.message_id_strategy is not from_coordinates,
         )
 
     # -- running -------------------------------------------------------------------------

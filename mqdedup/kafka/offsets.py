@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 #: ``(topic, partition)``
@@ -288,6 +288,35 @@ class OffsetTracker:
         with self._lock:
             state = self._partitions.get(key)
             return None if state is None else state.committed
+
+    def preview(
+        self, key: PartitionKey, done: Collection[int], done_below: int | None = None
+    ) -> tuple[int | None, list[int]]:
+        """What settling ``done`` (offsets of ``key``), and every offset below
+        ``done_below``, as well would make committable.
+
+        Returns the committable offset (None: nothing known) and the offsets of ``done``
+        or already settled that would stay above it (a delivery below them unsettled),
+        in delivery order. Nothing changes (offsets stored in the database are written
+        before the deliveries are settled).
+        """
+        with self._lock:
+            state = self._partitions.get(key)
+            if state is None:
+                return None, []
+            finished = state.settled.union(done)
+            committable = state.committable
+            above: list[int] = []
+            blocked = False
+            below = -1 if done_below is None else done_below
+            for offset in state.pending:
+                if offset >= below and offset not in finished:
+                    blocked = True
+                elif blocked:
+                    above.append(offset)
+                else:
+                    committable = offset + 1
+            return committable, above
 
     def next_offset(self, key: PartitionKey) -> int | None:
         """The offset after the last delivery handed out for ``key``, if any."""

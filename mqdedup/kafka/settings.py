@@ -32,6 +32,12 @@ class KafkaSettings:
     commit_interval: float
     dead_letter_timeout: float
     max_buffered: int
+    #: Offsets stored in ``<table_prefix>kafka_offsets`` with each batch's effects.
+    offsets_in_database: bool = False
+    table_prefix: str = "mqdedup_"
+    #: With offsets in the database: whether message ids are claimed too (the id
+    #: strategy names a producer id rather than the record's coordinates).
+    claims_with_offsets: bool = True
 
     def dead_letter_topic_for(self, topic: str) -> str:
         """The dead-letter topic of records read from ``topic``."""

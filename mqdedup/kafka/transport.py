@@ -131,6 +131,9 @@ class KafkaTransport:
         self._stop = stop or StopToken()
         #: The kafka-python side; only the poll thread calls its consumer methods.
         self.client = KafkaClient(settings, metrics=self.metrics)
+        #: The offsets stored in the database (``offsets_in_database``), written by the
+        #: Processor in each batch's transaction; None: the broker's offsets only.
+        self.positions = self.client.offset_rows
         self._buffer = _Buffer()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
