@@ -47,36 +47,39 @@ CONSUMER = "tests.integration.kafka.offsets_consumers:OffsetsOrders"
 # -- what the database and the broker say ------------------------------------------------
 
 
-def offset_rows(engine: Engine, prefix: str, topic: str) -> dict[int, int]:
-    """``partition -> next offset`` stored in ``<prefix>kafka_offsets`` for ``topic``.
+def offset_rows(engine: Engine, prefix: str, group: str, topic: str) -> dict[int, int]:
+    """``partition -> next offset`` stored in ``<prefix>kafka_offsets`` for the group's
+    ``topic`` (a row without an offset yet is left out).
 
-    The columns are found by name (a topic, a partition and an offset column), so the
-    check reads what the feature stores, not a copy of its schema."""
+    The table is reflected from the database, so the check reads what the feature
+    stored, not the framework's idea of it."""
     name = f"{prefix}kafka_offsets"
     if not inspect(engine).has_table(name):
         raise AssertionError(f"no {name} table: offsets_in_database stored nothing")
     table = Table(name, MetaData(), autoload_with=engine)
-    columns = {column.name: column for column in table.c}
-    topic_column = columns["topic"]
-    partition_column = next(c for n, c in columns.items() if "partition" in n)
-    offset_column = next(c for n, c in columns.items() if "offset" in n)
     with engine.connect() as connection:
         rows = connection.execute(
-            select(partition_column, offset_column).where(topic_column == topic)
+            select(table.c.partition, table.c.next_offset).where(
+                table.c.group_id == group, table.c.topic == topic
+            )
         ).all()
-    return {int(row[0]): int(row[1]) for row in rows}
+    return {int(row[0]): int(row[1]) for row in rows if row[1] is not None}
 
 
 def group_offsets(kafka: KafkaHelper, group: str, topic: str) -> dict[int, int]:
     """The group's committed offsets on the broker (the admin API lag tools read)."""
-    found = kafka.admin.list_consumer_group_offsets(group)
-    return {tp.partition: meta.offset for tp, meta in found.items() if tp.topic == topic}
+    found = kafka.admin.list_group_offsets({group: None}).get(group, {})
+    return {
+        tp.partition: meta.offset
+        for tp, meta in found.items()
+        if tp.topic == topic and meta.offset >= 0
+    }
 
 
 def offsets_at_end(db: TestDatabase, kafka: KafkaHelper, group: str, topic: str) -> bool:
     end = {p: o for p, o in kafka.end_offsets(topic).items() if o > 0}
     return (
-        offset_rows(db.engine, db.prefix, topic) == end
+        offset_rows(db.engine, db.prefix, group, topic) == end
         and group_offsets(kafka, group, topic) == end
     )
 
@@ -90,7 +93,7 @@ def assert_final_state(
     assert set(counts) == expected, f"missing {sorted(expected - set(counts))[:5]}"
     doubled = {k: v for k, v in counts.items() if v != 1}
     assert not doubled, f"applied more than once: {sorted(doubled.items())[:5]}"
-    stored = offset_rows(db.engine, db.prefix, topic)
+    stored = offset_rows(db.engine, db.prefix, group, topic)
     assert stored == group_offsets(kafka, group, topic)
     assert stored == {p: o for p, o in kafka.end_offsets(topic).items() if o > 0}
 
@@ -267,7 +270,7 @@ def test_kill_9_of_worker_children_three_times_mid_batch(
         (control / "arm-after_commit").touch()
         produce("c", 80)
         victim = wait_held(control, supervisor, "a child to hold after its commit")
-        stored = offset_rows(db.engine, db.prefix, topic)
+        stored = offset_rows(db.engine, db.prefix, group, topic)
         committed = group_offsets(kafka_helper, group, topic)
         os.kill(victim, signal.SIGKILL)
         ahead = {p: o for p, o in stored.items() if o > (committed.get(p) or 0)}
@@ -313,7 +316,7 @@ def test_rebalance_storm_while_the_topic_grows(
         wait_for(lambda: len(kafka_helper.end_offsets(topic)) == 6, 30, "six partitions")
         produce(grown, "c", 180, 6)
         wait_for(
-            lambda: any(p >= 3 for p in offset_rows(db.engine, db.prefix, topic)),
+            lambda: any(p >= 3 for p in offset_rows(db.engine, db.prefix, group, topic)),
             60,
             "a new partition consumed",
         )
@@ -380,6 +383,7 @@ def test_a_zombie_paused_past_its_session_is_fenced_and_rolls_back(
         produce("c", 10)
         wait_for(lambda: offsets_at_end(db, kafka_helper, group, topic), 60, "the last records")
     finally:
+        (control / "go").touch()  # a held zombie stops at once
         zombie.terminate()
         code = heir.terminate() if heir is not None else 0
     assert code == 0, heir.log_tail() if heir else ""
@@ -404,7 +408,7 @@ def test_a_replay_of_a_processed_range_applies_nothing_again(
     finally:
         code = worker.terminate()
     assert code == 0, worker.log_tail()
-    before = offset_rows(db.engine, db.prefix, topic)
+    before = offset_rows(db.engine, db.prefix, group, topic)
 
     replay = subprocess.run(
         [MQDEDUP, "replay", CONSUMER, "--from", "5", "--to", "15"],
@@ -422,5 +426,5 @@ def test_a_replay_of_a_processed_range_applies_nothing_again(
         for label, value in re.findall(r"^(new|duplicates)\b.*?(\d+)\s*$", replay.stdout, re.M)
     }
     assert counted == {"new": 0, "duplicates": 20}, replay.stdout
-    assert offset_rows(db.engine, db.prefix, topic) == before
+    assert offset_rows(db.engine, db.prefix, group, topic) == before
     assert_final_state(db, kafka_helper, group, topic, ids)
