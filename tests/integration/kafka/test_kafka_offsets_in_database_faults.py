@@ -280,6 +280,7 @@ def test_kill_9_of_worker_children_three_times_mid_batch(
         wait_for(lambda: offsets_at_end(db, kafka_helper, group, topic), 90, "offsets at the end")
         assert healthz(port).get("restarts", 0) >= 3, healthz(port)
     finally:
+        (control / "go").touch()  # a held child stops at once
         code = supervisor.terminate()
     assert code == 0, supervisor.log_tail()
     assert_final_state(db, kafka_helper, group, topic, ids)
@@ -288,13 +289,15 @@ def test_kill_9_of_worker_children_three_times_mid_batch(
 def test_rebalance_storm_while_the_topic_grows(
     kafka_helper: KafkaHelper, db: TestDatabase, base: dict[str, Any], tmp_path: Path
 ) -> None:
-    """Workers join, leave (SIGTERM) and die (SIGKILL) while messages flow, and the topic
-    grows from 3 to 6 partitions mid-run: every partition, old or new, ends with its
-    offset row at its end and each message applied once."""
+    """Workers join, leave (SIGTERM) and die (SIGKILL, right after a batch's database
+    commit, before its broker commit) while messages flow, and the topic grows from 3 to
+    6 partitions mid-run: every partition, old or new, ends with its offset row at its
+    end and each message applied once."""
     from kafka.admin import NewPartitions
 
     topic = kafka_helper.create_topic(partitions=3)
     group = base["group"]
+    control = Path(base["control"])
     spec = {**base, "topic": topic, "prefix": db.prefix, "delay": 0.05}
     ids: list[str] = []
     grown = KafkaHelper(kafka_helper.bootstrap)  # a producer that knows the new partitions
@@ -320,20 +323,23 @@ def test_rebalance_storm_while_the_topic_grows(
             60,
             "a new partition consumed",
         )
-        assert workers["w1"].terminate() == 0, workers["w1"].log_tail()  # leaves the group
-        workers["w2"].kill()  # dies in it
-        workers["w4"] = bare_worker(db, spec, tmp_path, "w4")
+        # One dies right after a batch's database commit, before its broker commit ...
+        (control / "arm-after_commit").touch()
         produce(grown, "d", 120, 6)
+        wait_for(lambda: held_pid(control) is not None, 60, "a worker to hold after a commit")
+        victim = next(n for n, w in workers.items() if w.pid == held_pid(control))
+        workers.pop(victim).kill()
+        # ... another leaves the group, a fourth joins.
+        leaving = next(iter(workers))
+        assert workers.pop(leaving).terminate() == 0
+        workers["w4"] = bare_worker(db, spec, tmp_path, "w4")
+        produce(grown, "e", 60, 6)
         wait_for(lambda: offsets_at_end(db, kafka_helper, group, topic), 90, "offsets at the end")
     finally:
-        codes = {
-            name: worker.terminate() for name, worker in workers.items() if name in ("w3", "w4")
-        }
-        for name in ("w1", "w2"):
-            if name in workers:
-                workers[name].kill()
+        (control / "go").touch()  # a held worker stops at once
+        codes = {name: worker.terminate() for name, worker in workers.items()}
         grown.close(delete_topics=False)
-    assert codes == {"w3": 0, "w4": 0}, {n: workers[n].log_tail() for n in codes}
+    assert set(codes.values()) == {0}, {n: workers[n].log_tail() for n in codes}
     assert_final_state(db, kafka_helper, group, topic, ids)
 
 
