@@ -419,9 +419,7 @@ class Processor:
         """Deliveries below their stored positions are duplicates without a claim; those
         of partitions seeking back to their stored position come again."""
         assert self.sessions is not None
-        done, again = self.outages.run(
-            functools.partial(positions.done, self.sessions, deliveries)
-        )
+        done, again = self.outages.run(functools.partial(positions.done, self.sessions, deliveries))
         if not (done or again):
             return deliveries
         report.duplicates.extend(done)
@@ -435,8 +433,8 @@ class Processor:
         (dead letters, in-batch repeats): one small transaction, before the settle."""
         assert self.sessions is not None
         sessions = self.sessions
-        done, _again = self.outages.run(functools.partial(positions.done, sessions, report.settled))
-        known = {id(delivery) for delivery in done}
+        done, again = self.outages.run(functools.partial(positions.done, sessions, report.settled))
+        known = {id(delivery) for delivery in (*done, *again)}
         rest = [delivery for delivery in report.settled if id(delivery) not in known]
         if not rest:
             return

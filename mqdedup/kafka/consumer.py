@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mqdedup.consumers.base import Consumer
 from mqdedup.consumers.metrics import Metrics
+from mqdedup.dedup.choices import SqlDedup
 from mqdedup.dedup.ids import from_coordinates
 from mqdedup.errors import ConfigurationError
 from mqdedup.kafka.membership import GROUP_DEFAULTS, static_instance_id
@@ -212,6 +213,11 @@ class KafkaConsumer(Consumer):
             raise ConfigurationError(f"{label}.commit_interval must not be negative")
         if cls.prefetch_batches < 1:
             raise ConfigurationError(f"{label}.prefetch_batches must be at least 1")
+        if cls.offsets_in_database and not isinstance(cls.dedup, SqlDedup):
+            raise ConfigurationError(
+                f"{label}.offsets_in_database needs the database claim store: the offsets "
+                "are written in the handler's transaction (dedup = SqlDedup())"
+            )
         self._check_kafka_config()
 
     def _check_kafka_config(self) -> None:

@@ -108,7 +108,13 @@ class OffsetRows:
     ) -> tuple[list[Delivery[Any]], list[Delivery[Any]]]:
         """``(done, again)``: the known duplicates, and the deliveries of partitions that
         seek back to their stored offset (they come again after it)."""
-        keys = {d.token.partition for d in deliveries}
+        # Deliveries of an assignment that is over (revoked, lost, given back) are never
+        # a reason to take a partition: the new owner's epoch stays.
+        pairs = sorted({(d.token.partition, d.token.epoch) for d in deliveries})
+        current = {
+            pair for pair, ok in zip(pairs, self.tracker.current_epochs(pairs), strict=True) if ok
+        }
+        keys = {key for key, _epoch in current}
         with self._lock:
             missing = sorted(key for key in keys if key not in self._owned)
         if missing:
@@ -120,6 +126,9 @@ class OffsetRows:
             for delivery in deliveries:
                 token = delivery.token
                 key = token.partition
+                if (key, token.epoch) not in current:
+                    again.append(delivery)  # fetched again by whoever owns it now
+                    continue
                 owned = self._owned.get(key)
                 if owned is None:
                     continue  # forgotten meanwhile: its write is fenced
@@ -283,3 +292,53 @@ def _highest(a: int | None, b: int | None) -> int | None:
 
 def _above(offset: int, next_offset: int | None) -> bool:
     return next_offset is None or offset >= next_offset
+
+
+class StoredOffsets:
+    """The stored offsets as a replay sees them (:mod:`mqdedup.kafka.replay`): records
+    below a partition's stored offset (or in its ``done_above``) are duplicates, read
+    once per batch; nothing is owned or written (the group's rows stay the group's)."""
+
+    def __init__(self, group_id: str, *, prefix: str, claims: bool) -> None:
+        self.group_id = group_id
+        self.table = schema(prefix).kafka_offsets
+        self.claims = claims
+
+    def done(
+        self, sessions: sessionmaker[Session], deliveries: Sequence[Delivery[Any]]
+    ) -> tuple[list[Delivery[Any]], list[Delivery[Any]]]:
+        """``(done, [])``: the deliveries below their partitions' stored offsets."""
+        keys = sorted({d.token.partition for d in deliveries})
+        if not keys:
+            return [], []
+        c = self.table.c
+        where = or_(*(_key(self.table, self.group_id, key) for key in keys))
+        with sessions() as session:
+            rows = session.execute(
+                select(c.topic, c.partition, c.next_offset, c.done_above).where(where)
+            ).all()
+        stored = {
+            (row.topic, row.partition): _Owned(
+                epoch=0,
+                next_offset=row.next_offset,
+                done_above={int(o) for o in (row.done_above or "").split(",") if o},
+            )
+            for row in rows
+        }
+        done = [
+            d
+            for d in deliveries
+            if (owned := stored.get(d.token.partition)) is not None and owned.done(d.token.offset)
+        ]
+        return done, []
+
+    def write(self, session: Session, deliveries: Sequence[Delivery[Any]]) -> Callable[[], None]:
+        """Nothing: a replay never moves the group's stored offsets."""
+        return _nothing
+
+    def fenced(self, deliveries: Sequence[Delivery[Any]]) -> None:
+        """Never: nothing is written."""
+
+
+def _nothing() -> None:
+    return None

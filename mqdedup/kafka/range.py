@@ -39,6 +39,7 @@ from mqdedup.kafka.records import (
 from mqdedup.stopping import StopToken
 
 if TYPE_CHECKING:
+    from mqdedup.kafka.offset_store import StoredOffsets
     from mqdedup.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class KafkaRangeTransport:
     ``idle_timeout`` seconds while partitions are left raises
     :class:`~mqdedup.errors.BrokerUnavailableError`.
     """
+
+    #: The group's stored offsets (``offsets_in_database``), read-only: set by the replay.
+    positions: StoredOffsets | None = None
 
     def __init__(
         self,

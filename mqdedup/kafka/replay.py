@@ -22,6 +22,7 @@ from mqdedup.consumers.replay import ReplayReport, ReplayRun
 from mqdedup.consumers.spec import ConsumerSpec
 from mqdedup.db.engine import session_factory
 from mqdedup.errors import ConfigurationError
+from mqdedup.kafka.offset_store import StoredOffsets
 from mqdedup.kafka.range import KafkaRangeTransport
 from mqdedup.kafka.settings import KafkaSettings
 from mqdedup.stopping import StopToken
@@ -71,6 +72,13 @@ class KafkaReplay:
             stop=stop,
             idle_timeout=idle_timeout,
         )
+        if self.settings.offsets_in_database:
+            # Records below the group's stored offsets are duplicates (no claims read).
+            self.transport.positions = StoredOffsets(
+                self.settings.group_id,
+                prefix=self.settings.table_prefix,
+                claims=self.settings.claims_with_offsets,
+            )
         sessions = session_factory(database) if isinstance(database, Engine) else database
         self._run = ReplayRun(consumer, sessions, self.transport, dry_run=dry_run, stop=stop)
 

@@ -22,6 +22,7 @@ INTERNAL = {
     "InvalidBodiesError",  # invalid bodies in a batch: it reruns without them
     "MessageDatabaseError",  # the outage probe's verdict, turned into a message failure
     "NotAnOutageError",  # the same, for the outage wait
+    "PositionFencedError",  # a fenced offset-row write: the processor gives the batch back
     "RelayStoppedError",  # a stop while the relay waited for the database
     "SimulatedCrash",  # fault injection in the demo and the test kit
     "StopWhileWaiting",  # a stop signal during a wait, turned into a clean stop

@@ -6,18 +6,21 @@ letters advancing the row, every handler style."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 
-from mqdedup import Metrics, StopToken, ids
+from mqdedup import Message, Metrics, StopToken, ids
+from mqdedup.consumers.async_consumer import AsyncContext
 from mqdedup.db.schema import schema
-from tests.integration.kafka.consumers import TestOrders, make_consumer
+from mqdedup.kafka import AsyncKafkaConsumer
+from tests.integration.kafka.consumers import FAST_GROUP, TestOrders, make_consumer
 from tests.integration.kafka.helpers import row_counts, total_rows
 from tests.services import KafkaHelper, Outgoing, TestDatabase, unique_name, wait_for
+from tests.support import orders_table
 
 pytestmark = pytest.mark.integration
 
@@ -190,3 +193,67 @@ def test_a_dead_letter_advances_the_offset_row_like_a_processed_record(
     assert total_rows(db.engine, db.prefix) == 9
 
 
+def test_a_replay_below_the_stored_offsets_finds_every_record_a_duplicate(
+    kafka_helper: KafkaHelper, db: TestDatabase
+) -> None:
+    topic = kafka_helper.create_topic(partitions=2)
+    group = unique_name("group")
+    kafka_helper.produce(topic, [Outgoing(f"m-{i}", b"x", partition=i % 2) for i in range(40)])
+    consumer = make_consumer(
+        topic=topic,
+        group=group,
+        prefix=db.prefix,
+        bootstrap=kafka_helper.bootstrap,
+        offsets_in_database=True,
+        message_id_strategy=ids.from_coordinates,
+    )
+    with running(consumer, db):
+        wait_for(settled_everywhere(kafka_helper, db, group, topic), 60, "40 settled")
+
+    report = consumer().replay(db.engine)
+    assert (report.new, report.duplicates) == (0, 40)
+    assert total_rows(db.engine, db.prefix) == 40 and claim_rows(db) == 0
+    assert offset_rows(db, group, topic) == kafka_helper.end_offsets(topic)  # untouched
+
+
+class AsyncOrders(AsyncKafkaConsumer):
+    """One order row per message through the AsyncSession."""
+
+    __test__ = False
+    topics = ("set-by-the-test",)
+    offsets_in_database = True
+    message_id_strategy = ids.from_coordinates
+    batch_size = 20
+    kafka_config: ClassVar[Mapping[str, Any]] = FAST_GROUP
+
+    async def handle(self, message: Message, ctx: AsyncContext) -> None:
+        await ctx.session.execute(
+            insert(orders_table(self.table_prefix)).values(message_id=message.id, body="x")
+        )
+
+
+def test_an_async_consumer_stores_its_offsets_in_the_same_transaction(
+    kafka_helper: KafkaHelper, db: TestDatabase
+) -> None:
+    topic = kafka_helper.create_topic(partitions=2)
+    group = unique_name("group")
+    kafka_helper.produce(topic, [Outgoing(f"m-{i}", b"x", partition=i % 2) for i in range(60)])
+    consumer = type(
+        "AsyncOrders_" + group.replace("-", "_"),
+        (AsyncOrders,),
+        {
+            "topics": [topic],
+            "group_id": group,
+            "table_prefix": db.prefix,
+            "bootstrap_servers": kafka_helper.bootstrap,
+        },
+    )
+    with running(consumer, db):  # type: ignore[arg-type]
+        wait_for(settled_everywhere(kafka_helper, db, group, topic), 60, "60 settled")
+    lose_broker_commits(kafka_helper, group, topic)
+    with running(consumer, db) as metrics:  # type: ignore[arg-type]
+        wait_for(settled_everywhere(kafka_helper, db, group, topic), 60, "60 settled again")
+    assert metrics.duplicates == 60 and metrics.processed == 0
+    counts = row_counts(db.engine, db.prefix)
+    assert len(counts) == 60 and set(counts.values()) == {1}
+    assert claim_rows(db) == 0
