@@ -6,7 +6,7 @@ batch's transaction and fenced against a late writer, are all that keeps a redel
 record from a second effect. Workers are real processes, killed with SIGKILL, paused
 with SIGSTOP / SIGCONT, joined and stopped while the topic grows. Every test ends with
 each message's business row exactly once and the offset rows equal to the group's
-committed offsets (``list_consumer_group_offsets``) and to the end of the topic.
+committed offsets (the admin's ``list_group_offsets``) and to the end of the topic.
 """
 
 from __future__ import annotations
@@ -373,8 +373,9 @@ def test_a_zombie_paused_past_its_session_is_fenced_and_rolls_back(
         zombie.process.send_signal(signal.SIGSTOP)
 
         heir = bare_worker(db, spec, tmp_path, "heir")
+        heir_pid = str(heir.pid)
         wait_for(
-            lambda: rows_by(db.engine, db.prefix, str(heir.pid), late) == len(late),  # type: ignore[union-attr]
+            lambda: rows_by(db.engine, db.prefix, heir_pid, late) == len(late),
             60,
             "the heir to process the zombie's records",
         )
