@@ -103,6 +103,7 @@ class KafkaClient:
                 self.tracker,
                 prefix=settings.table_prefix,
                 claims=settings.claims_with_offsets,
+                fence_hold=float(settings.consumer_config.get("session_timeout_ms", 10_000)) / 1000,
             )
         self._assignment = Assignment(self.tracker, self._assigned_keys)
         self._join = JoinWatch(

@@ -101,9 +101,10 @@ class KafkaConsumer(Consumer):
     ``name`` is set, the dedup scope), ``bootstrap_servers`` (default: the
     ``MQDEDUP_KAFKA_BOOTSTRAP`` environment variable), ``batch_size``, ``poll_timeout``,
     ``message_id_strategy`` (default: the ``message-id`` header), ``retry_policy``,
-    ``dead_letter_topic`` (default ``{topic}.DLT``) and ``kafka_config``, passed through
-    to kafka-python's ``KafkaConsumer`` (security / SASL / TLS settings are also given
-    to the dead-letter producer).
+    ``dead_letter_topic`` (default ``{topic}.DLT``), ``offsets_in_database`` (the
+    partitions' offsets stored with each batch's effects) and ``kafka_config``, passed
+    through to kafka-python's ``KafkaConsumer`` (security / SASL / TLS settings are also
+    given to the dead-letter producer).
     """
 
     broker: ClassVar[str | None] = "kafka"

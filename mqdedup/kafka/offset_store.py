@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -78,14 +79,19 @@ class OffsetRows:
         *,
         prefix: str,
         claims: bool,
+        fence_hold: float = 10.0,
     ) -> None:
         self.group_id = group_id
+        self.fence_hold = fence_hold
         self.consumer_name = consumer_name
         self.tracker = tracker
         self.table = schema(prefix).kafka_offsets
         self.claims = claims
         self._lock = threading.Lock()
         self._owned: dict[PartitionKey, _Owned] = {}
+        #: Partitions another owner took, and until when they are not taken back (unless
+        #: assigned afresh before): the group tells a member that lost them by then.
+        self._fenced: dict[PartitionKey, float] = {}
 
     # -- assignment (any thread) -----------------------------------------------------------
 
@@ -94,6 +100,7 @@ class OffsetRows:
         with self._lock:
             for key in keys:
                 self._owned.pop(key, None)
+                self._fenced.pop(key, None)
 
     def stored(self, key: PartitionKey) -> int | None:
         """The stored next offset of ``key`` as this member last read or wrote it."""
@@ -114,8 +121,10 @@ class OffsetRows:
         current = {
             pair for pair, ok in zip(pairs, self.tracker.current_epochs(pairs), strict=True) if ok
         }
-        keys = {key for key, _epoch in current}
         with self._lock:
+            now = time.monotonic()
+            current = {(key, epoch) for key, epoch in current if self._fenced.get(key, 0.0) <= now}
+            keys = {key for key, _epoch in current}
             missing = sorted(key for key in keys if key not in self._owned)
         if missing:
             self._take(sessions, missing)
@@ -127,7 +136,9 @@ class OffsetRows:
                 token = delivery.token
                 key = token.partition
                 if (key, token.epoch) not in current:
-                    again.append(delivery)  # fetched again by whoever owns it now
+                    # An assignment that is over, or a partition another owner took (the
+                    # rebalance telling this member is on its way): not ours to run.
+                    again.append(delivery)
                     continue
                 owned = self._owned.get(key)
                 if owned is None:
@@ -205,14 +216,23 @@ class OffsetRows:
         return committed
 
     def fenced(self, deliveries: Sequence[Delivery[Any]]) -> None:
-        """Read the positions of these deliveries' partitions again before their next use."""
+        """Another owner took these deliveries' partitions: their deliveries go back until
+        a rebalance assigns them to this member afresh (:meth:`forget`) or ``fence_hold``
+        seconds (the group's session timeout) have passed; then the stored offsets are
+        read again. Not at once: a zombie learns within the session timeout that it lost
+        them, and the two owners would fence each other in turn meanwhile. Yet after it:
+        if the other owner was the zombie, the partition is this member's."""
         keys = {d.token.partition for d in deliveries}
         log.warning(
             "another worker took over partitions of this batch (a late commit was fenced); "
             "the batch is rolled back and given back",
             extra={"consumer": self.consumer_name, "partitions": [f"{t}/{p}" for t, p in keys]},
         )
-        self.forget(keys)
+        with self._lock:
+            until = time.monotonic() + self.fence_hold
+            for key in keys:
+                self._owned.pop(key, None)
+                self._fenced[key] = until
 
     # -- taking ownership --------------------------------------------------------------------
 

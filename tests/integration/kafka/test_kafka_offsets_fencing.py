@@ -157,7 +157,14 @@ def test_a_late_commit_of_a_worker_that_lost_its_partition_rolls_back_its_effect
     assert total_rows(db.engine, db.prefix) == 10
     assert stored(db, group)[0] == 10
 
-    # Re-synced (the stored offset read again), the old owner finds them done.
+    # Until the group tells it, the fenced member gives its records back untouched.
+    held = old.deliver(range(5, 10))
+    report = old.processor.process(held)
+    assert report.unsettled == held and report.processed == report.duplicates == []
+
+    # Assigned the partition again (the rebalance listener forgets what it read), the
+    # old owner reads the stored offset again and finds them done.
+    old.positions.forget([KEY])
     again = old.deliver(range(5, 10))
     report = old.processor.process(again)
     assert report.duplicates == again and report.processed == []
@@ -230,6 +237,25 @@ def test_a_record_being_retried_holds_the_offset_its_batch_mates_do_not_run_twic
     assert stored(db, group)[0] == 5
     with db.engine.connect() as connection:
         assert connection.execute(select(table.c.done_above)).scalar_one() is None
+
+
+def test_a_fenced_member_reads_the_stored_offset_again_after_the_session_timeout(
+    db: TestDatabase,
+) -> None:
+    """The other owner may have been the zombie: past the group's session timeout (here 0)
+    the fenced member takes the partition back, from the stored offset."""
+    group = unique_name("group")
+    first = Member(db, group)
+    first.positions.fence_hold = 0.0
+    first.processor.process(first.deliver(range(0, 3)))
+    late = first.deliver(range(3, 6))
+    other = Member(db, group)
+    other.processor.process(other.deliver(range(3, 5)))
+    assert first.processor.process(late).unsettled == late  # fenced
+    report = first.processor.process(first.deliver(range(3, 6)))
+    assert [d.token.offset for d in report.duplicates] == [3, 4]
+    assert [d.token.offset for d in report.processed] == [5]
+    assert total_rows(db.engine, db.prefix) == 6 and stored(db, group)[0] == 6
 
 
 def _waiting_for_a_lock(db: TestDatabase) -> bool:

@@ -257,3 +257,33 @@ def test_an_async_consumer_stores_its_offsets_in_the_same_transaction(
     counts = row_counts(db.engine, db.prefix)
     assert len(counts) == 60 and set(counts.values()) == {1}
     assert claim_rows(db) == 0
+
+
+def test_a_second_member_joining_mid_run_applies_each_record_once(
+    kafka_helper: KafkaHelper, db: TestDatabase
+) -> None:
+    """A rebalance moves partitions between two members while records flow: the new
+    owner reads the stored offsets; effects once; rows equal the committed offsets."""
+    topic = kafka_helper.create_topic(partitions=4)
+    group = unique_name("group")
+    kafka_helper.produce(topic, [Outgoing(f"m-{i}", b"x", partition=i % 4) for i in range(2000)])
+    consumer = make_consumer(
+        topic=topic,
+        group=group,
+        prefix=db.prefix,
+        bootstrap=kafka_helper.bootstrap,
+        batch_size=50,
+        offsets_in_database=True,
+        message_id_strategy=ids.from_coordinates,
+        static_membership=False,  # two members in one process
+        delay=0.1,
+    )
+    with running(consumer, db) as first:
+        wait_for(lambda: total_rows(db.engine, db.prefix) >= 200, 60, "the first rows")
+        with running(consumer, db) as second:
+            wait_for(settled_everywhere(kafka_helper, db, group, topic), 90, "2000 settled")
+    assert first.processed > 0 and second.processed > 0  # the partitions did move
+    counts = row_counts(db.engine, db.prefix)
+    assert len(counts) == 2000 and set(counts.values()) == {1}
+    assert claim_rows(db) == 0
+    assert offset_rows(db, group, topic) == kafka_helper.committed(group, topic)
