@@ -328,7 +328,10 @@ def test_rebalance_storm_while_the_topic_grows(
         produce(grown, "d", 120, 6)
         wait_for(lambda: held_pid(control) is not None, 60, "a worker to hold after a commit")
         victim = next(n for n, w in workers.items() if w.pid == held_pid(control))
+        stored = offset_rows(db.engine, db.prefix, group, topic)
+        committed = group_offsets(kafka_helper, group, topic)
         workers.pop(victim).kill()
+        assert any(o > (committed.get(p) or 0) for p, o in stored.items()), (stored, committed)
         # ... another leaves the group, a fourth joins.
         leaving = next(iter(workers))
         assert workers.pop(leaving).terminate() == 0
