@@ -14,13 +14,15 @@ producer's ``message-id`` header instead, so the test counts effects per message
 Hold points (a file protocol, one process at a time): the test creates
 ``<control>/arm-<point>``; the first process to reach ``<point>`` renames it to
 ``<control>/held-<pid>`` (a rename succeeds for exactly one) and waits there, to be
-killed (SIGKILL) or paused (SIGSTOP), until ``<control>/go`` exists. Points:
+killed (SIGKILL) or paused (SIGSTOP), until ``<control>/go`` exists (it then removes
+``go``: one release per hold). Points:
 ``handler`` (inside a handler, after its insert, the transaction open) and
 ``after_commit`` (the batch's transaction committed, its broker offsets not yet).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -57,6 +59,8 @@ def hold(control: str, point: str) -> None:
     deadline = time.monotonic() + HOLD_LIMIT
     while not os.path.exists(go) and time.monotonic() < deadline:
         time.sleep(0.02)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(go)  # let go once: the test sees it taken
 
 
 def producer_id(message: Message) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, MetaData, Table, func, inspect, select
+from sqlalchemy import Engine, MetaData, Table, func, inspect, select, update
 
 from tests.integration.kafka.helpers import row_counts
 from tests.integration.kafka.offsets_consumers import SPEC_ENV
@@ -438,3 +438,49 @@ def test_a_replay_of_a_processed_range_applies_nothing_again(
     assert counted == {"new": 0, "duplicates": 20}, replay.stdout
     assert offset_rows(db.engine, db.prefix, group, topic) == before
     assert_final_state(db, kafka_helper, group, topic, ids)
+
+
+def bump_owner_epoch(engine: Engine, prefix: str, group: str, topic: str) -> None:
+    """What another worker taking the partitions does to the offset rows."""
+    table = Table(f"{prefix}kafka_offsets", MetaData(), autoload_with=engine)
+    with engine.begin() as connection:
+        connection.execute(
+            update(table)
+            .where(table.c.group_id == group, table.c.topic == topic)
+            .values(owner_epoch=table.c.owner_epoch + 1)
+        )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 44, open: a fenced careful-mode run keeps its counted attempt "
+    "(Processor._careful_one undoes it only for duplicates), so four fences in a row "
+    "dead-letter a healthy record as 'the worker died while handling it'",
+)
+def test_fenced_batches_do_not_use_up_their_records_attempts(
+    kafka_helper: KafkaHelper, db: TestDatabase, base: dict[str, Any], tmp_path: Path
+) -> None:
+    """A record whose batch is fenced four times in a row (each time another owner takes
+    the offset row while the handler runs: its owner epoch bumped) is processed once in
+    the end. A fence is the framework's event, not the record's: it must not count as an
+    attempt and dead-letter the record as "the worker died while handling it"."""
+    topic = kafka_helper.create_topic(partitions=1)
+    group = base["group"]
+    control = Path(base["control"])
+    spec = {**base, "topic": topic, "prefix": db.prefix}
+    batch = messages("f", 1, 1)
+    kafka_helper.produce(topic, batch)
+    worker = bare_worker(db, spec, tmp_path, "worker")
+    try:
+        for fence in range(4):  # the first delivery, then max_attempts (3) redeliveries
+            (control / "arm-handler").touch()
+            wait_held(control, worker, f"fence {fence}: the worker inside the handler")
+            bump_owner_epoch(db.engine, db.prefix, group, topic)
+            (control / "go").touch()
+            wait_for(lambda: not (control / "go").exists(), 30, "the worker to go on")
+        wait_for(lambda: offsets_at_end(db, kafka_helper, group, topic), 60, "the record settled")
+    finally:
+        (control / "go").touch()
+        code = worker.terminate()
+    assert code == 0, worker.log_tail()
+    assert_final_state(db, kafka_helper, group, topic, [m.message_id or "" for m in batch])
