@@ -88,7 +88,9 @@ class OffsetsOrders(KafkaConsumer):
         "heartbeat_interval_ms": int(_SPEC.get("heartbeat_interval_ms", 1000)),
         **{key: _SPEC[key] for key in ("max_poll_interval_ms",) if key in _SPEC},
     }
-    retry_policy = RetryPolicy(max_attempts=3, initial_backoff=0.05, max_backoff=0.2)
+    retry_policy = RetryPolicy(
+        max_attempts=int(_SPEC.get("max_attempts", 3)), initial_backoff=0.05, max_backoff=0.2
+    )
     metrics_interval = 2.0
     control: ClassVar[str] = _SPEC.get("control", "")
     delay: ClassVar[float] = float(_SPEC.get("delay", 0.0))

@@ -454,25 +454,26 @@ def bump_owner_epoch(engine: Engine, prefix: str, group: str, topic: str) -> Non
 @pytest.mark.xfail(
     strict=True,
     reason="issue 44, open: a fenced careful-mode run keeps its counted attempt "
-    "(Processor._careful_one undoes it only for duplicates), so four fences in a row "
-    "dead-letter a healthy record as 'the worker died while handling it'",
+    "(Processor._careful_one undoes it only for duplicates), so three fences in a row "
+    "(max_attempts 2) dead-letter a healthy record as 'the worker died while handling it'",
 )
 def test_fenced_batches_do_not_use_up_their_records_attempts(
     kafka_helper: KafkaHelper, db: TestDatabase, base: dict[str, Any], tmp_path: Path
 ) -> None:
-    """A record whose batch is fenced four times in a row (each time another owner takes
-    the offset row while the handler runs: its owner epoch bumped) is processed once in
-    the end. A fence is the framework's event, not the record's: it must not count as an
-    attempt and dead-letter the record as "the worker died while handling it"."""
+    """A record whose batch is fenced three times in a row (each time another owner takes
+    the offset row while the handler runs: its owner epoch bumped), with
+    ``max_attempts = 2``, is processed once in the end. A fence is the framework's event,
+    not the record's: it must not count as an attempt and dead-letter the record as "the
+    worker died while handling it"."""
     topic = kafka_helper.create_topic(partitions=1)
     group = base["group"]
     control = Path(base["control"])
-    spec = {**base, "topic": topic, "prefix": db.prefix}
+    spec = {**base, "topic": topic, "prefix": db.prefix, "max_attempts": 2}
     batch = messages("f", 1, 1)
     kafka_helper.produce(topic, batch)
     worker = bare_worker(db, spec, tmp_path, "worker")
     try:
-        for fence in range(4):  # the first delivery, then max_attempts (3) redeliveries
+        for fence in range(3):  # the first delivery, then max_attempts (2) redeliveries
             (control / "arm-handler").touch()
             wait_held(control, worker, f"fence {fence}: the worker inside the handler")
             bump_owner_epoch(db.engine, db.prefix, group, topic)
