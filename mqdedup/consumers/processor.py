@@ -516,7 +516,10 @@ class Processor:
                 return
             outcome = self._one(delivery, lease)
             self._committed(outcome, report)
-            if outcome.duplicates:  # claimed meanwhile by another worker: nothing ran
+            if outcome.duplicates or outcome.unsettled:
+                # Nothing of this attempt stands: claimed meanwhile by another worker, or
+                # rolled back and given back (its partition's offset row fenced by a new
+                # owner). Only a run that failed, or a worker that died, uses an attempt.
                 outages.run(functools.partial(attempt_log.undo_attempt, self.name, message_id))
             if not outcome.failures:
                 return

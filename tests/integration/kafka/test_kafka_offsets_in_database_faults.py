@@ -451,12 +451,6 @@ def bump_owner_epoch(engine: Engine, prefix: str, group: str, topic: str) -> Non
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 44, open: a fenced careful-mode run keeps its counted attempt "
-    "(Processor._careful_one undoes it only for duplicates), so three fences in a row "
-    "(max_attempts 2) dead-letter a healthy record as 'the worker died while handling it'",
-)
 def test_fenced_batches_do_not_use_up_their_records_attempts(
     kafka_helper: KafkaHelper, db: TestDatabase, base: dict[str, Any], tmp_path: Path
 ) -> None:
