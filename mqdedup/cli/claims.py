@@ -16,7 +16,7 @@ import sys
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, delete, select
+from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from mqdedup.cli import exitcodes
@@ -24,6 +24,7 @@ from mqdedup.cli.admin import connected_engine
 from mqdedup.cli.exitcodes import RefusedError
 from mqdedup.cli.output import print_json
 from mqdedup.db.schema import schema
+from mqdedup.dedup.forgetting import forget_claim
 
 
 def cmd_dedup_show(args: argparse.Namespace) -> int:
@@ -100,26 +101,6 @@ def claim_data(
                 }
             )
     return claims
-
-
-def forget_claim(engine: Engine, prefix: str, consumer: str, message_id: str) -> dict[str, int]:
-    """Delete ``consumer``'s claim of ``message_id``, its steps and its attempt count (one
-    transaction); how many rows of each went."""
-    tables = schema(prefix)
-    removed: dict[str, int] = {}
-    with Session(engine) as session, session.begin():
-        for label, table in (
-            ("claims", tables.processed),
-            ("steps", tables.steps),
-            ("attempts", tables.attempts),
-        ):
-            result = session.execute(
-                delete(table).where(
-                    table.c.consumer_name == consumer, table.c.message_id == message_id
-                )
-            )
-            removed[label] = int(getattr(result, "rowcount", 0) or 0)
-    return removed
 
 
 def claim_text(claim: dict[str, Any]) -> str:

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, insert, select
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine, func, insert, select
 
 from mqdedup.db.schema import schema
 from mqdedup.dedup.store import utcnow
@@ -191,26 +190,6 @@ def find_claim(engine: Engine, prefix: str, consumer: str, message_id: str) -> C
         last_error=attempt.last_error if attempt is not None else None,
         steps=[dict(row._mapping) for row in recorded],
     )
-
-
-def forget_claim(engine: Engine, prefix: str, consumer: str, message_id: str) -> int:
-    """Delete the claim, the recorded steps and the attempt counter of one message id
-    (one transaction), as ``mqdedup dedup forget`` does; 1 if a claim was removed.
-
-    The next delivery or replay of the message runs its handler, steps included, again.
-    """
-    tables = schema(prefix)
-    removed = 0
-    with Session(engine) as session, session.begin():
-        for table in (tables.processed, tables.steps, tables.attempts):
-            result = session.execute(
-                delete(table).where(
-                    table.c.consumer_name == consumer, table.c.message_id == message_id
-                )
-            )
-            if table is tables.processed:
-                removed = int(getattr(result, "rowcount", 0) or 0)
-    return removed
 
 
 def consumer_names(engine: Engine, prefix: str) -> list[str]:

@@ -40,6 +40,7 @@ from mqdedup.console.web import (
     record,
     redirect,
 )
+from mqdedup.dedup.forgetting import forget_claim
 from mqdedup.dedup.store import utcnow
 from mqdedup.masking import mask_text
 
@@ -334,7 +335,7 @@ def forget(settings: ConsoleSettings, context: Context) -> Response:
     """POST: forget the claim; audit it."""
     consumer = context.request.arg("consumer")
     message_id = context.request.arg("id")
-    removed = data.forget_claim(settings.engine, settings.prefix, consumer, message_id)
+    removed = forget_claim(settings.engine, settings.prefix, consumer, message_id)["claims"]
     outcome = f"forgot {removed} claim(s)"
     record(settings, context, "forget-claim", f"{consumer}/{message_id}", removed, outcome)
     return _done(
